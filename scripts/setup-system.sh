@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Installs the Debian packages fencegate needs, only those missing.
+# Usage: scripts/setup-system.sh [build|test]   (idempotent; needs root or sudo)
+set -euo pipefail
+
+mode="${1:-build}"
+packages=(libclang-dev)            # RocksDB's bindings are generated with bindgen
+if [ "$mode" = "test" ]; then
+  packages+=(procps)               # kill(1) for the crash and restart tests
+fi
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ "${#missing[@]}" -eq 0 ]; then
+  exit 0
+fi
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+echo "installing: ${missing[*]}"
+$SUDO apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"

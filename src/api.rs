@@ -1,0 +1,247 @@
+//! The control plane (api listener): the lease API of SPEC 3, `/metrics`,
+//! `/healthz` and `/readyz`. One small function per verb; each parses its
+//! input, calls the authority, and renders JSON. Errors are rendered only
+//! by `Error::into_response`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Method, Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tokio::time::Instant;
+
+use crate::authority::{AcquireRequest, Authority, ReleaseRequest, RenewRequest};
+use crate::body::{full, BoxBody};
+use crate::error::Error;
+use crate::metrics::Metrics;
+use crate::shutdown::Shutdown;
+
+/// What the api listener needs.
+#[derive(Debug, Clone)]
+pub struct Api {
+    pub authority: Arc<Authority>,
+    pub metrics: Arc<Metrics>,
+    pub max_body_bytes: u64,
+    pub shutdown: Shutdown,
+}
+
+impl Api {
+    /// Serves one api request.
+    pub async fn handle(&self, req: Request<BoxBody>) -> Response<BoxBody> {
+        let started = Instant::now();
+        let (endpoint, result) = self.route(req).await;
+        self.metrics
+            .request_duration
+            .with_label_values(&["api", endpoint])
+            .observe(started.elapsed().as_secs_f64());
+        result.unwrap_or_else(Error::into_response)
+    }
+
+    async fn route(&self, req: Request<BoxBody>) -> (&'static str, Result<Response<BoxBody>, Error>) {
+        let path = req.uri().path().to_string();
+        let method = req.method().clone();
+        let (name, expected) = match path.as_str() {
+            "/v1/locks/acquire" => ("acquire", Method::POST),
+            "/v1/locks/renew" => ("renew", Method::POST),
+            "/v1/locks/release" => ("release", Method::POST),
+            "/v1/locks/status" => ("status", Method::GET),
+            "/v1/locks/watch" => ("watch", Method::GET),
+            "/metrics" => ("metrics", Method::GET),
+            "/healthz" => ("healthz", Method::GET),
+            "/readyz" => ("readyz", Method::GET),
+            _ => return ("none", Err(Error::NotFound(path))),
+        };
+        let allowed = method == expected || (expected == Method::GET && method == Method::HEAD);
+        if !allowed {
+            return (name, Err(Error::MethodNotAllowed(method.to_string())));
+        }
+        let result = match name {
+            "acquire" => self.acquire(req).await,
+            "renew" => self.renew(req).await,
+            "release" => self.release(req).await,
+            "status" => self.status(req.uri().query()),
+            "watch" => {
+                let query = req.uri().query().map(str::to_string);
+                drop(req);
+                self.watch(query.as_deref()).await
+            }
+            "metrics" => self.metrics(),
+            "healthz" => Ok(json_response(StatusCode::OK, &serde_json::json!({"status": "ok"}))),
+            _ => self.readyz(),
+        };
+        (name, result)
+    }
+
+    async fn acquire(&self, req: Request<BoxBody>) -> Result<Response<BoxBody>, Error> {
+        let body: AcquireRequest = read_json(req, self.max_body_bytes).await.inspect_err(|_| {
+            self.metrics.lock_request("acquire", "invalid");
+        })?;
+        let grant = self.authority.acquire(body).await?;
+        Ok(json_response(StatusCode::OK, &grant))
+    }
+
+    async fn renew(&self, req: Request<BoxBody>) -> Result<Response<BoxBody>, Error> {
+        let body: RenewRequest = read_json(req, self.max_body_bytes).await.inspect_err(|_| {
+            self.metrics.lock_request("renew", "invalid");
+        })?;
+        let view = self.authority.renew(body)?;
+        Ok(json_response(StatusCode::OK, &view))
+    }
+
+    async fn release(&self, req: Request<BoxBody>) -> Result<Response<BoxBody>, Error> {
+        let body: ReleaseRequest = read_json(req, self.max_body_bytes).await.inspect_err(|_| {
+            self.metrics.lock_request("release", "invalid");
+        })?;
+        let key = body.key.clone();
+        self.authority.release(body)?;
+        Ok(json_response(StatusCode::OK, &serde_json::json!({"key": key, "released": true})))
+    }
+
+    fn status(&self, query: Option<&str>) -> Result<Response<BoxBody>, Error> {
+        let q = Query::parse(query)?;
+        let key = q.required("key")?;
+        Ok(json_response(StatusCode::OK, &self.authority.status(&key)?))
+    }
+
+    async fn watch(&self, query: Option<&str>) -> Result<Response<BoxBody>, Error> {
+        let q = Query::parse(query)?;
+        let key = q.required("key")?;
+        let after = q.number("after")?.unwrap_or(0);
+        let timeout_ms = q.number("timeout_ms")?.unwrap_or(30_000);
+        let view = tokio::select! {
+            v = self.authority.watch(&key, after, Duration::from_millis(timeout_ms)) => v?,
+            () = self.shutdown.wait() => self.authority.status(&key)?,
+        };
+        Ok(json_response(StatusCode::OK, &view))
+    }
+
+    fn metrics(&self) -> Result<Response<BoxBody>, Error> {
+        let text = self.metrics.render().map_err(|e| Error::Internal(format!("rendering metrics: {e}")))?;
+        let mut resp = Response::new(full(text));
+        resp.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+        );
+        Ok(resp)
+    }
+
+    fn readyz(&self) -> Result<Response<BoxBody>, Error> {
+        if self.shutdown.is_triggered() {
+            return Err(Error::Unavailable("shutting down".into()));
+        }
+        Ok(json_response(StatusCode::OK, &serde_json::json!({"status": "ready"})))
+    }
+}
+
+/// A JSON response with the given status.
+pub fn json_response<T: Serialize>(status: StatusCode, value: &T) -> Response<BoxBody> {
+    let bytes = serde_json::to_vec(value).unwrap_or_else(|_| b"{}".to_vec());
+    let mut resp = Response::new(full(Bytes::from(bytes)));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    resp
+}
+
+/// Reads a JSON body of at most `limit` bytes: 413 above it, 400 when it
+/// does not parse or does not have the expected fields.
+async fn read_json<T: DeserializeOwned>(req: Request<BoxBody>, limit: u64) -> Result<T, Error> {
+    let too_large = Error::PayloadTooLarge { limit_bytes: limit };
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return Err(too_large);
+    }
+    let mut body = req.into_body();
+    let mut bytes = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| Error::BadRequest(format!("reading the request body: {e}")))?;
+        if let Ok(data) = frame.into_data() {
+            if bytes.len() as u64 + data.len() as u64 > limit {
+                return Err(too_large);
+            }
+            bytes.extend_from_slice(&data);
+        }
+    }
+    serde_json::from_slice(&bytes).map_err(|e| Error::BadRequest(format!("invalid JSON body: {e}")))
+}
+
+/// A parsed query string.
+struct Query(Vec<(String, String)>);
+
+impl Query {
+    fn parse(q: Option<&str>) -> Result<Query, Error> {
+        let mut out = Vec::new();
+        for pair in q.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
+            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+            out.push((decode_component(k)?, decode_component(v)?));
+        }
+        Ok(Query(out))
+    }
+
+    fn get(&self, name: &str) -> Option<&str> {
+        self.0.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+    }
+
+    fn required(&self, name: &str) -> Result<String, Error> {
+        self.get(name)
+            .map(str::to_string)
+            .ok_or_else(|| Error::BadRequest(format!("query parameter {name} is required")))
+    }
+
+    fn number(&self, name: &str) -> Result<Option<u64>, Error> {
+        self.get(name)
+            .map(|v| {
+                crate::fence::token::parse_one(v.as_bytes())
+                    .map_err(|_| Error::BadRequest(format!("query parameter {name} must be an unsigned integer")))
+            })
+            .transpose()
+    }
+}
+
+/// Percent-decodes a query component (`+` is a space).
+fn decode_component(s: &str) -> Result<String, Error> {
+    let bad = || Error::BadRequest("query string is not valid percent-encoded UTF-8".into());
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'%' => {
+                let hex = b.get(i + 1..i + 3).ok_or_else(bad)?;
+                let text = std::str::from_utf8(hex).map_err(|_| bad())?;
+                out.push(u8::from_str_radix(text, 16).map_err(|_| bad())?);
+                i += 3;
+            }
+            b'+' => {
+                out.push(b' ');
+                i += 1;
+            }
+            c => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).map_err(|_| bad())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn query_components_decode() {
+        let q = Query::parse(Some("key=orders%2F1&after=3&x")).unwrap();
+        assert_eq!(q.get("key"), Some("orders/1"));
+        assert_eq!(q.number("after").unwrap(), Some(3));
+        assert!(Query::parse(Some("key=%zz")).is_err());
+        assert!(Query::parse(Some("key=%ff")).is_err());
+        assert!(Query::parse(Some("after=-1")).unwrap().number("after").is_err());
+    }
+}

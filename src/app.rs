@@ -1,0 +1,109 @@
+//! Wiring: from a validated [`Config`] to a running gateway — the store,
+//! the fence table rebuilt from it, the authority with its restored
+//! grants, the proxy, both listeners and the expiry task. Used by
+//! `fencegate serve` and by in-process tests alike.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::task::JoinSet;
+
+use crate::api::Api;
+use crate::authority::Authority;
+use crate::config::Config;
+use crate::error::Error;
+use crate::fence::FenceTable;
+use crate::metrics::Metrics;
+use crate::proxy::Proxy;
+use crate::server::{self, Handler, Limits};
+use crate::shutdown::{self, Trigger};
+use crate::store::{Store, SyncObserver, WriterOptions};
+
+/// A running gateway.
+#[derive(Debug)]
+pub struct Gateway {
+    /// Where the proxy listener is bound.
+    pub proxy_addr: SocketAddr,
+    /// Where the api listener is bound.
+    pub api_addr: SocketAddr,
+    /// Shared handles, for in-process tests.
+    pub authority: Arc<Authority>,
+    pub metrics: Arc<Metrics>,
+    trigger: Trigger,
+    tasks: JoinSet<()>,
+}
+
+impl Gateway {
+    /// Opens the store, rebuilds the fence table, restores live grants,
+    /// binds both listeners and starts serving.
+    pub async fn start(cfg: Config) -> Result<Gateway, Error> {
+        cfg.validate().map_err(Error::BadRequest)?;
+        let metrics = Arc::new(Metrics::new().map_err(|e| Error::Internal(format!("metrics: {e}")))?);
+        let sync_hist = metrics.store_sync_duration.clone();
+        let observe: SyncObserver = Arc::new(move |d, _n| sync_hist.observe(d.as_secs_f64()));
+        let writer = WriterOptions { group_commit: cfg.store.group_commit, max_batch: cfg.store.max_batch };
+        let store = Store::open(&cfg.data_dir, writer, observe)?;
+
+        let started = std::time::Instant::now();
+        let fences = FenceTable::new();
+        store.for_each_fence(|key, token| fences.load(key, token))?;
+        let authority = Authority::restore(fences.clone(), store.clone(), metrics.clone(), cfg.locks.clone())?;
+        tracing::info!(
+            fences = fences.len(),
+            live_grants = authority.live_grants(),
+            boots = store.boots()?,
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "fence table rebuilt from the store"
+        );
+        let proxy = Arc::new(Proxy::new(&cfg, fences, store, metrics.clone())?);
+
+        let bind = |addr: SocketAddr| async move {
+            TcpListener::bind(addr).await.map_err(|e| Error::Internal(format!("binding {addr}: {e}")))
+        };
+        let proxy_listener = bind(cfg.listen).await?;
+        let api_listener = bind(cfg.api_listen).await?;
+        let proxy_addr = proxy_listener.local_addr().map_err(|e| Error::Internal(e.to_string()))?;
+        let api_addr = api_listener.local_addr().map_err(|e| Error::Internal(e.to_string()))?;
+
+        let (trigger, stop) = shutdown::channel();
+        let limits = Limits {
+            max_connections: cfg.server.max_connections,
+            max_header_bytes: cfg.server.max_header_bytes,
+            header_read_timeout: Duration::from_millis(cfg.server.header_read_timeout_ms),
+            shutdown_grace: Duration::from_millis(cfg.server.shutdown_grace_ms),
+        };
+        let api = Arc::new(Api {
+            authority: authority.clone(),
+            metrics: metrics.clone(),
+            max_body_bytes: cfg.server.api_max_body_bytes,
+            shutdown: stop.clone(),
+        });
+        let api_handler: Handler = Arc::new(move |req, _client| {
+            let api = api.clone();
+            Box::pin(async move { api.handle(req).await })
+        });
+        let proxy_handler: Handler = Arc::new(move |req, client| {
+            let proxy = proxy.clone();
+            Box::pin(async move { proxy.handle(req, client).await })
+        });
+
+        let mut tasks = JoinSet::new();
+        tasks.spawn(server::serve("proxy", proxy_listener, proxy_handler, limits, stop.clone()));
+        tasks.spawn(server::serve("api", api_listener, api_handler, limits, stop.clone()));
+        tasks.spawn(authority.clone().run_expiry(stop));
+        tracing::info!(proxy = %proxy_addr, api = %api_addr, data_dir = %cfg.data_dir.display(), "fencegate serving");
+        Ok(Gateway { proxy_addr, api_addr, authority, metrics, trigger, tasks })
+    }
+
+    /// Starts graceful shutdown.
+    pub fn shutdown(&self) {
+        self.trigger.trigger();
+    }
+
+    /// Waits until every listener has drained and every task has ended.
+    pub async fn wait(mut self) {
+        while self.tasks.join_next().await.is_some() {}
+    }
+}

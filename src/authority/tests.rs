@@ -1,0 +1,284 @@
+//! The authority's state machine under paused tokio time.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::{advance, sleep, Instant};
+
+use super::*;
+use crate::fence::{Admission, CheckPolicy};
+use crate::shutdown;
+
+struct Rig {
+    auth: Arc<Authority>,
+    _trigger: shutdown::Trigger,
+}
+
+fn rig_with(store: Store) -> Rig {
+    let metrics = Arc::new(Metrics::new().unwrap());
+    let fences = FenceTable::new();
+    store.for_each_fence(|k, t| fences.load(k, t)).unwrap();
+    let auth = Authority::restore(fences, store, metrics, LocksConfig::default()).unwrap();
+    let (trigger, stop) = shutdown::channel();
+    tokio::spawn(auth.clone().run_expiry(stop));
+    Rig { auth, _trigger: trigger }
+}
+
+fn rig() -> Rig {
+    rig_with(Store::memory())
+}
+
+fn acq(key: &str, ttl_ms: u64, wait_ms: u64) -> AcquireRequest {
+    AcquireRequest { key: key.into(), ttl_ms, wait_ms, holder: Some("t".into()) }
+}
+
+#[tokio::test(start_paused = true)]
+async fn tokens_start_at_one_and_increase() {
+    let r = rig();
+    let a = r.auth.acquire(acq("k", 1000, 0)).await.unwrap();
+    assert_eq!(a.fencing_token, 1);
+    r.auth.release(ReleaseRequest { key: "k".into(), lease_id: a.lease_id }).unwrap();
+    let b = r.auth.acquire(acq("k", 1000, 0)).await.unwrap();
+    assert_eq!(b.fencing_token, 2);
+    let other = r.auth.acquire(acq("other", 1000, 0)).await.unwrap();
+    assert_eq!(other.fencing_token, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn held_key_is_locked_with_retry_after() {
+    let r = rig();
+    r.auth.acquire(acq("k", 5000, 0)).await.unwrap();
+    advance(Duration::from_millis(1000)).await;
+    match r.auth.acquire(acq("k", 1000, 0)).await {
+        Err(Error::Locked { retry_after_ms, .. }) => assert_eq!(retry_after_ms, 4000),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn lease_expires_after_ttl_and_fence_stays() {
+    let r = rig();
+    let a = r.auth.acquire(acq("k", 1000, 0)).await.unwrap();
+    sleep(Duration::from_millis(999)).await;
+    assert!(r.auth.status("k").unwrap().held);
+    sleep(Duration::from_millis(2)).await;
+    let s = r.auth.status("k").unwrap();
+    assert!(!s.held);
+    assert_eq!(s.fence, a.fencing_token);
+    let lost = r.auth.renew(RenewRequest { key: "k".into(), lease_id: a.lease_id, ttl_ms: None });
+    assert!(matches!(lost, Err(Error::LeaseLost { .. })));
+    assert_eq!(r.auth.metrics.lease_expirations.get(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn renew_extends_the_lease() {
+    let r = rig();
+    let a = r.auth.acquire(acq("k", 1000, 0)).await.unwrap();
+    for _ in 0..5 {
+        sleep(Duration::from_millis(600)).await;
+        let v = r
+            .auth
+            .renew(RenewRequest { key: "k".into(), lease_id: a.lease_id.clone(), ttl_ms: None })
+            .unwrap();
+        assert_eq!(v.fencing_token, a.fencing_token);
+    }
+    // 3 s after the grant with a 1 s TTL: still held thanks to renewals.
+    assert!(r.auth.status("k").unwrap().held);
+    sleep(Duration::from_millis(1001)).await;
+    assert!(!r.auth.status("k").unwrap().held);
+}
+
+#[tokio::test(start_paused = true)]
+async fn renew_with_new_ttl_changes_it() {
+    let r = rig();
+    let a = r.auth.acquire(acq("k", 1000, 0)).await.unwrap();
+    let v = r
+        .auth
+        .renew(RenewRequest { key: "k".into(), lease_id: a.lease_id.clone(), ttl_ms: Some(5000) })
+        .unwrap();
+    assert_eq!(v.ttl_ms, 5000);
+    sleep(Duration::from_millis(4000)).await;
+    assert!(r.auth.status("k").unwrap().held);
+}
+
+#[tokio::test(start_paused = true)]
+async fn release_by_non_owner_is_refused() {
+    let r = rig();
+    let a = r.auth.acquire(acq("k", 1000, 0)).await.unwrap();
+    let wrong = r.auth.release(ReleaseRequest { key: "k".into(), lease_id: "0".repeat(32) });
+    assert!(matches!(wrong, Err(Error::NotOwner { .. })));
+    let nothing = r.auth.release(ReleaseRequest { key: "nope".into(), lease_id: a.lease_id.clone() });
+    assert!(matches!(nothing, Err(Error::NotOwner { .. })));
+    assert!(r.auth.status("k").unwrap().held);
+    r.auth.release(ReleaseRequest { key: "k".into(), lease_id: a.lease_id.clone() }).unwrap();
+    // Released twice: no longer the owner.
+    let again = r.auth.release(ReleaseRequest { key: "k".into(), lease_id: a.lease_id });
+    assert!(matches!(again, Err(Error::NotOwner { .. })));
+}
+
+#[tokio::test(start_paused = true)]
+async fn waiters_are_served_in_fifo_order() {
+    let r = rig();
+    let first = r.auth.acquire(acq("k", 10_000, 0)).await.unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    for i in 0..5u64 {
+        let auth = r.auth.clone();
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            let g = auth.acquire(acq("k", 10_000, 60_000)).await.unwrap();
+            tx.send((i, g.fencing_token)).unwrap();
+            auth.release(ReleaseRequest { key: "k".into(), lease_id: g.lease_id }).unwrap();
+        });
+        // Let each join the queue before the next arrives.
+        sleep(Duration::from_millis(10)).await;
+    }
+    r.auth.release(ReleaseRequest { key: "k".into(), lease_id: first.lease_id }).unwrap();
+    let mut order = Vec::new();
+    for _ in 0..5 {
+        order.push(rx.recv().await.unwrap());
+    }
+    assert_eq!(order, vec![(0, 2), (1, 3), (2, 4), (3, 5), (4, 6)]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn expiry_wakes_only_the_head_waiter() {
+    let r = rig();
+    r.auth.acquire(acq("k", 1000, 0)).await.unwrap();
+    let a = tokio::spawn({
+        let auth = r.auth.clone();
+        async move { auth.acquire(acq("k", 5000, 10_000)).await }
+    });
+    sleep(Duration::from_millis(10)).await;
+    let b = tokio::spawn({
+        let auth = r.auth.clone();
+        async move { auth.acquire(acq("k", 5000, 10_000)).await }
+    });
+    sleep(Duration::from_millis(1100)).await;
+    assert!(a.is_finished(), "head waiter should hold the key after expiry");
+    assert!(!b.is_finished(), "second waiter must still wait");
+    assert_eq!(a.await.unwrap().unwrap().fencing_token, 2);
+    b.abort();
+}
+
+#[tokio::test(start_paused = true)]
+async fn waiter_that_times_out_leaves_the_queue() {
+    let r = rig();
+    let held = r.auth.acquire(acq("k", 10_000, 0)).await.unwrap();
+    let started = Instant::now();
+    let timed_out = r.auth.acquire(acq("k", 1000, 500)).await;
+    assert!(matches!(timed_out, Err(Error::Locked { .. })));
+    assert!(started.elapsed() >= Duration::from_millis(500));
+    assert_eq!(r.auth.keys.get("k").unwrap().waiters.len(), 0);
+    // A later waiter is served right after the release.
+    let later = tokio::spawn({
+        let auth = r.auth.clone();
+        async move { auth.acquire(acq("k", 1000, 5000)).await }
+    });
+    sleep(Duration::from_millis(10)).await;
+    r.auth.release(ReleaseRequest { key: "k".into(), lease_id: held.lease_id }).unwrap();
+    assert_eq!(later.await.unwrap().unwrap().fencing_token, 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn abandoned_waiter_passes_its_turn_on() {
+    let r = rig();
+    let held = r.auth.acquire(acq("k", 10_000, 0)).await.unwrap();
+    let gone = tokio::spawn({
+        let auth = r.auth.clone();
+        async move { auth.acquire(acq("k", 1000, 60_000)).await }
+    });
+    sleep(Duration::from_millis(10)).await;
+    let next = tokio::spawn({
+        let auth = r.auth.clone();
+        async move { auth.acquire(acq("k", 1000, 60_000)).await }
+    });
+    sleep(Duration::from_millis(10)).await;
+    gone.abort(); // the client hung up
+    sleep(Duration::from_millis(10)).await;
+    r.auth.release(ReleaseRequest { key: "k".into(), lease_id: held.lease_id }).unwrap();
+    assert_eq!(next.await.unwrap().unwrap().fencing_token, 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn watch_wakes_on_grant_and_on_release() {
+    let r = rig();
+    let w = tokio::spawn({
+        let auth = r.auth.clone();
+        async move { auth.watch("k", 0, Duration::from_secs(30)).await }
+    });
+    sleep(Duration::from_millis(100)).await;
+    assert!(!w.is_finished());
+    let started = Instant::now();
+    let g = r.auth.acquire(acq("k", 10_000, 0)).await.unwrap();
+    let s = w.await.unwrap().unwrap();
+    assert!(started.elapsed() < Duration::from_millis(10));
+    assert_eq!(s.fencing_token, Some(g.fencing_token));
+    let w2 = tokio::spawn({
+        let auth = r.auth.clone();
+        async move { auth.watch("k", 1, Duration::from_secs(30)).await }
+    });
+    sleep(Duration::from_millis(100)).await;
+    assert!(!w2.is_finished());
+    r.auth.release(ReleaseRequest { key: "k".into(), lease_id: g.lease_id }).unwrap();
+    let s = w2.await.unwrap().unwrap();
+    assert!(!s.held);
+    assert_eq!(s.fence, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn watch_returns_at_timeout_without_change() {
+    let r = rig();
+    let started = Instant::now();
+    let s = r.auth.watch("k", 0, Duration::from_millis(700)).await.unwrap();
+    assert!(!s.held);
+    assert_eq!(started.elapsed(), Duration::from_millis(700));
+}
+
+#[tokio::test(start_paused = true)]
+async fn grant_waits_for_older_inflight_mutation() {
+    let r = rig();
+    let a = r.auth.acquire(acq("k", 1000, 0)).await.unwrap();
+    let policy = CheckPolicy { strict: true, external: false };
+    let Ok(Admission::Admitted(inflight)) = r.auth.fences().check("k", a.fencing_token, policy) else {
+        panic!("current token must be admitted")
+    };
+    sleep(Duration::from_millis(1001)).await; // a's lease expires mid-write
+    let b = tokio::spawn({
+        let auth = r.auth.clone();
+        async move { auth.acquire(acq("k", 1000, 0)).await }
+    });
+    sleep(Duration::from_millis(300)).await;
+    assert!(!b.is_finished(), "grant must wait for the older in-flight write");
+    // The fence already moved: a's later writes are refused.
+    assert!(r.auth.fences().check("k", a.fencing_token, policy).is_err());
+    drop(inflight);
+    let b = b.await.unwrap().unwrap();
+    assert_eq!(b.fencing_token, 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn live_grant_comes_back_with_full_ttl_after_restart() {
+    let store = Store::memory();
+    let a = {
+        let r = rig_with(store.clone());
+        let a = r.auth.acquire(acq("k", 2000, 0)).await.unwrap();
+        sleep(Duration::from_millis(1500)).await;
+        a
+    };
+    let r = rig_with(store);
+    let s = r.auth.status("k").unwrap();
+    assert!(s.held);
+    assert_eq!(s.expires_in_ms, Some(2000));
+    r.auth.renew(RenewRequest { key: "k".into(), lease_id: a.lease_id, ttl_ms: None }).unwrap();
+    assert!(matches!(r.auth.acquire(acq("k", 1000, 0)).await, Err(Error::Locked { .. })));
+}
+
+#[tokio::test(start_paused = true)]
+async fn bounds_are_enforced() {
+    let r = rig();
+    for bad in [acq("k", 99, 0), acq("k", 3_600_001, 0), acq("k", 1000, 300_001), acq("", 1000, 0)] {
+        assert!(matches!(r.auth.acquire(bad).await, Err(Error::BadRequest(_))));
+    }
+    let bad_holder = AcquireRequest { key: "k".into(), ttl_ms: 1000, wait_ms: 0, holder: Some("a\u{0}".into()) };
+    assert!(matches!(r.auth.acquire(bad_holder).await, Err(Error::BadRequest(_))));
+}

@@ -1,0 +1,170 @@
+//! The lease API's request and response bodies (SPEC 3) and the checks of
+//! their bounds. Pure data: no locks, no I/O.
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::LocksConfig;
+use crate::error::Error;
+
+/// Longest key, in bytes (SPEC 1).
+pub const MAX_KEY_BYTES: usize = 512;
+
+/// `POST /v1/locks/acquire`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AcquireRequest {
+    pub key: String,
+    pub ttl_ms: u64,
+    #[serde(default)]
+    pub wait_ms: u64,
+    #[serde(default)]
+    pub holder: Option<String>,
+}
+
+/// `POST /v1/locks/renew`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RenewRequest {
+    pub key: String,
+    pub lease_id: String,
+    #[serde(default)]
+    pub ttl_ms: Option<u64>,
+}
+
+/// `POST /v1/locks/release`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReleaseRequest {
+    pub key: String,
+    pub lease_id: String,
+}
+
+/// A grant as its holder receives it. The only answer that carries the
+/// lease id.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GrantView {
+    pub key: String,
+    pub fencing_token: u64,
+    pub lease_id: String,
+    pub ttl_ms: u64,
+    pub holder: String,
+}
+
+/// Answer to a renewal.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RenewView {
+    pub key: String,
+    pub fencing_token: u64,
+    pub ttl_ms: u64,
+}
+
+/// Status of a key, for anyone allowed to see it: never the lease id.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StatusView {
+    pub key: String,
+    pub fence: u64,
+    pub held: bool,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub fencing_token: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub holder: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub expires_in_ms: Option<u64>,
+}
+
+/// Checks a key against SPEC 1: UTF-8 (guaranteed by `&str`), 1–512
+/// bytes, no control characters.
+pub fn validate_key(key: &str) -> Result<(), Error> {
+    if key.is_empty() || key.len() > MAX_KEY_BYTES {
+        return Err(Error::BadRequest(format!(
+            "key must be 1 to {MAX_KEY_BYTES} bytes, got {}",
+            key.len()
+        )));
+    }
+    if key.chars().any(char::is_control) {
+        return Err(Error::BadRequest("key must not contain control characters".into()));
+    }
+    Ok(())
+}
+
+/// Checks `ttl_ms` against the configured bounds.
+pub fn validate_ttl(ttl_ms: u64, limits: &LocksConfig) -> Result<(), Error> {
+    if ttl_ms < limits.min_ttl_ms || ttl_ms > limits.max_ttl_ms {
+        return Err(Error::BadRequest(format!(
+            "ttl_ms must be between {} and {}, got {ttl_ms}",
+            limits.min_ttl_ms, limits.max_ttl_ms
+        )));
+    }
+    Ok(())
+}
+
+/// Checks `wait_ms` against the configured bound.
+pub fn validate_wait(wait_ms: u64, limits: &LocksConfig) -> Result<(), Error> {
+    if wait_ms > limits.max_wait_ms {
+        return Err(Error::BadRequest(format!(
+            "wait_ms must be at most {}, got {wait_ms}",
+            limits.max_wait_ms
+        )));
+    }
+    Ok(())
+}
+
+/// Checks a holder label: bounded, no control characters.
+pub fn validate_holder(holder: &str, limits: &LocksConfig) -> Result<(), Error> {
+    if holder.len() > limits.max_holder_bytes {
+        return Err(Error::BadRequest(format!(
+            "holder must be at most {} bytes",
+            limits.max_holder_bytes
+        )));
+    }
+    if holder.chars().any(char::is_control) {
+        return Err(Error::BadRequest("holder must not contain control characters".into()));
+    }
+    Ok(())
+}
+
+/// A fresh lease id: 128 bits from the OS's CSPRNG, as 32 hex digits.
+pub fn new_lease_id() -> Result<String, Error> {
+    let mut bytes = [0u8; 16];
+    getrandom::fill(&mut bytes).map_err(|e| Error::Internal(format!("drawing a lease id: {e}")))?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// Compares two secrets in time independent of where they differ.
+pub fn secret_eq(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_bounded_and_printable() {
+        assert!(validate_key("orders/1").is_ok());
+        assert!(validate_key(&"k".repeat(512)).is_ok());
+        assert!(validate_key("").is_err());
+        assert!(validate_key(&"k".repeat(513)).is_err());
+        assert!(validate_key("a\nb").is_err());
+        assert!(validate_key("a\u{7f}").is_err());
+    }
+
+    #[test]
+    fn lease_ids_are_128_bit_and_distinct() {
+        let a = new_lease_id().unwrap();
+        let b = new_lease_id().unwrap();
+        assert_eq!(a.len(), 32);
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn secret_eq_matches_only_equal() {
+        assert!(secret_eq("abc", "abc"));
+        assert!(!secret_eq("abc", "abd"));
+        assert!(!secret_eq("abc", "ab"));
+    }
+}

@@ -1,0 +1,434 @@
+//! The one configuration struct: embedded defaults, the TOML file, and the
+//! `serve` flags merged on top of it, then `validate()`d.
+//!
+//! Every key is documented in `fencegate.example.toml`; every duration or
+//! size carries its unit in its name. Unknown keys are errors, so a typo
+//! never silently falls back to a default. This module parses and checks;
+//! it never opens a socket or a file other than the config itself.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::proxy::template::Template;
+
+/// The whole configuration of one gateway.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// RocksDB and the built-in object store live here.
+    pub data_dir: PathBuf,
+    /// Proxy (data plane) listener address.
+    pub listen: SocketAddr,
+    /// API (control plane) listener address.
+    pub api_listen: SocketAddr,
+    /// Log filter when `RUST_LOG` is unset (e.g. `info`, `fencegate=debug`).
+    pub log_level: String,
+    /// `text` or `json`.
+    pub log_format: String,
+    /// Lease bounds and defaults.
+    pub locks: LocksConfig,
+    /// Durable store tuning.
+    pub store: StoreConfig,
+    /// Listener limits and shutdown.
+    pub server: ServerConfig,
+    /// Proxy routes, first match wins. Empty: one catch-all route to the
+    /// built-in object store in `<data_dir>/objects`.
+    pub routes: Vec<RouteConfig>,
+}
+
+/// Bounds of SPEC section 3.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LocksConfig {
+    /// Shortest lease a client may ask for.
+    pub min_ttl_ms: u64,
+    /// Longest lease a client may ask for.
+    pub max_ttl_ms: u64,
+    /// Longest a client may wait in the queue for a key.
+    pub max_wait_ms: u64,
+    /// Longest `watch` long-poll.
+    pub max_watch_timeout_ms: u64,
+    /// Longest `holder` string, in bytes.
+    pub max_holder_bytes: usize,
+    /// Most clients queued on one key at once (429-free: more get `locked`).
+    pub max_waiters_per_key: usize,
+    /// Longest a grant waits at activation for older in-flight mutations
+    /// before it is returned anyway (they are then counted as overrun).
+    pub activation_timeout_ms: u64,
+}
+
+/// RocksDB settings.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StoreConfig {
+    /// Share one fsync among all writes queued at once (group commit).
+    /// `false` fsyncs every write on its own (for benchmarks only).
+    pub group_commit: bool,
+    /// Most writes folded into one group commit.
+    pub max_batch: usize,
+}
+
+/// Listener settings shared by both listeners.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// Largest JSON body accepted by the lease API.
+    pub api_max_body_bytes: u64,
+    /// Largest total size of request headers (431 above it).
+    pub max_header_bytes: usize,
+    /// How long a client may take to send its request headers.
+    pub header_read_timeout_ms: u64,
+    /// How long graceful shutdown waits for in-flight requests.
+    pub shutdown_grace_ms: u64,
+    /// Most connections open at once per listener.
+    pub max_connections: usize,
+}
+
+/// How a route's tokens come to be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FenceAuthority {
+    /// Tokens are granted by this gateway's lease API.
+    Embedded,
+    /// Tokens come from elsewhere; a higher one advances the fence.
+    External,
+}
+
+/// What to send as `Host` upstream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HostHeader {
+    /// Send the client's Host unchanged (needed for SigV4-signed requests).
+    Preserve,
+    /// Send the upstream's own authority.
+    Rewrite,
+}
+
+/// One `[[routes]]` entry (SPEC section 4).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    /// Name used in metrics and logs; default `route<N>`.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Path template: literal segments, `{name}` segments, a final `{*rest}`.
+    #[serde(rename = "match")]
+    pub match_path: String,
+    /// Resource key template over the match's names; default: the path
+    /// without its leading `/`.
+    #[serde(default)]
+    pub resource: Option<String>,
+    /// `http://host:port[/prefix]`, `https://…` or `file://DIR`.
+    pub upstream: String,
+    /// Methods that need a token.
+    #[serde(default = "default_mutating_methods")]
+    pub mutating_methods: Vec<String>,
+    /// `embedded` (default) or `external`.
+    #[serde(default = "default_authority")]
+    pub fence_authority: FenceAuthority,
+    /// Refuse a token equal to the fence whose grant has ended.
+    #[serde(default = "default_true")]
+    pub strict: bool,
+    /// `false` = shadow mode: count and log refusals, forward anyway.
+    #[serde(default = "default_true")]
+    pub enforce: bool,
+    /// Whole-exchange timeout until the upstream's response head.
+    #[serde(default = "default_upstream_timeout_ms")]
+    pub upstream_timeout_ms: u64,
+    /// TCP connect timeout to the upstream.
+    #[serde(default = "default_connect_timeout_ms")]
+    pub connect_timeout_ms: u64,
+    /// Largest request body forwarded (413 above it).
+    #[serde(default = "default_max_body_bytes")]
+    pub max_body_bytes: u64,
+    /// Forward `X-Fencing-Token` to the upstream.
+    #[serde(default = "default_true")]
+    pub forward_fencing_token: bool,
+    /// `preserve` (default) or `rewrite`.
+    #[serde(default = "default_host")]
+    pub host_header: HostHeader,
+}
+
+fn default_mutating_methods() -> Vec<String> {
+    ["PUT", "POST", "PATCH", "DELETE"].map(String::from).to_vec()
+}
+fn default_authority() -> FenceAuthority {
+    FenceAuthority::Embedded
+}
+fn default_true() -> bool {
+    true
+}
+fn default_upstream_timeout_ms() -> u64 {
+    30_000
+}
+fn default_connect_timeout_ms() -> u64 {
+    2_000
+}
+fn default_max_body_bytes() -> u64 {
+    5 * 1024 * 1024 * 1024
+}
+fn default_host() -> HostHeader {
+    HostHeader::Preserve
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            data_dir: PathBuf::from("./fencegate-data"),
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            api_listen: SocketAddr::from(([127, 0, 0, 1], 7070)),
+            log_level: "info".into(),
+            log_format: "text".into(),
+            locks: LocksConfig::default(),
+            store: StoreConfig::default(),
+            server: ServerConfig::default(),
+            routes: Vec::new(),
+        }
+    }
+}
+
+impl Default for LocksConfig {
+    fn default() -> Self {
+        LocksConfig {
+            min_ttl_ms: 100,
+            max_ttl_ms: 3_600_000,
+            max_wait_ms: 300_000,
+            max_watch_timeout_ms: 300_000,
+            max_holder_bytes: 256,
+            max_waiters_per_key: 1024,
+            activation_timeout_ms: 60_000,
+        }
+    }
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig { group_commit: true, max_batch: 1024 }
+    }
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            api_max_body_bytes: 64 * 1024,
+            max_header_bytes: 64 * 1024,
+            header_read_timeout_ms: 10_000,
+            shutdown_grace_ms: 10_000,
+            max_connections: 10_000,
+        }
+    }
+}
+
+/// The `serve` flags of SPEC 2a; each one that is set overrides the file.
+#[derive(Debug, Clone, Default)]
+pub struct Overrides {
+    pub data_dir: Option<PathBuf>,
+    pub listen: Option<SocketAddr>,
+    pub api_listen: Option<SocketAddr>,
+    pub upstream: Option<String>,
+    pub log_level: Option<String>,
+}
+
+impl Config {
+    /// Parses TOML text; errors name the key and the line.
+    pub fn from_toml(text: &str) -> Result<Config, String> {
+        toml::from_str(text).map_err(|e| e.to_string())
+    }
+
+    /// Reads and parses a config file.
+    pub fn load(path: &Path) -> Result<Config, String> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("reading {}: {e}", path.display()))?;
+        Config::from_toml(&text).map_err(|e| format!("{}: {e}", path.display()))
+    }
+
+    /// Applies the command-line flags on top of the file.
+    pub fn apply(&mut self, o: Overrides) {
+        if let Some(d) = o.data_dir {
+            self.data_dir = d;
+        }
+        if let Some(l) = o.listen {
+            self.listen = l;
+        }
+        if let Some(l) = o.api_listen {
+            self.api_listen = l;
+        }
+        if let Some(l) = o.log_level {
+            self.log_level = l;
+        }
+        if let Some(u) = o.upstream {
+            self.routes = vec![RouteConfig::catch_all(u)];
+        }
+    }
+
+    /// The routes actually served: the configured ones, or the embedded
+    /// default catch-all to `<data_dir>/objects`.
+    pub fn effective_routes(&self) -> Vec<RouteConfig> {
+        if self.routes.is_empty() {
+            let dir = self.data_dir.join("objects");
+            vec![RouteConfig::catch_all(format!("file://{}", dir.display()))]
+        } else {
+            self.routes.clone()
+        }
+    }
+
+    /// Checks everything serde cannot: bounds, templates, upstream URLs.
+    /// The message names the key that is wrong and why.
+    pub fn validate(&self) -> Result<(), String> {
+        let l = &self.locks;
+        if l.min_ttl_ms == 0 {
+            return Err("locks.min_ttl_ms: must be at least 1".into());
+        }
+        if l.max_ttl_ms < l.min_ttl_ms {
+            return Err(format!(
+                "locks.max_ttl_ms: {} is below locks.min_ttl_ms {}",
+                l.max_ttl_ms, l.min_ttl_ms
+            ));
+        }
+        if l.max_waiters_per_key == 0 {
+            return Err("locks.max_waiters_per_key: must be at least 1".into());
+        }
+        if self.store.max_batch == 0 {
+            return Err("store.max_batch: must be at least 1".into());
+        }
+        if !matches!(self.log_format.as_str(), "text" | "json") {
+            return Err(format!("log_format: {:?} is neither \"text\" nor \"json\"", self.log_format));
+        }
+        if self.server.max_header_bytes < 1024 {
+            return Err("server.max_header_bytes: must be at least 1024".into());
+        }
+        if self.listen == self.api_listen && self.listen.port() != 0 {
+            return Err(format!("listen and api_listen are both {}", self.listen));
+        }
+        let mut names = std::collections::HashSet::new();
+        for (i, r) in self.routes.iter().enumerate() {
+            let at = format!("routes[{i}]");
+            r.validate().map_err(|e| format!("{at}.{e}"))?;
+            if !names.insert(r.route_name(i)) {
+                return Err(format!("{at}.name: {:?} is used twice", r.route_name(i)));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl RouteConfig {
+    /// SPEC 2a's `--upstream URL`: everything, keyed by the path.
+    pub fn catch_all(upstream: String) -> RouteConfig {
+        RouteConfig {
+            name: Some("default".into()),
+            match_path: "/{*path}".into(),
+            resource: None,
+            upstream,
+            mutating_methods: default_mutating_methods(),
+            fence_authority: FenceAuthority::Embedded,
+            strict: true,
+            enforce: true,
+            upstream_timeout_ms: default_upstream_timeout_ms(),
+            connect_timeout_ms: default_connect_timeout_ms(),
+            max_body_bytes: default_max_body_bytes(),
+            forward_fencing_token: true,
+            host_header: HostHeader::Preserve,
+        }
+    }
+
+    /// The name in metrics and logs.
+    pub fn route_name(&self, index: usize) -> String {
+        self.name.clone().unwrap_or_else(|| format!("route{index}"))
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        if let Some(n) = &self.name {
+            let ok = !n.is_empty()
+                && n.len() <= 64
+                && n.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+            if !ok {
+                return Err(format!("name: {n:?} must be 1-64 of [A-Za-z0-9_-]"));
+            }
+        }
+        let matcher = Template::parse_match(&self.match_path)
+            .map_err(|e| format!("match: {:?}: {e}", self.match_path))?;
+        if let Some(res) = &self.resource {
+            Template::parse_resource(res, &matcher)
+                .map_err(|e| format!("resource: {res:?}: {e}"))?;
+        }
+        crate::proxy::upstream::UpstreamUrl::parse(&self.upstream)
+            .map_err(|e| format!("upstream: {:?}: {e}", self.upstream))?;
+        for m in &self.mutating_methods {
+            if http::Method::from_bytes(m.as_bytes()).is_err() || m.to_ascii_uppercase() != *m {
+                return Err(format!("mutating_methods: {m:?} is not an upper-case HTTP method"));
+            }
+        }
+        if self.upstream_timeout_ms == 0 {
+            return Err("upstream_timeout_ms: must be at least 1".into());
+        }
+        if self.connect_timeout_ms == 0 {
+            return Err("connect_timeout_ms: must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_file_is_the_embedded_defaults() {
+        let c = Config::from_toml("").unwrap();
+        assert_eq!(c.listen.to_string(), "127.0.0.1:8080");
+        assert_eq!(c.api_listen.to_string(), "127.0.0.1:7070");
+        assert_eq!(c.data_dir, PathBuf::from("./fencegate-data"));
+        c.validate().unwrap();
+        let routes = c.effective_routes();
+        assert_eq!(routes.len(), 1);
+        assert!(routes[0].upstream.starts_with("file://"));
+    }
+
+    #[test]
+    fn unknown_key_is_named() {
+        let err = Config::from_toml("[locks]\nmax_ttl = 5\n").unwrap_err();
+        assert!(err.contains("max_ttl"), "{err}");
+    }
+
+    #[test]
+    fn bad_route_names_the_key() {
+        let text = r#"
+[[routes]]
+match = "/a/{id}"
+resource = "a/{nope}"
+upstream = "http://127.0.0.1:9"
+"#;
+        let c = Config::from_toml(text).unwrap();
+        let err = c.validate().unwrap_err();
+        assert!(err.starts_with("routes[0].resource"), "{err}");
+    }
+
+    #[test]
+    fn bad_upstream_scheme_is_refused() {
+        let text = "[[routes]]\nmatch = \"/{*p}\"\nupstream = \"ftp://x\"\n";
+        let err = Config::from_toml(text).unwrap().validate().unwrap_err();
+        assert!(err.starts_with("routes[0].upstream"), "{err}");
+    }
+
+    #[test]
+    fn flags_override_the_file() {
+        let mut c = Config::from_toml("listen = \"127.0.0.1:1\"").unwrap();
+        c.apply(Overrides {
+            listen: Some("127.0.0.1:2".parse().unwrap()),
+            upstream: Some("http://127.0.0.1:9000".into()),
+            ..Default::default()
+        });
+        assert_eq!(c.listen.port(), 2);
+        assert_eq!(c.routes.len(), 1);
+        assert_eq!(c.routes[0].match_path, "/{*path}");
+    }
+
+    #[test]
+    fn ttl_bounds_must_be_ordered() {
+        let c = Config::from_toml("[locks]\nmin_ttl_ms = 10\nmax_ttl_ms = 5\n").unwrap();
+        assert!(c.validate().unwrap_err().starts_with("locks.max_ttl_ms"));
+    }
+}

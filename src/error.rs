@@ -1,0 +1,224 @@
+//! The crate's one error enum and the one place where an HTTP status and a
+//! JSON `error` code are chosen for it (SPEC sections 3, 4 and 7).
+//!
+//! Variants are grouped by who is at fault: the client (4xx), the upstream
+//! (502/504) or fencegate itself (5xx). Every variant maps to exactly one
+//! status and one code. Clients get the short JSON body
+//! `{"error": "<code>", "message": "<human text>"}`; the full cause goes to
+//! one log line where the error is produced.
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Response, StatusCode};
+use serde_json::json;
+
+use crate::body::{full, BoxBody};
+
+/// Everything that can make fencegate refuse or fail a request.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Error {
+    // ---- the client's fault -------------------------------------------
+    /// Input that does not parse or is out of bounds.
+    #[error("{0}")]
+    BadRequest(String),
+    /// No route or API endpoint at this path.
+    #[error("no such endpoint: {0}")]
+    NotFound(String),
+    /// The endpoint exists but not for this method.
+    #[error("method {0} is not allowed here")]
+    MethodNotAllowed(String),
+    /// A request body above the configured limit.
+    #[error("request body is larger than {limit_bytes} bytes")]
+    PayloadTooLarge { limit_bytes: u64 },
+    /// Request headers above the configured limit.
+    #[error("request headers are larger than {limit_bytes} bytes")]
+    HeadersTooLarge { limit_bytes: u64 },
+    /// The key is held by someone else and `wait_ms` ran out.
+    #[error("{key} is locked; retry in {retry_after_ms} ms")]
+    Locked { key: String, retry_after_ms: u64 },
+    /// Renew with a lease that is unknown, expired, released or superseded.
+    #[error("lease for {key} is no longer held")]
+    LeaseLost { key: String },
+    /// Release with a lease id that does not hold the key.
+    #[error("lease does not hold {key}")]
+    NotOwner { key: String },
+    /// A mutation without `X-Fencing-Token`.
+    #[error("this request changes {key} and needs an X-Fencing-Token header")]
+    FencingTokenRequired { key: String },
+    /// `X-Fencing-Token` present but not one decimal u64.
+    #[error("X-Fencing-Token is malformed: {0}")]
+    MalformedFencingToken(String),
+    /// A token older than the fence: its holder was superseded.
+    #[error("fencing token {token} for {key} is stale: the fence is at {fence}")]
+    StaleFencingToken { key: String, token: u64, fence: u64 },
+    /// A token above the fence that this gateway never issued for this key.
+    #[error("fencing token {token} was never issued for {key} (fence is at {fence})")]
+    UnissuedFencingToken { key: String, token: u64, fence: u64 },
+    /// The token is the current fence but its grant was released or expired.
+    #[error("the lease behind fencing token {token} for {key} has ended")]
+    LeaseExpired { key: String, token: u64 },
+    /// No or unknown credentials.
+    #[error("authentication required")]
+    Unauthorized,
+    /// A conditional request (`If-Match`, `If-None-Match`) did not hold.
+    #[error("precondition failed: {0}")]
+    PreconditionFailed(String),
+    /// Credentials valid, but not for this key.
+    #[error("not allowed: {0}")]
+    Forbidden(String),
+
+    // ---- the upstream's fault -----------------------------------------
+    /// The upstream could not be reached or broke the exchange.
+    #[error("upstream unavailable: {0}")]
+    UpstreamUnavailable(String),
+    /// The upstream did not answer within the route's timeout.
+    #[error("upstream did not answer within {timeout_ms} ms")]
+    UpstreamTimeout { timeout_ms: u64 },
+
+    // ---- fencegate's own fault ----------------------------------------
+    /// The durable store failed; nothing was acknowledged.
+    #[error("storage failure: {0}")]
+    Store(String),
+    /// The gateway is shutting down or not ready.
+    #[error("unavailable: {0}")]
+    Unavailable(String),
+    /// Anything else that is a bug or an environment failure.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl Error {
+    /// The one HTTP status of this error.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Error::BadRequest(_) | Error::MalformedFencingToken(_) => StatusCode::BAD_REQUEST,
+            Error::NotFound(_) => StatusCode::NOT_FOUND,
+            Error::PreconditionFailed(_) => StatusCode::PRECONDITION_FAILED,
+            Error::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
+            Error::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Error::HeadersTooLarge { .. } => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            Error::Locked { .. }
+            | Error::NotOwner { .. }
+            | Error::StaleFencingToken { .. }
+            | Error::LeaseExpired { .. } => StatusCode::CONFLICT,
+            Error::LeaseLost { .. } => StatusCode::GONE,
+            Error::FencingTokenRequired { .. } => StatusCode::PRECONDITION_REQUIRED,
+            Error::UnissuedFencingToken { .. } | Error::Forbidden(_) => StatusCode::FORBIDDEN,
+            Error::Unauthorized => StatusCode::UNAUTHORIZED,
+            Error::UpstreamUnavailable(_) => StatusCode::BAD_GATEWAY,
+            Error::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+            Error::Store(_) | Error::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            Error::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+
+    /// The one `error` code of this error, exactly as SPEC.md names it.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Error::BadRequest(_) => "bad_request",
+            Error::NotFound(_) => "not_found",
+            Error::PreconditionFailed(_) => "precondition_failed",
+            Error::MethodNotAllowed(_) => "method_not_allowed",
+            Error::PayloadTooLarge { .. } => "payload_too_large",
+            Error::HeadersTooLarge { .. } => "headers_too_large",
+            Error::Locked { .. } => "locked",
+            Error::LeaseLost { .. } => "lease_lost",
+            Error::NotOwner { .. } => "not_owner",
+            Error::FencingTokenRequired { .. } => "fencing_token_required",
+            Error::MalformedFencingToken(_) => "malformed_fencing_token",
+            Error::StaleFencingToken { .. } => "stale_fencing_token",
+            Error::UnissuedFencingToken { .. } => "unissued_fencing_token",
+            Error::LeaseExpired { .. } => "lease_expired",
+            Error::Unauthorized => "unauthorized",
+            Error::Forbidden(_) => "forbidden",
+            Error::UpstreamUnavailable(_) => "upstream_unavailable",
+            Error::UpstreamTimeout { .. } => "upstream_timeout",
+            Error::Store(_) => "store_error",
+            Error::Unavailable(_) => "unavailable",
+            Error::Internal(_) => "internal",
+        }
+    }
+
+    /// The JSON body: `error`, `message`, and the fields a client acts on.
+    pub fn body(&self) -> serde_json::Value {
+        let mut body = json!({ "error": self.code(), "message": self.to_string() });
+        match self {
+            Error::Locked { retry_after_ms, .. } => {
+                body["retry_after_ms"] = json!(retry_after_ms);
+            }
+            Error::StaleFencingToken { token, fence, .. }
+            | Error::UnissuedFencingToken { token, fence, .. } => {
+                body["token"] = json!(token);
+                body["fence"] = json!(fence);
+            }
+            Error::LeaseExpired { token, .. } => {
+                body["token"] = json!(token);
+            }
+            _ => {}
+        }
+        body
+    }
+
+    /// Renders the error as the response a client receives.
+    pub fn into_response(self) -> Response<BoxBody> {
+        let status = self.status();
+        let bytes = Bytes::from(self.body().to_string());
+        let mut response = Response::new(full(bytes));
+        *response.status_mut() = status;
+        let headers = response.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        if let Error::Locked { retry_after_ms, .. } = &self {
+            // Retry-After is in whole seconds; round up so a client never
+            // comes back before the lease could have ended.
+            let secs = retry_after_ms.div_ceil(1000).max(1);
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        response
+    }
+}
+
+/// Shorthand for results whose error is the crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_variant_has_spec_status_and_code() {
+        let cases = [
+            (Error::FencingTokenRequired { key: "k".into() }, 428, "fencing_token_required"),
+            (Error::MalformedFencingToken("x".into()), 400, "malformed_fencing_token"),
+            (Error::StaleFencingToken { key: "k".into(), token: 1, fence: 2 }, 409, "stale_fencing_token"),
+            (Error::UnissuedFencingToken { key: "k".into(), token: 9, fence: 2 }, 403, "unissued_fencing_token"),
+            (Error::LeaseExpired { key: "k".into(), token: 2 }, 409, "lease_expired"),
+            (Error::Locked { key: "k".into(), retry_after_ms: 1500 }, 409, "locked"),
+            (Error::LeaseLost { key: "k".into() }, 410, "lease_lost"),
+            (Error::NotOwner { key: "k".into() }, 409, "not_owner"),
+            (Error::UpstreamUnavailable("x".into()), 502, "upstream_unavailable"),
+            (Error::UpstreamTimeout { timeout_ms: 5 }, 504, "upstream_timeout"),
+            (Error::PayloadTooLarge { limit_bytes: 5 }, 413, "payload_too_large"),
+            (Error::HeadersTooLarge { limit_bytes: 5 }, 431, "headers_too_large"),
+        ];
+        for (err, status, code) in cases {
+            assert_eq!(err.status().as_u16(), status, "{err:?}");
+            assert_eq!(err.code(), code);
+            assert_eq!(err.body()["error"], code);
+        }
+    }
+
+    #[test]
+    fn locked_response_carries_retry_after_rounded_up() {
+        let resp = Error::Locked { key: "k".into(), retry_after_ms: 1500 }.into_response();
+        assert_eq!(resp.headers()[header::RETRY_AFTER], "2");
+    }
+
+    #[test]
+    fn stale_body_names_token_and_fence() {
+        let body = Error::StaleFencingToken { key: "k".into(), token: 33, fence: 34 }.body();
+        assert_eq!(body["token"], 33);
+        assert_eq!(body["fence"], 34);
+    }
+}

@@ -1,0 +1,454 @@
+//! The in-memory fence table: per key, the fence, whether the grant behind
+//! it is live, and the mutations in flight under each token.
+//!
+//! Every operation takes the key's shard lock for a few instructions and
+//! never across an `.await`. The compare and the registration of a request
+//! as in flight are one step under that lock ([`FenceTable::check`]), so no
+//! grant can slip between a request's check and its registration: either
+//! the request is registered before the fence moves (and the grant's
+//! activation barrier waits for it), or it sees the new fence and is
+//! refused.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use dashmap::DashMap;
+use futures_util::task::AtomicWaker;
+use tokio::sync::{oneshot, Notify};
+use tokio::time::Instant;
+
+use crate::error::Error;
+use crate::store::{Op, Store};
+
+/// How a route judges tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CheckPolicy {
+    /// Refuse `token == fence` once its grant has ended.
+    pub strict: bool,
+    /// Tokens come from another authority: a higher token advances the fence.
+    pub external: bool,
+}
+
+/// Why a token was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refusal {
+    /// `token < fence`. `superseded_for`: time since the fence last moved
+    /// (a lower bound of how long this token's holder has been a zombie).
+    Stale { token: u64, fence: u64, superseded_for: Duration },
+    /// `token > fence` on an embedded route (or `0` on a fresh key).
+    Unissued { token: u64, fence: u64 },
+    /// `token == fence` but its grant was released or expired (strict).
+    LeaseExpired { token: u64 },
+}
+
+impl Refusal {
+    /// The client-facing error for this refusal.
+    pub fn into_error(self, key: &str) -> Error {
+        let key = key.to_string();
+        match self {
+            Refusal::Stale { token, fence, .. } => Error::StaleFencingToken { key, token, fence },
+            Refusal::Unissued { token, fence } => Error::UnissuedFencingToken { key, token, fence },
+            Refusal::LeaseExpired { token } => Error::LeaseExpired { key, token },
+        }
+    }
+}
+
+/// What [`FenceTable::check`] decided for an admissible token.
+#[derive(Debug)]
+pub enum Admission {
+    /// Registered as in flight; forward it while holding the guard.
+    Admitted(InflightGuard),
+    /// External route, `token > fence`: call [`FenceTable::advance`].
+    MustAdvance,
+}
+
+/// Shared between an in-flight mutation and the table: lets activation
+/// abort an upload whose body is still streaming.
+#[derive(Debug, Default)]
+pub struct InflightCtl {
+    aborted: AtomicBool,
+    body_done: AtomicBool,
+    waker: AtomicWaker,
+}
+
+impl InflightCtl {
+    /// True once a newer fence aborted this upload.
+    pub fn is_aborted(&self) -> bool {
+        self.aborted.load(Ordering::Acquire)
+    }
+    /// Registers the body task to be woken on abort.
+    pub fn register(&self, waker: &std::task::Waker) {
+        self.waker.register(waker);
+    }
+    /// The whole request body reached the upstream: no longer abortable.
+    pub fn mark_body_done(&self) {
+        self.body_done.store(true, Ordering::Release);
+    }
+    fn abort_if_streaming(&self) -> bool {
+        if self.body_done.load(Ordering::Acquire) {
+            return false;
+        }
+        self.aborted.store(true, Ordering::Release);
+        self.waker.wake();
+        true
+    }
+}
+
+struct InflightEntry {
+    token: u64,
+    id: u64,
+    ctl: Arc<InflightCtl>,
+}
+
+#[derive(Default)]
+struct Slot {
+    fence: u64,
+    live: bool,
+    moved_at: Option<Instant>,
+    inflight: Vec<InflightEntry>,
+    barrier: Option<Arc<Notify>>,
+}
+
+impl Slot {
+    /// Raises the fence and aborts older uploads still streaming.
+    fn raise(&mut self, token: u64, live: bool) {
+        self.fence = token;
+        self.live = live;
+        self.moved_at = Some(Instant::now());
+        for e in self.inflight.iter().filter(|e| e.token < token) {
+            e.ctl.abort_if_streaming();
+        }
+    }
+
+    fn register(&mut self, token: u64, id: u64) -> Arc<InflightCtl> {
+        let ctl = Arc::new(InflightCtl::default());
+        self.inflight.push(InflightEntry { token, id, ctl: ctl.clone() });
+        ctl
+    }
+
+    fn has_older_than(&self, token: u64) -> bool {
+        self.inflight.iter().any(|e| e.token < token)
+    }
+}
+
+/// How the activation barrier ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BarrierOutcome {
+    /// Time spent waiting for older in-flight mutations.
+    pub waited: Duration,
+    /// The timeout passed with older mutations still in flight.
+    pub overrun: bool,
+}
+
+/// Per key: the fence, its liveness and the in-flight mutations.
+pub struct FenceTable {
+    slots: DashMap<Arc<str>, Slot>,
+    next_id: AtomicU64,
+}
+
+impl std::fmt::Debug for FenceTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FenceTable").field("keys", &self.slots.len()).finish()
+    }
+}
+
+impl Default for FenceTable {
+    fn default() -> Self {
+        FenceTable { slots: DashMap::new(), next_id: AtomicU64::new(1) }
+    }
+}
+
+impl FenceTable {
+    /// An empty table.
+    pub fn new() -> Arc<FenceTable> {
+        Arc::new(FenceTable::default())
+    }
+
+    /// An empty table sized for `n` keys (start-up from the store).
+    pub fn with_capacity(n: usize) -> Arc<FenceTable> {
+        Arc::new(FenceTable { slots: DashMap::with_capacity(n), next_id: AtomicU64::new(1) })
+    }
+
+    /// Installs a fence read from the store at start (not live).
+    pub fn load(&self, key: &str, fence: u64) {
+        self.slots.insert(Arc::from(key), Slot { fence, ..Slot::default() });
+    }
+
+    /// Number of keys with a fence.
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// True when no key has a fence.
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    /// The current fence of `key` (0: never fenced).
+    pub fn fence(&self, key: &str) -> u64 {
+        self.slots.get(key).map_or(0, |s| s.fence)
+    }
+
+    /// Marks the grant behind `token` live or ended. Ignored when the fence
+    /// has moved past `token` already.
+    pub fn set_live(&self, key: &str, token: u64, live: bool) {
+        if let Some(mut slot) = self.slots.get_mut(key) {
+            if slot.fence == token {
+                slot.live = live;
+            }
+        }
+    }
+
+    /// The fence check of SPEC 4 and, when it passes, the registration of
+    /// the request as in flight — one atomic step per key.
+    pub fn check(self: &Arc<Self>, key: &str, token: u64, policy: CheckPolicy) -> Result<Admission, Refusal> {
+        let Some(mut slot) = self.slots.get_mut(key) else {
+            // Never fenced: fence 0. Nothing was ever issued for this key.
+            if policy.external && token > 0 {
+                return Ok(Admission::MustAdvance);
+            }
+            return Err(Refusal::Unissued { token, fence: 0 });
+        };
+        let fence = slot.fence;
+        if token < fence {
+            let superseded_for = slot.moved_at.map_or(Duration::ZERO, |t| t.elapsed());
+            return Err(Refusal::Stale { token, fence, superseded_for });
+        }
+        if token > fence {
+            if policy.external {
+                return Ok(Admission::MustAdvance);
+            }
+            return Err(Refusal::Unissued { token, fence });
+        }
+        if fence == 0 {
+            return Err(Refusal::Unissued { token, fence });
+        }
+        if policy.strict && !policy.external && !slot.live {
+            return Err(Refusal::LeaseExpired { token });
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let ctl = slot.register(token, id);
+        let key = slot.key().clone();
+        drop(slot);
+        Ok(Admission::Admitted(InflightGuard { table: self.clone(), key, token, id, ctl }))
+    }
+
+    /// External authority: raises the fence of `key` to `token`, submits it
+    /// to the store (while the slot is locked, so per-key durable order is
+    /// in-memory order), and registers the request as in flight. The caller
+    /// must wait for the returned receiver (durability) and then
+    /// [`FenceTable::barrier`] before forwarding.
+    #[allow(clippy::type_complexity)]
+    pub fn advance(
+        self: &Arc<Self>,
+        key: &str,
+        token: u64,
+        store: &Store,
+    ) -> Result<(InflightGuard, Option<oneshot::Receiver<Result<(), Error>>>), Refusal> {
+        let mut slot = self.slots.entry(Arc::from(key)).or_default();
+        if token < slot.fence {
+            let superseded_for = slot.moved_at.map_or(Duration::ZERO, |t| t.elapsed());
+            return Err(Refusal::Stale { token, fence: slot.fence, superseded_for });
+        }
+        let durable = if token > slot.fence {
+            slot.raise(token, true);
+            Some(store.submit(vec![Op::Fence { key: slot.key().clone(), token }]))
+        } else {
+            None
+        };
+        let key_arc = slot.key().clone();
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let ctl = slot.register(token, id);
+        drop(slot);
+        Ok((InflightGuard { table: self.clone(), key: key_arc, token, id, ctl }, durable))
+    }
+
+    /// Embedded authority: issues the next token of `key` (`fence + 1`),
+    /// installs it as the fence (live), aborts older uploads still
+    /// streaming, and submits `ops(token)` to the store under the slot lock.
+    pub fn issue(
+        &self,
+        key: &str,
+        store: &Store,
+        ops: impl FnOnce(&Arc<str>, u64) -> Vec<Op>,
+    ) -> Result<(u64, oneshot::Receiver<Result<(), Error>>), Error> {
+        let mut slot = self.slots.entry(Arc::from(key)).or_default();
+        let token = slot
+            .fence
+            .checked_add(1)
+            .ok_or_else(|| Error::Internal(format!("token space of {key} exhausted")))?;
+        slot.raise(token, true);
+        let durable = store.submit(ops(slot.key(), token));
+        Ok((token, durable))
+    }
+
+    /// The activation barrier: waits until no mutation with a token older
+    /// than `token` is in flight for `key`, or `timeout` passes.
+    pub async fn barrier(&self, key: &str, token: u64, timeout: Duration) -> BarrierOutcome {
+        let started = Instant::now();
+        let deadline = started + timeout;
+        loop {
+            let notify = {
+                let Some(mut slot) = self.slots.get_mut(key) else { break };
+                if !slot.has_older_than(token) {
+                    break;
+                }
+                slot.barrier.get_or_insert_with(|| Arc::new(Notify::new())).clone()
+            };
+            let notified = notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            // Re-check after enabling: a guard may have dropped in between.
+            if !self.slots.get(key).is_some_and(|s| s.has_older_than(token)) {
+                break;
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return BarrierOutcome { waited: started.elapsed(), overrun: true };
+            }
+        }
+        BarrierOutcome { waited: started.elapsed(), overrun: false }
+    }
+
+    /// Number of mutations in flight on `key` (tests and status).
+    pub fn inflight(&self, key: &str) -> usize {
+        self.slots.get(key).map_or(0, |s| s.inflight.len())
+    }
+
+    fn finish(&self, key: &str, id: u64) {
+        if let Some(mut slot) = self.slots.get_mut(key) {
+            slot.inflight.retain(|e| e.id != id);
+            if let Some(n) = &slot.barrier {
+                n.notify_waiters();
+            }
+            if slot.inflight.is_empty() {
+                slot.barrier = None;
+            }
+        }
+    }
+}
+
+/// A mutation registered as in flight. Dropping it (when the upstream has
+/// answered, or the request failed) lets activation barriers proceed.
+pub struct InflightGuard {
+    table: Arc<FenceTable>,
+    key: Arc<str>,
+    token: u64,
+    id: u64,
+    ctl: Arc<InflightCtl>,
+}
+
+impl std::fmt::Debug for InflightGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InflightGuard").field("key", &self.key).field("token", &self.token).finish()
+    }
+}
+
+impl InflightGuard {
+    /// The token this mutation carries.
+    pub fn token(&self) -> u64 {
+        self.token
+    }
+    /// The abort control shared with the table.
+    pub fn ctl(&self) -> &Arc<InflightCtl> {
+        &self.ctl
+    }
+}
+
+impl Drop for InflightGuard {
+    fn drop(&mut self) {
+        self.table.finish(&self.key, self.id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const STRICT: CheckPolicy = CheckPolicy { strict: true, external: false };
+    const LAX: CheckPolicy = CheckPolicy { strict: false, external: false };
+
+    fn table_with(key: &str, fence: u64, live: bool) -> Arc<FenceTable> {
+        let t = FenceTable::new();
+        t.load(key, fence);
+        t.set_live(key, fence, live);
+        t
+    }
+
+    #[test]
+    fn stale_token_is_refused_with_fence() {
+        let t = table_with("k", 34, true);
+        match t.check("k", 33, STRICT) {
+            Err(Refusal::Stale { token: 33, fence: 34, .. }) => {}
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn token_above_fence_is_unissued_on_embedded_routes() {
+        let t = table_with("k", 34, true);
+        assert!(matches!(t.check("k", 35, STRICT), Err(Refusal::Unissued { token: 35, fence: 34 })));
+        assert!(matches!(t.check("fresh", 1, STRICT), Err(Refusal::Unissued { fence: 0, .. })));
+        assert!(matches!(t.check("fresh", 0, LAX), Err(Refusal::Unissued { fence: 0, .. })));
+    }
+
+    #[test]
+    fn ended_grant_is_refused_only_when_strict() {
+        let t = table_with("k", 5, false);
+        assert!(matches!(t.check("k", 5, STRICT), Err(Refusal::LeaseExpired { token: 5 })));
+        assert!(matches!(t.check("k", 5, LAX), Ok(Admission::Admitted(_))));
+    }
+
+    #[test]
+    fn live_current_token_is_admitted_and_registered() {
+        let t = table_with("k", 5, true);
+        let Ok(Admission::Admitted(g)) = t.check("k", 5, STRICT) else { panic!() };
+        assert_eq!(t.inflight("k"), 1);
+        drop(g);
+        assert_eq!(t.inflight("k"), 0);
+    }
+
+    #[test]
+    fn external_higher_token_must_advance() {
+        let t = table_with("k", 5, false);
+        let ext = CheckPolicy { strict: true, external: true };
+        assert!(matches!(t.check("k", 9, ext), Ok(Admission::MustAdvance)));
+        assert!(matches!(t.check("new", 1, ext), Ok(Admission::MustAdvance)));
+        assert!(matches!(t.check("k", 5, ext), Ok(Admission::Admitted(_))));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn barrier_waits_for_older_inflight_only() {
+        let t = table_with("k", 5, true);
+        let Ok(Admission::Admitted(old)) = t.check("k", 5, STRICT) else { panic!() };
+        // A newer fence: the barrier for 6 must wait for the token-5 mutation.
+        t.slots.get_mut("k").unwrap().raise(6, true);
+        let t2 = t.clone();
+        let waiter = tokio::spawn(async move { t2.barrier("k", 6, Duration::from_secs(10)).await });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(!waiter.is_finished());
+        drop(old);
+        let outcome = waiter.await.unwrap();
+        assert!(!outcome.overrun);
+        assert!(outcome.waited >= Duration::from_millis(200));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn barrier_gives_up_at_timeout() {
+        let t = table_with("k", 5, true);
+        let Ok(Admission::Admitted(_old)) = t.check("k", 5, STRICT) else { panic!() };
+        let outcome = t.barrier("k", 6, Duration::from_secs(1)).await;
+        assert!(outcome.overrun);
+    }
+
+    #[test]
+    fn raising_the_fence_aborts_streaming_uploads_but_not_finished_ones() {
+        let t = table_with("k", 5, true);
+        let Ok(Admission::Admitted(streaming)) = t.check("k", 5, STRICT) else { panic!() };
+        let Ok(Admission::Admitted(sent)) = t.check("k", 5, STRICT) else { panic!() };
+        sent.ctl().mark_body_done();
+        t.slots.get_mut("k").unwrap().raise(6, true);
+        assert!(streaming.ctl().is_aborted());
+        assert!(!sent.ctl().is_aborted());
+    }
+}

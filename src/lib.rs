@@ -1,0 +1,39 @@
+//! fencegate — a fenced storage gateway.
+//!
+//! A lock gives liveness; the fence at the resource gives safety. fencegate
+//! bundles a lease authority with a durable table of the highest fencing
+//! token per resource, and refuses every mutation that carries a
+//! superseded token before it reaches the protected backend.
+//!
+//! Module map (a request's life runs top to bottom):
+//!
+//! | module | owns |
+//! |---|---|
+//! | [`config`] | the one `Config`: defaults, TOML, `serve` flags, `validate()` |
+//! | [`server`] | listeners: accept, HTTP/1.1 + h2c, connection limits, graceful drain |
+//! | [`proxy`] | routes, path checks and key mapping, the fence check, forwarding, upstreams (http, file) |
+//! | [`fence`] | token parsing, the in-memory fence table, in-flight tracking, the activation barrier |
+//! | [`authority`] | grants, FIFO waiters, expiry, watch |
+//! | [`store`] | RocksDB: fences, grants, counters; group commit of fsyncs |
+//! | [`api`] | lease API handlers, `/metrics`, `/healthz`, `/readyz` |
+//! | [`metrics`] | every Prometheus handle |
+//! | [`error`] | the error enum: the one place statuses and JSON bodies are chosen |
+//! | [`app`] | wiring a `Config` into a running [`app::Gateway`] |
+//! | [`shutdown`] | the one shutdown signal |
+
+pub mod api;
+pub mod app;
+pub mod authority;
+pub mod body;
+pub mod config;
+pub mod error;
+pub mod fence;
+pub mod metrics;
+pub mod proxy;
+pub mod server;
+pub mod shutdown;
+pub mod store;
+
+pub use app::Gateway;
+pub use config::Config;
+pub use error::Error;

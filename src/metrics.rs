@@ -1,0 +1,227 @@
+//! Every Prometheus handle fencegate exports, in one struct, and the text
+//! rendering of `GET /metrics`.
+//!
+//! Names, types and labels are those of SPEC section 6 (plus the zombie
+//! telemetry below them). Labels are route names and fixed outcome words
+//! only — never keys, paths, tokens or lease ids — so cardinality stays
+//! bounded by the configuration.
+
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
+    Registry, TextEncoder,
+};
+
+/// Buckets from 10 µs to 2 min: resolve a fence check or an fsync as well
+/// as a lock wait.
+const BUCKETS: &[f64] = &[
+    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+];
+
+/// Buckets for lease-scale durations (100 ms … 1 h).
+const LEASE_BUCKETS: &[f64] = &[
+    0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0,
+    3600.0,
+];
+
+/// Every metric handle. Cheap to share behind an `Arc`.
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Registry,
+    /// `route`, `outcome`.
+    pub mutations: IntCounterVec,
+    /// `op`, `outcome`.
+    pub lock_requests: IntCounterVec,
+    pub leases_active: IntGauge,
+    pub lease_expirations: IntCounter,
+    pub fence_advances: IntCounter,
+    /// `listener`, `route`.
+    pub request_duration: HistogramVec,
+    /// `route`.
+    pub upstream_duration: HistogramVec,
+    pub store_sync_duration: Histogram,
+    pub activation_wait: Histogram,
+    /// Stale writes: time since the fence last moved.
+    pub stale_write_age: HistogramVec,
+    /// `outcome` = granted, timeout, abandoned.
+    pub lock_wait: HistogramVec,
+    pub renew_margin: Histogram,
+    pub lease_holds: Histogram,
+    pub grants: IntCounter,
+    /// Older uploads aborted by activation, by route.
+    pub aborted_uploads: IntCounterVec,
+    /// Activations that gave up waiting for older in-flight mutations.
+    pub activation_overruns: IntCounter,
+    /// Waiters currently queued across all keys.
+    pub lock_waiters: IntGauge,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+fn hist(name: &str, help: &str, buckets: &[f64]) -> HistogramOpts {
+    HistogramOpts::new(name, help).buckets(buckets.to_vec())
+}
+
+impl Metrics {
+    /// Creates and registers every metric.
+    pub fn new() -> Result<Metrics, prometheus::Error> {
+        let registry = Registry::new();
+        let m = Metrics {
+            mutations: IntCounterVec::new(
+                Opts::new("fencegate_mutations_total", "Mutations seen by the proxy, by route and outcome."),
+                &["route", "outcome"],
+            )?,
+            lock_requests: IntCounterVec::new(
+                Opts::new("fencegate_lock_requests_total", "Lease API calls by operation and outcome."),
+                &["op", "outcome"],
+            )?,
+            leases_active: IntGauge::new("fencegate_leases_active", "Grants currently live.")?,
+            lease_expirations: IntCounter::new(
+                "fencegate_lease_expirations_total",
+                "Grants that ended because their TTL passed without renewal.",
+            )?,
+            fence_advances: IntCounter::new(
+                "fencegate_fence_advances_total",
+                "Times a fence moved (grants and external tokens).",
+            )?,
+            request_duration: HistogramVec::new(
+                hist("fencegate_request_duration_seconds", "Request latency by listener and route.", BUCKETS),
+                &["listener", "route"],
+            )?,
+            upstream_duration: HistogramVec::new(
+                hist("fencegate_upstream_duration_seconds", "Upstream latency until response head, by route.", BUCKETS),
+                &["route"],
+            )?,
+            store_sync_duration: Histogram::with_opts(hist(
+                "fencegate_store_sync_duration_seconds",
+                "Duration of one group commit (write + fsync).",
+                BUCKETS,
+            ))?,
+            activation_wait: Histogram::with_opts(hist(
+                "fencegate_activation_wait_seconds",
+                "Time a new fence waited for older in-flight mutations.",
+                BUCKETS,
+            ))?,
+            stale_write_age: HistogramVec::new(
+                hist(
+                    "fencegate_stale_write_age_seconds",
+                    "For each refused stale write, time since its token was superseded (at least).",
+                    LEASE_BUCKETS,
+                ),
+                &["route"],
+            )?,
+            lock_wait: HistogramVec::new(
+                hist("fencegate_lock_wait_seconds", "Time queued waiters waited, by outcome.", BUCKETS),
+                &["outcome"],
+            )?,
+            renew_margin: Histogram::with_opts(hist(
+                "fencegate_renew_margin_seconds",
+                "Time left on a lease when it was renewed.",
+                LEASE_BUCKETS,
+            ))?,
+            lease_holds: Histogram::with_opts(hist(
+                "fencegate_lease_holds_seconds",
+                "How long grants were held, from grant to release or expiry.",
+                LEASE_BUCKETS,
+            ))?,
+            grants: IntCounter::new("fencegate_grants_total", "Grants issued.")?,
+            aborted_uploads: IntCounterVec::new(
+                Opts::new(
+                    "fencegate_aborted_uploads_total",
+                    "Older uploads aborted mid-body because a newer fence was installed.",
+                ),
+                &["route"],
+            )?,
+            activation_overruns: IntCounter::new(
+                "fencegate_activation_overruns_total",
+                "Activations that stopped waiting for older in-flight mutations at their timeout.",
+            )?,
+            lock_waiters: IntGauge::new("fencegate_lock_waiters", "Clients queued for a lock.")?,
+            registry,
+        };
+        let r = &m.registry;
+        r.register(Box::new(m.mutations.clone()))?;
+        r.register(Box::new(m.lock_requests.clone()))?;
+        r.register(Box::new(m.leases_active.clone()))?;
+        r.register(Box::new(m.lease_expirations.clone()))?;
+        r.register(Box::new(m.fence_advances.clone()))?;
+        r.register(Box::new(m.request_duration.clone()))?;
+        r.register(Box::new(m.upstream_duration.clone()))?;
+        r.register(Box::new(m.store_sync_duration.clone()))?;
+        r.register(Box::new(m.activation_wait.clone()))?;
+        r.register(Box::new(m.stale_write_age.clone()))?;
+        r.register(Box::new(m.lock_wait.clone()))?;
+        r.register(Box::new(m.renew_margin.clone()))?;
+        r.register(Box::new(m.lease_holds.clone()))?;
+        r.register(Box::new(m.grants.clone()))?;
+        r.register(Box::new(m.aborted_uploads.clone()))?;
+        r.register(Box::new(m.activation_overruns.clone()))?;
+        r.register(Box::new(m.lock_waiters.clone()))?;
+        // Make every lock outcome visible from the first scrape, so rate()
+        // over a fresh gateway is 0 rather than absent.
+        for op in ["acquire", "renew", "release"] {
+            for outcome in ["ok", "locked", "lost", "not_owner", "invalid"] {
+                m.lock_requests.with_label_values(&[op, outcome]);
+            }
+        }
+        Ok(m)
+    }
+
+    /// Counts one lease API call.
+    pub fn lock_request(&self, op: &str, outcome: &str) {
+        self.lock_requests.with_label_values(&[op, outcome]).inc();
+    }
+
+    /// Pre-creates the series of one route so dashboards see zeros.
+    pub fn register_route(&self, route: &str) {
+        for outcome in [
+            "forwarded", "stale", "unissued", "lease_expired", "missing_token", "malformed_token",
+            "upstream_error",
+        ] {
+            self.mutations.with_label_values(&[route, outcome]);
+        }
+        self.aborted_uploads.with_label_values(&[route]);
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> Result<String, prometheus::Error> {
+        let mut buf = Vec::new();
+        TextEncoder::new().encode(&self.registry.gather(), &mut buf)?;
+        String::from_utf8(buf).map_err(|e| prometheus::Error::Msg(e.to_string()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spec_metric_names_are_exported() {
+        let m = Metrics::new().unwrap();
+        m.register_route("default");
+        m.store_sync_duration.observe(0.001);
+        m.activation_wait.observe(0.0);
+        m.request_duration.with_label_values(&["api", "acquire"]).observe(0.001);
+        m.upstream_duration.with_label_values(&["default"]).observe(0.001);
+        let text = m.render().unwrap();
+        for name in [
+            "fencegate_mutations_total",
+            "fencegate_lock_requests_total",
+            "fencegate_leases_active",
+            "fencegate_lease_expirations_total",
+            "fencegate_fence_advances_total",
+            "fencegate_request_duration_seconds_bucket",
+            "fencegate_upstream_duration_seconds_bucket",
+            "fencegate_store_sync_duration_seconds_bucket",
+            "fencegate_activation_wait_seconds_bucket",
+        ] {
+            assert!(text.contains(name), "{name} missing");
+        }
+        assert!(text.contains("# TYPE fencegate_mutations_total counter"));
+        assert!(text.contains("# TYPE fencegate_leases_active gauge"));
+    }
+}

@@ -1,0 +1,377 @@
+//! The fenced reverse proxy (SPEC 4). One request's life, and the only
+//! path that forwards a mutation:
+//!
+//! 1. `route`   — the path is checked (no aliases) and decoded, matched to
+//!    a route, and mapped to a resource key;
+//! 2. `admit`   — the token is parsed and compared with the key's fence;
+//!    an admissible mutation is registered as in flight in the same atomic
+//!    step (external routes first advance the fence durably and wait for
+//!    older in-flight mutations);
+//! 3. `forward` — headers are prepared and the body is streamed to the
+//!    upstream, cut off if a newer fence arrives while it still streams;
+//! 4. the in-flight guard drops when the upstream has answered;
+//! 5. any refusal is rendered by `error`.
+
+pub mod fenced_body;
+pub mod filestore;
+pub mod headers;
+pub mod path;
+pub mod template;
+pub mod upstream;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{header, Method, Request, Response};
+use tokio::time::Instant;
+
+use crate::authority::validate_key;
+use crate::body::BoxBody;
+use crate::config::{Config, FenceAuthority, HostHeader};
+use crate::error::Error;
+use crate::fence::{parse_token_header, Admission, CheckPolicy, FenceTable, InflightGuard, Refusal};
+use crate::metrics::Metrics;
+use crate::store::{wait_durable, Store};
+use fenced_body::FencedBody;
+pub use headers::ClientInfo;
+use headers::X_FENCING_TOKEN;
+use template::Template;
+use upstream::{SendError, Upstream, UpstreamUrl};
+
+/// One configured route, ready to serve.
+#[derive(Debug)]
+pub struct Route {
+    pub name: String,
+    matcher: Template,
+    resource: Option<Template>,
+    upstream: Upstream,
+    mutating: Vec<Method>,
+    policy: CheckPolicy,
+    enforce: bool,
+    upstream_timeout: Duration,
+    max_body_bytes: u64,
+    forward_token: bool,
+    host_header: HostHeader,
+}
+
+/// The data plane.
+#[derive(Debug)]
+pub struct Proxy {
+    routes: Vec<Route>,
+    fences: Arc<FenceTable>,
+    store: Store,
+    metrics: Arc<Metrics>,
+}
+
+/// A refused or failed request: the error and the mutation outcome word.
+struct Refused {
+    error: Error,
+    outcome: Option<&'static str>,
+}
+
+impl From<Error> for Refused {
+    fn from(error: Error) -> Refused {
+        Refused { error, outcome: None }
+    }
+}
+
+fn outcome_of(r: &Refusal) -> &'static str {
+    match r {
+        Refusal::Stale { .. } => "stale",
+        Refusal::Unissued { .. } => "unissued",
+        Refusal::LeaseExpired { .. } => "lease_expired",
+    }
+}
+
+impl Proxy {
+    /// Builds every route of `cfg` (effective routes: the configured ones
+    /// or the embedded default).
+    pub fn new(cfg: &Config, fences: Arc<FenceTable>, store: Store, metrics: Arc<Metrics>) -> Result<Proxy, Error> {
+        let mut routes = Vec::new();
+        for (i, rc) in cfg.effective_routes().iter().enumerate() {
+            let bad = |e: String| Error::Internal(format!("routes[{i}]: {e}"));
+            let matcher = Template::parse_match(&rc.match_path).map_err(bad)?;
+            let resource = rc
+                .resource
+                .as_deref()
+                .map(|r| Template::parse_resource(r, &matcher))
+                .transpose()
+                .map_err(bad)?;
+            let url = UpstreamUrl::parse(&rc.upstream).map_err(bad)?;
+            let upstream = Upstream::connect(&url, Duration::from_millis(rc.connect_timeout_ms))?;
+            let mutating = rc
+                .mutating_methods
+                .iter()
+                .filter_map(|m| Method::from_bytes(m.as_bytes()).ok())
+                .collect();
+            let name = rc.route_name(i);
+            metrics.register_route(&name);
+            routes.push(Route {
+                name,
+                matcher,
+                resource,
+                upstream,
+                mutating,
+                policy: CheckPolicy { strict: rc.strict, external: rc.fence_authority == FenceAuthority::External },
+                enforce: rc.enforce,
+                upstream_timeout: Duration::from_millis(rc.upstream_timeout_ms),
+                max_body_bytes: rc.max_body_bytes,
+                forward_token: rc.forward_fencing_token,
+                host_header: rc.host_header,
+            });
+        }
+        Ok(Proxy { routes, fences, store, metrics })
+    }
+
+    /// Serves one proxied request. Never panics on client input; every
+    /// refusal is a JSON error response.
+    pub async fn handle(&self, req: Request<BoxBody>, client: ClientInfo) -> Response<BoxBody> {
+        let started = Instant::now();
+        let (route_name, result) = self.handle_inner(req, client).await;
+        let response = match result {
+            Ok(resp) => resp,
+            Err(refused) => {
+                if let (Some(route), Some(outcome)) = (route_name, refused.outcome) {
+                    self.metrics.mutations.with_label_values(&[route, outcome]).inc();
+                }
+                refused.error.into_response()
+            }
+        };
+        self.metrics
+            .request_duration
+            .with_label_values(&["proxy", route_name.unwrap_or("none")])
+            .observe(started.elapsed().as_secs_f64());
+        response
+    }
+
+    async fn handle_inner<'a>(
+        &'a self,
+        req: Request<BoxBody>,
+        client: ClientInfo,
+    ) -> (Option<&'a str>, Result<Response<BoxBody>, Refused>) {
+        // 1. route
+        let checked = match path::check_path(req.uri().path()) {
+            Ok(p) => p,
+            Err(msg) => return (None, Err(Error::BadRequest(format!("path refused: {msg}")).into())),
+        };
+        let segments = checked.segments();
+        let Some((route, caps)) = self.routes.iter().find_map(|r| r.matcher.matches(&segments).map(|c| (r, c))) else {
+            return (None, Err(Error::NotFound(format!("no route for {}", req.uri().path())).into()));
+        };
+        let key = match &route.resource {
+            Some(t) => t.render(&caps),
+            None => checked.decoded.clone(),
+        };
+        let result = self.admit_and_forward(route, &key, &checked.decoded, req, client).await;
+        (Some(route.name.as_str()), result)
+    }
+
+    async fn admit_and_forward(
+        &self,
+        route: &Route,
+        key: &str,
+        object: &str,
+        req: Request<BoxBody>,
+        client: ClientInfo,
+    ) -> Result<Response<BoxBody>, Refused> {
+        let mutation = route.mutating.contains(req.method());
+        // 2. admit
+        let token = match parse_token_header(req.headers().get_all(&X_FENCING_TOKEN)) {
+            Ok(t) => t,
+            Err(crate::fence::token::TokenError::Malformed(m)) => {
+                let refused = Refused { error: Error::MalformedFencingToken(m), outcome: mutation.then_some("malformed_token") };
+                // Enforcing: refused here. Shadow: forwarded unregistered.
+                self.refuse_or_shadow(route, key, None, refused, client)?;
+                return self.forward(route, key, object, req, client, None, None).await;
+            }
+        };
+        let guard = if mutation {
+            self.admit_mutation(route, key, token, client).await?
+        } else {
+            if let Some(t) = token {
+                // A read with a stale token learns it at once.
+                let fence = self.fences.fence(key);
+                if t < fence {
+                    let refused = Refused {
+                        error: Error::StaleFencingToken { key: key.to_string(), token: t, fence },
+                        outcome: None,
+                    };
+                    if route.enforce {
+                        return Err(refused);
+                    }
+                }
+            }
+            None
+        };
+        // 3. forward
+        self.forward(route, key, object, req, client, guard, token).await
+    }
+
+    /// Decides a mutation: `Some(guard)` to forward it registered, `None`
+    /// to forward it unregistered (shadow mode only), or a refusal.
+    async fn admit_mutation(
+        &self,
+        route: &Route,
+        key: &str,
+        token: Option<u64>,
+        client: ClientInfo,
+    ) -> Result<Option<InflightGuard>, Refused> {
+        if let Err(e) = validate_key(key) {
+            return Err(Refused { error: e, outcome: None });
+        }
+        let Some(token) = token else {
+            let refused = Refused { error: Error::FencingTokenRequired { key: key.to_string() }, outcome: Some("missing_token") };
+            return self.refuse_or_shadow(route, key, None, refused, client).map(|()| None);
+        };
+        match self.fences.check(key, token, route.policy) {
+            Ok(Admission::Admitted(guard)) => {
+                if route.policy.external {
+                    // Another request may be advancing to this very token:
+                    // wait, as it does, for older in-flight mutations.
+                    self.fences.barrier(key, token, route.upstream_timeout).await;
+                }
+                Ok(Some(guard))
+            }
+            Ok(Admission::MustAdvance) => match self.fences.advance(key, token, &self.store) {
+                Ok((guard, durable)) => {
+                    if let Some(rx) = durable {
+                        wait_durable(rx).await?;
+                        self.metrics.fence_advances.inc();
+                    }
+                    let outcome = self.fences.barrier(key, token, route.upstream_timeout).await;
+                    self.metrics.activation_wait.observe(outcome.waited.as_secs_f64());
+                    if outcome.overrun {
+                        self.metrics.activation_overruns.inc();
+                    }
+                    Ok(Some(guard))
+                }
+                Err(refusal) => self.refusal(route, key, token, refusal, client),
+            },
+            Err(refusal) => self.refusal(route, key, token, refusal, client),
+        }
+    }
+
+    fn refusal(
+        &self,
+        route: &Route,
+        key: &str,
+        token: u64,
+        refusal: Refusal,
+        client: ClientInfo,
+    ) -> Result<Option<InflightGuard>, Refused> {
+        if let Refusal::Stale { superseded_for, .. } = &refusal {
+            self.metrics.stale_write_age.with_label_values(&[&route.name]).observe(superseded_for.as_secs_f64());
+        }
+        let outcome = outcome_of(&refusal);
+        let refused = Refused { error: refusal.into_error(key), outcome: Some(outcome) };
+        self.refuse_or_shadow(route, key, Some(token), refused, client).map(|()| None)
+    }
+
+    /// Logs a would-be refusal; returns it when the route enforces, or
+    /// counts it and lets the request through in shadow mode.
+    fn refuse_or_shadow(
+        &self,
+        route: &Route,
+        key: &str,
+        token: Option<u64>,
+        refused: Refused,
+        client: ClientInfo,
+    ) -> Result<(), Refused> {
+        let fence = self.fences.fence(key);
+        tracing::warn!(
+            target: "fencegate::audit",
+            route = %route.name,
+            resource = %key,
+            token = ?token,
+            fence,
+            client = %client.addr,
+            refusal = refused.error.code(),
+            enforced = route.enforce,
+            "mutation refused"
+        );
+        if route.enforce {
+            return Err(refused);
+        }
+        if let Some(outcome) = refused.outcome {
+            self.metrics.mutations.with_label_values(&[&route.name, outcome]).inc();
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn forward(
+        &self,
+        route: &Route,
+        key: &str,
+        object: &str,
+        req: Request<BoxBody>,
+        client: ClientInfo,
+        guard: Option<InflightGuard>,
+        token: Option<u64>,
+    ) -> Result<Response<BoxBody>, Refused> {
+        let mutation = route.mutating.contains(req.method());
+        let outcome_word = |w: &'static str| mutation.then_some(w);
+        let declared = req
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if declared.is_some_and(|len| len > route.max_body_bytes) {
+            return Err(Error::PayloadTooLarge { limit_bytes: route.max_body_bytes }.into());
+        }
+        let (parts, body) = req.into_parts();
+        let ctl = guard.as_ref().map(|g| g.ctl().clone());
+        let (body, body_outcome) = FencedBody::new(body, ctl, route.max_body_bytes);
+        let mut up = Request::from_parts(parts, body);
+        headers::prepare_request(&mut up, client, route.host_header, route.upstream.host(), route.forward_token);
+        let started = Instant::now();
+        let sent = tokio::time::timeout(route.upstream_timeout, route.upstream.send(up, object, token)).await;
+        self.metrics.upstream_duration.with_label_values(&[&route.name]).observe(started.elapsed().as_secs_f64());
+        // 4. the upstream has answered (or failed): no longer in flight.
+        drop(guard);
+        let cut_short = |fallback: Error| -> Refused {
+            if body_outcome.aborted() {
+                self.metrics.aborted_uploads.with_label_values(&[&route.name]).inc();
+                // The fence moved past this token while its body streamed:
+                // the upstream got a truncated request and cannot apply it.
+                let fence = self.fences.fence(key);
+                let error = Error::StaleFencingToken { key: key.to_string(), token: token.unwrap_or(0), fence };
+                return Refused { error, outcome: outcome_word("stale") };
+            }
+            if body_outcome.too_large() {
+                return Error::PayloadTooLarge { limit_bytes: route.max_body_bytes }.into();
+            }
+            Refused { error: fallback, outcome: outcome_word("upstream_error") }
+        };
+        match sent {
+            Err(_) => Err(Refused {
+                error: Error::UpstreamTimeout { timeout_ms: u64::try_from(route.upstream_timeout.as_millis()).unwrap_or(u64::MAX) },
+                outcome: outcome_word("upstream_error"),
+            }),
+            Ok(Err(SendError::Connect(e))) => {
+                tracing::warn!(route = %route.name, error = %e, "upstream connect failed");
+                Err(cut_short(Error::UpstreamUnavailable("could not connect to the upstream".into())))
+            }
+            Ok(Err(SendError::Other(e))) => {
+                tracing::warn!(route = %route.name, error = %e, "upstream exchange failed");
+                Err(cut_short(Error::UpstreamUnavailable("the upstream exchange failed".into())))
+            }
+            Ok(Err(SendError::Refused(e))) => {
+                let mut refused = cut_short(e);
+                if refused.outcome == Some("upstream_error") && refused.error.status().is_client_error() {
+                    // The store answered the client's request (404, 412):
+                    // it was forwarded, just not applied.
+                    refused.outcome = outcome_word("forwarded");
+                }
+                Err(refused)
+            }
+            Ok(Ok(mut resp)) => {
+                headers::prepare_response(&mut resp);
+                if mutation {
+                    self.metrics.mutations.with_label_values(&[&route.name, "forwarded"]).inc();
+                }
+                Ok(resp)
+            }
+        }
+    }
+}

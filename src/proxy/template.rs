@@ -1,0 +1,204 @@
+//! Route templates: the `match` path template and the `resource` key
+//! template of a `[[routes]]` entry.
+//!
+//! `match` is `/`-separated: literal segments, `{name}` (one segment) and a
+//! final `{*name}` (the rest, possibly empty). `resource` is text with
+//! `{name}` references to the match's names. Templates are parsed once at
+//! start; matching works on already-checked, decoded segments.
+
+use std::collections::HashMap;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Part {
+    Literal(String),
+    Param(String),
+    Rest(String),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Piece {
+    Text(String),
+    Var(String),
+}
+
+/// A parsed `match` or `resource` template.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Template {
+    parts: Vec<Part>,
+    pieces: Vec<Piece>,
+}
+
+/// The names a match captured, borrowed from the request's segments.
+pub type Captures = HashMap<String, String>;
+
+fn valid_name(name: &str) -> bool {
+    let mut chars = name.chars();
+    matches!(chars.next(), Some(c) if c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
+impl Template {
+    /// Parses a `match` template.
+    pub fn parse_match(text: &str) -> Result<Template, String> {
+        let Some(rest) = text.strip_prefix('/') else {
+            return Err("must start with \"/\"".into());
+        };
+        let segments: Vec<&str> = if rest.is_empty() { Vec::new() } else { rest.split('/').collect() };
+        let mut parts = Vec::new();
+        let mut names = std::collections::HashSet::new();
+        for (i, seg) in segments.iter().enumerate() {
+            let part = if let Some(inner) = seg.strip_prefix('{').and_then(|s| s.strip_suffix('}')) {
+                if let Some(name) = inner.strip_prefix('*') {
+                    if i + 1 != segments.len() {
+                        return Err(format!("{{*{name}}} must be the last segment"));
+                    }
+                    Part::Rest(name.to_string())
+                } else {
+                    Part::Param(inner.to_string())
+                }
+            } else if seg.contains('{') || seg.contains('}') {
+                return Err(format!("segment {seg:?} mixes text and braces"));
+            } else if seg.is_empty() {
+                return Err("empty segment".into());
+            } else {
+                Part::Literal((*seg).to_string())
+            };
+            if let Part::Param(n) | Part::Rest(n) = &part {
+                if !valid_name(n) {
+                    return Err(format!("{n:?} is not a valid name ([A-Za-z_][A-Za-z0-9_]*)"));
+                }
+                if !names.insert(n.clone()) {
+                    return Err(format!("name {n:?} is used twice"));
+                }
+            }
+            parts.push(part);
+        }
+        Ok(Template { parts, pieces: Vec::new() })
+    }
+
+    /// Parses a `resource` template against the names of `matcher`.
+    pub fn parse_resource(text: &str, matcher: &Template) -> Result<Template, String> {
+        let mut pieces = Vec::new();
+        let mut rest = text;
+        while !rest.is_empty() {
+            match rest.find('{') {
+                Some(0) => {
+                    let Some(end) = rest.find('}') else { return Err("unclosed \"{\"".into()) };
+                    let name = &rest[1..end];
+                    if !matcher.names().any(|n| n == name) {
+                        return Err(format!("{{{name}}} is not a name of the match template"));
+                    }
+                    pieces.push(Piece::Var(name.to_string()));
+                    rest = &rest[end + 1..];
+                }
+                Some(i) => {
+                    pieces.push(Piece::Text(rest[..i].to_string()));
+                    rest = &rest[i..];
+                }
+                None => {
+                    pieces.push(Piece::Text(rest.to_string()));
+                    rest = "";
+                }
+            }
+            if let Some(Piece::Text(t)) = pieces.last() {
+                if t.contains('}') {
+                    return Err("unmatched \"}\"".into());
+                }
+            }
+        }
+        if pieces.is_empty() {
+            return Err("must not be empty".into());
+        }
+        Ok(Template { parts: Vec::new(), pieces })
+    }
+
+    fn names(&self) -> impl Iterator<Item = &str> {
+        self.parts.iter().filter_map(|p| match p {
+            Part::Param(n) | Part::Rest(n) => Some(n.as_str()),
+            Part::Literal(_) => None,
+        })
+    }
+
+    /// Matches decoded path segments; `None` when the route does not apply.
+    pub fn matches(&self, segments: &[&str]) -> Option<Captures> {
+        let mut caps = Captures::new();
+        let mut i = 0;
+        for part in &self.parts {
+            match part {
+                Part::Literal(l) => {
+                    if segments.get(i) != Some(&l.as_str()) {
+                        return None;
+                    }
+                    i += 1;
+                }
+                Part::Param(n) => {
+                    let seg = segments.get(i)?;
+                    if seg.is_empty() {
+                        return None;
+                    }
+                    caps.insert(n.clone(), (*seg).to_string());
+                    i += 1;
+                }
+                Part::Rest(n) => {
+                    caps.insert(n.clone(), segments[i.min(segments.len())..].join("/"));
+                    i = segments.len();
+                }
+            }
+        }
+        (i == segments.len()).then_some(caps)
+    }
+
+    /// Renders a resource template with the captures of a match.
+    pub fn render(&self, caps: &Captures) -> String {
+        let mut out = String::new();
+        for piece in &self.pieces {
+            match piece {
+                Piece::Text(t) => out.push_str(t),
+                Piece::Var(v) => out.push_str(caps.get(v).map_or("", String::as_str)),
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn named_and_rest_segments_capture() {
+        let m = Template::parse_match("/orders/{id}/{*rest}").unwrap();
+        let caps = m.matches(&["orders", "42", "lines", "7"]).unwrap();
+        assert_eq!(caps["id"], "42");
+        assert_eq!(caps["rest"], "lines/7");
+        let r = Template::parse_resource("orders/{id}", &m).unwrap();
+        assert_eq!(r.render(&caps), "orders/42");
+        assert!(m.matches(&["order", "42"]).is_none());
+    }
+
+    #[test]
+    fn catch_all_matches_everything() {
+        let m = Template::parse_match("/{*path}").unwrap();
+        assert_eq!(m.matches(&["a", "b"]).unwrap()["path"], "a/b");
+        assert_eq!(m.matches(&[]).unwrap()["path"], "");
+    }
+
+    #[test]
+    fn exact_templates_need_every_segment() {
+        let m = Template::parse_match("/a/{x}").unwrap();
+        assert!(m.matches(&["a"]).is_none());
+        assert!(m.matches(&["a", "1", "2"]).is_none());
+        assert!(m.matches(&["a", "1"]).is_some());
+    }
+
+    #[test]
+    fn bad_templates_are_refused() {
+        for bad in ["a/b", "/{*r}/x", "/x{y}", "/{1a}", "/{a}/{a}", "/a//b"] {
+            assert!(Template::parse_match(bad).is_err(), "{bad}");
+        }
+        let m = Template::parse_match("/{id}").unwrap();
+        for bad in ["{nope}", "x/{id", "x}", ""] {
+            assert!(Template::parse_resource(bad, &m).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,178 @@
+//! Upstream kinds behind one forwarding path: `http://` (pooled hyper
+//! client) and `file://` (the built-in object store). Both take the same
+//! checked request with a [`FencedBody`] and answer a response head; the
+//! fence check has already happened in `proxy::handle` and is not repeated
+//! or bypassed here.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use http::uri::{Authority, Scheme};
+use http::{HeaderValue, Request, Response, Uri};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+
+use super::filestore::FileStore;
+use super::fenced_body::FencedBody;
+use crate::error::Error;
+
+/// A parsed `upstream` setting.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum UpstreamUrl {
+    /// `http://authority[/prefix]`.
+    Http { authority: Authority, prefix: String },
+    /// `file://DIR`.
+    File { dir: PathBuf },
+}
+
+impl UpstreamUrl {
+    /// Parses and checks an upstream URL.
+    pub fn parse(text: &str) -> Result<UpstreamUrl, String> {
+        if let Some(dir) = text.strip_prefix("file://") {
+            if dir.is_empty() {
+                return Err("file:// needs a directory".into());
+            }
+            return Ok(UpstreamUrl::File { dir: PathBuf::from(dir) });
+        }
+        let uri: Uri = text.parse().map_err(|e| format!("not a URL: {e}"))?;
+        match uri.scheme() {
+            Some(s) if *s == Scheme::HTTP => {}
+            Some(s) if *s == Scheme::HTTPS => {
+                return Err("https:// upstreams are not built yet (TLS to upstreams is planned); use http:// or file://".into())
+            }
+            _ => return Err("scheme must be http:// or file://".into()),
+        }
+        let authority = uri.authority().cloned().ok_or("missing host")?;
+        if authority.as_str().contains('@') {
+            return Err("credentials in the URL are not allowed".into());
+        }
+        if uri.query().is_some() {
+            return Err("a query is not allowed".into());
+        }
+        let prefix = uri.path().trim_end_matches('/').to_string();
+        Ok(UpstreamUrl::Http { authority, prefix })
+    }
+}
+
+/// The request body type every upstream receives.
+pub type UpstreamRequest = Request<FencedBody>;
+
+/// A connected upstream of one route.
+#[derive(Clone)]
+pub enum Upstream {
+    /// A pooled HTTP/1.1 client.
+    Http { client: Client<HttpConnector, FencedBody>, authority: Authority, prefix: String },
+    /// The built-in object store.
+    File(FileStore),
+}
+
+impl std::fmt::Debug for Upstream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Upstream::Http { authority, prefix, .. } => write!(f, "http://{authority}{prefix}"),
+            Upstream::File(s) => write!(f, "{s:?}"),
+        }
+    }
+}
+
+impl Upstream {
+    /// Builds the client (or opens the store) of one route.
+    pub fn connect(url: &UpstreamUrl, connect_timeout: Duration) -> Result<Upstream, Error> {
+        match url {
+            UpstreamUrl::Http { authority, prefix } => {
+                let mut connector = HttpConnector::new();
+                connector.set_connect_timeout(Some(connect_timeout));
+                connector.set_nodelay(true);
+                connector.enforce_http(true);
+                let client = Client::builder(TokioExecutor::new())
+                    .pool_idle_timeout(Duration::from_secs(60))
+                    .pool_max_idle_per_host(256)
+                    .build(connector);
+                Ok(Upstream::Http { client, authority: authority.clone(), prefix: prefix.clone() })
+            }
+            UpstreamUrl::File { dir } => Ok(Upstream::File(FileStore::open(dir)?)),
+        }
+    }
+
+    /// The authority to send as `Host` when the route rewrites it.
+    pub fn host(&self) -> Option<HeaderValue> {
+        match self {
+            Upstream::Http { authority, .. } => HeaderValue::from_str(authority.as_str()).ok(),
+            Upstream::File(_) => None,
+        }
+    }
+
+    /// Sends the request and returns the upstream's response head with
+    /// its body still streaming. `key_path`: the checked, decoded path
+    /// (the file store's object name).
+    pub async fn send(
+        &self,
+        mut req: UpstreamRequest,
+        key_path: &str,
+        token: Option<u64>,
+    ) -> Result<Response<crate::body::BoxBody>, SendError> {
+        match self {
+            Upstream::Http { client, authority, prefix } => {
+                let pq = req.uri().path_and_query().map_or("/", |pq| pq.as_str());
+                let uri = Uri::builder()
+                    .scheme(Scheme::HTTP)
+                    .authority(authority.clone())
+                    .path_and_query(format!("{prefix}{pq}"))
+                    .build()
+                    .map_err(|e| SendError::Other(format!("building upstream URI: {e}")))?;
+                *req.uri_mut() = uri;
+                *req.version_mut() = http::Version::HTTP_11;
+                let resp = client.request(req).await.map_err(|e| {
+                    if e.is_connect() {
+                        SendError::Connect(e.to_string())
+                    } else {
+                        SendError::Other(error_chain(&e))
+                    }
+                })?;
+                use http_body_util::BodyExt;
+                Ok(resp.map(|b| b.map_err(Into::into).boxed_unsync()))
+            }
+            Upstream::File(store) => store.handle(req, key_path, token).await.map_err(SendError::Refused),
+        }
+    }
+}
+
+/// How sending upstream failed.
+#[derive(Debug)]
+pub enum SendError {
+    /// Could not connect.
+    Connect(String),
+    /// The exchange broke (including a body cut off by us).
+    Other(String),
+    /// The built-in store refused with a client-facing error.
+    Refused(Error),
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        cur = s.source();
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn upstream_urls_parse() {
+        assert_eq!(
+            UpstreamUrl::parse("http://127.0.0.1:9000/base/").unwrap(),
+            UpstreamUrl::Http { authority: "127.0.0.1:9000".parse().unwrap(), prefix: "/base".into() }
+        );
+        assert!(matches!(UpstreamUrl::parse("file:///tmp/x").unwrap(), UpstreamUrl::File { .. }));
+        for bad in ["ftp://x", "127.0.0.1:80", "http://u:p@h/", "http://h/?q=1", "file://", "https://h"] {
+            assert!(UpstreamUrl::parse(bad).is_err(), "{bad}");
+        }
+    }
+}

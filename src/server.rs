@@ -1,0 +1,100 @@
+//! Listeners: accept, serve HTTP/1.1 and HTTP/2 (h2c prior knowledge) with
+//! hyper-util's auto builder, bound the number of connections, and drain
+//! gracefully on shutdown. This module knows nothing of leases or fences:
+//! it hands each request to a handler.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{Request, Response};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+
+use crate::body::BoxBody;
+use crate::proxy::ClientInfo;
+use crate::shutdown::Shutdown;
+
+/// A boxed response future.
+pub type ResponseFuture = Pin<Box<dyn Future<Output = Response<BoxBody>> + Send>>;
+
+/// What serves each request of a listener.
+pub type Handler = Arc<dyn Fn(Request<BoxBody>, ClientInfo) -> ResponseFuture + Send + Sync>;
+
+/// Listener limits.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub max_connections: usize,
+    pub max_header_bytes: usize,
+    pub header_read_timeout: Duration,
+    pub shutdown_grace: Duration,
+}
+
+/// Serves `listener` until `shutdown`, then drains open connections for
+/// up to `limits.shutdown_grace`.
+pub async fn serve(name: &'static str, listener: TcpListener, handler: Handler, limits: Limits, shutdown: Shutdown) {
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout)
+        .max_buf_size(limits.max_header_bytes.max(8192));
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX))
+        .max_concurrent_streams(256);
+    let graceful = GracefulShutdown::new();
+    let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    loop {
+        let permit = tokio::select! {
+            p = slots.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+            () = shutdown.wait() => break,
+        };
+        let (stream, addr) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(pair) => pair,
+                Err(e) => {
+                    // EMFILE and friends: back off instead of spinning.
+                    tracing::warn!(listener = name, error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = shutdown.wait() => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let client = ClientInfo { addr, tls: false };
+        let handler = handler.clone();
+        let service = service_fn(move |req: Request<Incoming>| {
+            let req = req.map(|b| b.map_err(Into::into).boxed_unsync());
+            let fut = handler(req, client);
+            async move { Ok::<_, Infallible>(fut.await) }
+        });
+        let builder = builder.clone();
+        let watcher = graceful.watcher();
+        tokio::spawn(async move {
+            let conn = builder.serve_connection(TokioIo::new(stream), service);
+            if let Err(e) = watcher.watch(conn).await {
+                tracing::debug!(listener = name, client = %addr, error = %e, "connection ended with an error");
+            }
+            drop(permit);
+        });
+    }
+    drop(listener);
+    tracing::info!(listener = name, "draining connections");
+    tokio::select! {
+        () = graceful.shutdown() => tracing::info!(listener = name, "all connections drained"),
+        () = tokio::time::sleep(limits.shutdown_grace) => {
+            tracing::warn!(listener = name, "shutdown grace passed with connections still open");
+        }
+    }
+}

@@ -1,0 +1,310 @@
+//! Shared helpers of the integration tests: the real `fencegate` binary on
+//! free loopback ports, a small HTTP client, and a recording upstream.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::HashMap;
+use std::net::{SocketAddr, TcpListener as StdListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{HeaderMap, Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use serde_json::Value;
+
+/// A free loopback port (bound, then released).
+pub fn free_port() -> u16 {
+    StdListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// The real binary, running as a child process.
+pub struct Gateway {
+    pub child: Child,
+    pub proxy: SocketAddr,
+    pub api: SocketAddr,
+    pub data_dir: PathBuf,
+    pub log: PathBuf,
+}
+
+/// How to start the binary.
+#[derive(Clone, Default)]
+pub struct Opts {
+    pub upstream: Option<String>,
+    pub config: Option<String>,
+    pub proxy_port: Option<u16>,
+    pub api_port: Option<u16>,
+}
+
+impl Gateway {
+    /// Starts `fencegate serve` on `data_dir` and waits for `/readyz`.
+    pub fn start(data_dir: &Path, opts: Opts) -> Gateway {
+        let proxy: SocketAddr = format!("127.0.0.1:{}", opts.proxy_port.unwrap_or_else(free_port)).parse().unwrap();
+        let api: SocketAddr = format!("127.0.0.1:{}", opts.api_port.unwrap_or_else(free_port)).parse().unwrap();
+        let log = data_dir.with_extension(format!("{}.log", api.port()));
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_fencegate"));
+        cmd.arg("serve")
+            .arg("--data-dir")
+            .arg(data_dir)
+            .arg("--listen")
+            .arg(proxy.to_string())
+            .arg("--api-listen")
+            .arg(api.to_string());
+        if let Some(u) = &opts.upstream {
+            cmd.arg("--upstream").arg(u);
+        }
+        if let Some(text) = &opts.config {
+            let path = data_dir.with_extension("toml");
+            std::fs::write(&path, text).unwrap();
+            cmd.arg("--config").arg(path);
+        }
+        let logfile = std::fs::File::create(&log).unwrap();
+        cmd.stdout(Stdio::null()).stderr(logfile).env("RUST_LOG", "info");
+        let child = cmd.spawn().expect("spawning fencegate");
+        let gw = Gateway { child, proxy, api, data_dir: data_dir.to_path_buf(), log };
+        gw.wait_ready(Duration::from_secs(60));
+        gw
+    }
+
+    fn wait_ready(&self, limit: Duration) {
+        let started = Instant::now();
+        loop {
+            if std::net::TcpStream::connect(self.api).is_ok() && std::net::TcpStream::connect(self.proxy).is_ok() {
+                return;
+            }
+            assert!(started.elapsed() < limit, "gateway did not come up; log:\n{}", self.log_text());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn api_url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.api)
+    }
+
+    pub fn proxy_url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.proxy)
+    }
+
+    /// SIGKILL, no goodbye.
+    pub fn kill9(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM and wait for a clean exit.
+    pub fn terminate(mut self) -> std::process::ExitStatus {
+        signal(self.child.id(), "TERM");
+        let started = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(started.elapsed() < Duration::from_secs(30), "gateway did not stop on SIGTERM");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Sends a signal by name to a PID.
+pub fn signal(pid: u32, name: &str) {
+    let ok = Command::new("kill").arg(format!("-{name}")).arg(pid.to_string()).status().unwrap().success();
+    assert!(ok, "kill -{name} {pid}");
+}
+
+/// A response, whole.
+#[derive(Debug)]
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Reply {
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| {
+            panic!("not JSON ({e}): {:?}", String::from_utf8_lossy(&self.body))
+        })
+    }
+    pub fn error_code(&self) -> String {
+        self.json()["error"].as_str().unwrap_or("").to_string()
+    }
+}
+
+/// A pooled HTTP/1.1 client.
+#[derive(Clone)]
+pub struct Http(Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>);
+
+impl Default for Http {
+    fn default() -> Self {
+        Http(Client::builder(TokioExecutor::new()).build_http())
+    }
+}
+
+impl Http {
+    pub async fn send(&self, method: Method, url: &str, headers: &[(&str, &str)], body: impl Into<Bytes>) -> Reply {
+        self.try_send(method, url, headers, body).await.expect("request failed")
+    }
+
+    /// Like `send`, but a transport failure is an `Err`, not a panic.
+    pub async fn try_send(
+        &self,
+        method: Method,
+        url: &str,
+        headers: &[(&str, &str)],
+        body: impl Into<Bytes>,
+    ) -> Result<Reply, String> {
+        let mut b = Request::builder().method(method).uri(url);
+        for (k, v) in headers {
+            b = b.header(*k, *v);
+        }
+        let resp = self.0.request(b.body(Full::new(body.into())).unwrap()).await.map_err(|e| e.to_string())?;
+        let (parts, body) = resp.into_parts();
+        let body = body.collect().await.map_err(|e| e.to_string())?.to_bytes();
+        Ok(Reply { status: parts.status, headers: parts.headers, body })
+    }
+
+    pub async fn try_post_json(&self, url: &str, body: Value) -> Result<Reply, String> {
+        self.try_send(Method::POST, url, &[("content-type", "application/json")], body.to_string()).await
+    }
+
+    pub async fn post_json(&self, url: &str, body: Value) -> Reply {
+        self.send(Method::POST, url, &[("content-type", "application/json")], body.to_string()).await
+    }
+
+    pub async fn get(&self, url: &str) -> Reply {
+        self.send(Method::GET, url, &[], Bytes::new()).await
+    }
+}
+
+pub async fn collect<B>(resp: Response<B>) -> Reply
+where
+    B: http_body::Body,
+    B::Error: std::fmt::Debug,
+{
+    let (parts, body) = resp.into_parts();
+    let body = body.collect().await.expect("reading body").to_bytes();
+    Reply { status: parts.status, headers: parts.headers, body }
+}
+
+/// A grant as the API returns it.
+#[derive(Debug, Clone)]
+pub struct Grant {
+    pub key: String,
+    pub token: u64,
+    pub lease_id: String,
+}
+
+pub async fn acquire(http: &Http, gw_api: &str, key: &str, ttl_ms: u64, wait_ms: u64) -> Result<Grant, Reply> {
+    let r = http
+        .post_json(&format!("{gw_api}/v1/locks/acquire"), serde_json::json!({"key": key, "ttl_ms": ttl_ms, "wait_ms": wait_ms, "holder": "test"}))
+        .await;
+    if r.status != StatusCode::OK {
+        return Err(r);
+    }
+    let v = r.json();
+    Ok(Grant {
+        key: key.to_string(),
+        token: v["fencing_token"].as_u64().unwrap(),
+        lease_id: v["lease_id"].as_str().unwrap().to_string(),
+    })
+}
+
+pub async fn release(http: &Http, gw_api: &str, g: &Grant) -> Reply {
+    http.post_json(&format!("{gw_api}/v1/locks/release"), serde_json::json!({"key": g.key, "lease_id": g.lease_id})).await
+}
+
+/// One request as the recording upstream received it.
+#[derive(Debug, Clone)]
+pub struct Seen {
+    pub method: Method,
+    pub path: String,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+    pub complete: bool,
+}
+
+/// An HTTP upstream that records every request it receives (and whether
+/// its body arrived whole), with an optional delay before answering.
+#[derive(Clone)]
+pub struct Recorder {
+    pub addr: SocketAddr,
+    pub seen: Arc<Mutex<Vec<Seen>>>,
+    pub delay_ms: Arc<Mutex<HashMap<String, u64>>>,
+}
+
+impl Recorder {
+    pub async fn start() -> Recorder {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let seen: Arc<Mutex<Vec<Seen>>> = Arc::default();
+        let delay_ms: Arc<Mutex<HashMap<String, u64>>> = Arc::default();
+        let rec = Recorder { addr, seen: seen.clone(), delay_ms: delay_ms.clone() };
+        tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else { return };
+                let seen = seen.clone();
+                let delay_ms = delay_ms.clone();
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+                        let seen = seen.clone();
+                        let delay_ms = delay_ms.clone();
+                        async move {
+                            let (parts, body) = req.into_parts();
+                            let path = parts.uri.path().to_string();
+                            let (body, complete) = match body.collect().await {
+                                Ok(c) => (c.to_bytes(), true),
+                                Err(_) => (Bytes::new(), false),
+                            };
+                            let delay = delay_ms.lock().unwrap().get(&path).copied();
+                            if let Some(ms) = delay {
+                                tokio::time::sleep(Duration::from_millis(ms)).await;
+                            }
+                            seen.lock().unwrap().push(Seen {
+                                method: parts.method,
+                                path,
+                                headers: parts.headers,
+                                body,
+                                complete,
+                            });
+                            Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::from_static(b"stored"))))
+                        }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
+                });
+            }
+        });
+        rec
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn count(&self) -> usize {
+        self.seen.lock().unwrap().len()
+    }
+
+    pub fn requests(&self) -> Vec<Seen> {
+        self.seen.lock().unwrap().clone()
+    }
+
+    pub fn set_delay(&self, path: &str, ms: u64) {
+        self.delay_ms.lock().unwrap().insert(path.to_string(), ms);
+    }
+}

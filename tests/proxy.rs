@@ -1,0 +1,308 @@
+//! The fenced proxy against the real binary and a recording upstream:
+//! every row of the SPEC 4 check table, each asserting that a refused
+//! request never reached the upstream; reads; path aliases; proxy headers.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use common::{acquire, release, Gateway, Http, Opts, Recorder};
+use http::{Method, StatusCode};
+
+async fn setup_with(config: Option<String>) -> (tempfile::TempDir, Gateway, Recorder, Http) {
+    let rec = Recorder::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let opts = match config {
+        Some(c) => Opts { config: Some(c.replace("UPSTREAM", &rec.url())), ..Opts::default() },
+        None => Opts { upstream: Some(rec.url()), ..Opts::default() },
+    };
+    let gw = Gateway::start(&dir.path().join("data"), opts);
+    (dir, gw, rec, Http::default())
+}
+
+async fn setup() -> (tempfile::TempDir, Gateway, Recorder, Http) {
+    setup_with(None).await
+}
+
+async fn put(http: &Http, gw: &Gateway, path: &str, token: Option<&str>) -> common::Reply {
+    let mut headers = vec![];
+    if let Some(t) = token {
+        headers.push(("x-fencing-token", t));
+    }
+    http.send(Method::PUT, &gw.proxy_url(path), &headers, "payload").await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn missing_token_is_428_before_upstream() {
+    let (_d, gw, rec, http) = setup().await;
+    for m in [Method::PUT, Method::POST, Method::PATCH, Method::DELETE] {
+        let r = http.send(m.clone(), &gw.proxy_url("/orders/1"), &[], "x").await;
+        assert_eq!(r.status, StatusCode::PRECONDITION_REQUIRED, "{m}");
+        assert_eq!(r.error_code(), "fencing_token_required");
+    }
+    assert_eq!(rec.count(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn malformed_token_is_400_before_upstream() {
+    let (_d, gw, rec, http) = setup().await;
+    let g = acquire(&http, &gw.api_url(""), "orders/1", 10_000, 0).await.unwrap();
+    let t = g.token.to_string();
+    let bad = ["", "+1", "-1", "1 2", "0x1", "1.0", "abc", "18446744073709551616", "1,2"];
+    for v in bad {
+        let r = put(&http, &gw, "/orders/1", Some(v)).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{v:?}");
+        assert_eq!(r.error_code(), "malformed_fencing_token", "{v:?}");
+    }
+    // Two header lines that disagree.
+    let r = http
+        .send(Method::PUT, &gw.proxy_url("/orders/1"), &[("x-fencing-token", &t), ("x-fencing-token", "999")], "x")
+        .await;
+    assert_eq!(r.error_code(), "malformed_fencing_token");
+    assert_eq!(rec.count(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn stale_token_is_409_with_token_and_fence_before_upstream() {
+    let (_d, gw, rec, http) = setup().await;
+    let api = gw.api_url("");
+    let old = acquire(&http, &api, "orders/1", 10_000, 0).await.unwrap();
+    release(&http, &api, &old).await;
+    let new = acquire(&http, &api, "orders/1", 10_000, 0).await.unwrap();
+    let r = put(&http, &gw, "/orders/1", Some(&old.token.to_string())).await;
+    assert_eq!(r.status, StatusCode::CONFLICT);
+    assert_eq!(r.error_code(), "stale_fencing_token");
+    assert_eq!(r.json()["token"], old.token);
+    assert_eq!(r.json()["fence"], new.token);
+    assert_eq!(rec.count(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn unissued_token_is_403_and_cannot_fence_out_the_holder() {
+    let (_d, gw, rec, http) = setup().await;
+    let api = gw.api_url("");
+    let g = acquire(&http, &api, "orders/1", 10_000, 0).await.unwrap();
+    let other = acquire(&http, &api, "orders/2", 10_000, 0).await.unwrap();
+    let other2 = { release(&http, &api, &other).await; acquire(&http, &api, "orders/2", 10_000, 0).await.unwrap() };
+    for t in ["999999", &u64::MAX.to_string(), &other2.token.to_string()] {
+        let r = put(&http, &gw, "/orders/1", Some(t)).await;
+        assert_eq!(r.status, StatusCode::FORBIDDEN, "{t}");
+        assert_eq!(r.error_code(), "unissued_fencing_token");
+    }
+    // Fresh key, nothing ever issued.
+    let r = put(&http, &gw, "/fresh", Some("1")).await;
+    assert_eq!(r.error_code(), "unissued_fencing_token");
+    assert_eq!(rec.count(), 0);
+    // The holder was not fenced out by the made-up numbers.
+    let r = put(&http, &gw, "/orders/1", Some(&g.token.to_string())).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(rec.count(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn ended_grant_is_409_lease_expired_on_strict_routes() {
+    let (_d, gw, rec, http) = setup().await;
+    let api = gw.api_url("");
+    let g = acquire(&http, &api, "released", 10_000, 0).await.unwrap();
+    release(&http, &api, &g).await;
+    let r = put(&http, &gw, "/released", Some(&g.token.to_string())).await;
+    assert_eq!(r.status, StatusCode::CONFLICT);
+    assert_eq!(r.error_code(), "lease_expired");
+    let e = acquire(&http, &api, "expired", 150, 0).await.unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let r = put(&http, &gw, "/expired", Some(&e.token.to_string())).await;
+    assert_eq!(r.error_code(), "lease_expired");
+    assert_eq!(rec.count(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn non_strict_route_accepts_the_last_token_after_its_lease_ended() {
+    let cfg = r#"
+[[routes]]
+match = "/{*path}"
+upstream = "UPSTREAM"
+strict = false
+"#;
+    let (_d, gw, rec, http) = setup_with(Some(cfg.into())).await;
+    let api = gw.api_url("");
+    let g = acquire(&http, &api, "k", 10_000, 0).await.unwrap();
+    release(&http, &api, &g).await;
+    let r = put(&http, &gw, "/k", Some(&g.token.to_string())).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(rec.count(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn current_token_is_forwarded_with_proxy_headers() {
+    let (_d, gw, rec, http) = setup().await;
+    let g = acquire(&http, &gw.api_url(""), "orders/1", 10_000, 0).await.unwrap();
+    let t = g.token.to_string();
+    let r = http
+        .send(
+            Method::PUT,
+            &gw.proxy_url("/orders/1?x=1"),
+            &[
+                ("x-fencing-token", &t),
+                ("connection", "keep-alive, x-hop"),
+                ("x-hop", "secret"),
+                ("te", "trailers"),
+                ("if-match", "\"abc\""),
+                ("x-forwarded-for", "192.0.2.9"),
+            ],
+            "payload",
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(&r.body[..], b"stored");
+    assert!(r.headers["via"].to_str().unwrap().contains("fencegate"));
+    let seen = rec.requests();
+    assert_eq!(seen.len(), 1);
+    let s = &seen[0];
+    assert_eq!(s.method, Method::PUT);
+    assert_eq!(s.path, "/orders/1");
+    assert_eq!(&s.body[..], b"payload");
+    assert_eq!(s.headers["x-fencing-token"], t.as_str());
+    assert_eq!(s.headers["if-match"], "\"abc\"");
+    assert_eq!(s.headers["x-forwarded-for"], "192.0.2.9, 127.0.0.1");
+    assert_eq!(s.headers["x-forwarded-proto"], "http");
+    assert_eq!(s.headers["x-forwarded-host"], gw.proxy.to_string().as_str());
+    assert_eq!(s.headers["host"], gw.proxy.to_string().as_str());
+    assert!(s.headers["via"].to_str().unwrap().contains("fencegate"));
+    assert!(!s.headers.contains_key("x-hop"));
+    assert!(!s.headers.contains_key("te"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn reads_pass_but_a_stale_read_learns_it() {
+    let (_d, gw, rec, http) = setup().await;
+    let api = gw.api_url("");
+    let r = http.get(&gw.proxy_url("/orders/1")).await;
+    assert_eq!(r.status, StatusCode::OK);
+    let old = acquire(&http, &api, "orders/1", 10_000, 0).await.unwrap();
+    release(&http, &api, &old).await;
+    acquire(&http, &api, "orders/1", 10_000, 0).await.unwrap();
+    let r = http.send(Method::GET, &gw.proxy_url("/orders/1"), &[("x-fencing-token", &old.token.to_string())], "").await;
+    assert_eq!(r.status, StatusCode::CONFLICT);
+    assert_eq!(r.error_code(), "stale_fencing_token");
+    assert_eq!(rec.count(), 1, "only the token-less read reached the upstream");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn path_aliases_are_refused_before_upstream() {
+    let (_d, gw, rec, http) = setup().await;
+    let g = acquire(&http, &gw.api_url(""), "orders/1", 10_000, 0).await.unwrap();
+    let t = g.token.to_string();
+    for path in [
+        "/orders/x/../1", "/orders/./1", "/orders//1", "/orders%2F1", "/orders%2f1", "/orders/%2e%2e/1",
+        "/orders%5C1", "/orders/1%00", "/orders/%ff", "/orders/%zz",
+    ] {
+        let r = http.send(Method::PUT, &gw.proxy_url(path), &[("x-fencing-token", &t)], "x").await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{path}");
+        assert_eq!(r.error_code(), "bad_request", "{path}");
+    }
+    assert_eq!(rec.count(), 0);
+    // One spelling of the same key: %31 is "1".
+    let r = http.send(Method::PUT, &gw.proxy_url("/orders/%31"), &[("x-fencing-token", &t)], "x").await;
+    assert_eq!(r.status, StatusCode::OK);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn templates_map_paths_to_resource_keys() {
+    let cfg = r#"
+[[routes]]
+name = "orders"
+match = "/orders/{id}/{*rest}"
+resource = "orders/{id}"
+upstream = "UPSTREAM"
+"#;
+    let (_d, gw, rec, http) = setup_with(Some(cfg.into())).await;
+    let g = acquire(&http, &gw.api_url(""), "orders/7", 10_000, 0).await.unwrap();
+    let t = g.token.to_string();
+    let r = http.send(Method::PUT, &gw.proxy_url("/orders/7/lines/3"), &[("x-fencing-token", &t)], "x").await;
+    assert_eq!(r.status, StatusCode::OK);
+    let r = http.send(Method::PUT, &gw.proxy_url("/orders/8/lines/3"), &[("x-fencing-token", &t)], "x").await;
+    assert_eq!(r.error_code(), "unissued_fencing_token");
+    let r = http.get(&gw.proxy_url("/elsewhere")).await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    assert_eq!(rec.count(), 1);
+    let m = String::from_utf8(http.get(&gw.api_url("/metrics")).await.body.to_vec()).unwrap();
+    assert!(m.contains("fencegate_mutations_total{outcome=\"forwarded\",route=\"orders\"} 1"), "{m}");
+    assert!(m.contains("fencegate_mutations_total{outcome=\"unissued\",route=\"orders\"} 1"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn external_authority_advances_the_fence() {
+    let cfg = r#"
+[[routes]]
+match = "/{*path}"
+upstream = "UPSTREAM"
+fence_authority = "external"
+"#;
+    let (_d, gw, rec, http) = setup_with(Some(cfg.into())).await;
+    assert_eq!(put(&http, &gw, "/k", Some("100")).await.status, StatusCode::OK);
+    assert_eq!(put(&http, &gw, "/k", Some("100")).await.status, StatusCode::OK);
+    assert_eq!(put(&http, &gw, "/k", Some("250")).await.status, StatusCode::OK);
+    let r = put(&http, &gw, "/k", Some("100")).await;
+    assert_eq!(r.error_code(), "stale_fencing_token");
+    assert_eq!(r.json()["fence"], 250);
+    assert_eq!(rec.count(), 3);
+    let s = http.get(&gw.api_url("/v1/locks/status?key=k")).await.json();
+    assert_eq!(s["fence"], 250);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn shadow_mode_counts_but_forwards() {
+    let cfg = r#"
+[[routes]]
+name = "legacy"
+match = "/{*path}"
+upstream = "UPSTREAM"
+enforce = false
+"#;
+    let (_d, gw, rec, http) = setup_with(Some(cfg.into())).await;
+    assert_eq!(put(&http, &gw, "/k", None).await.status, StatusCode::OK);
+    assert_eq!(put(&http, &gw, "/k", Some("77")).await.status, StatusCode::OK);
+    assert_eq!(rec.count(), 2);
+    let m = String::from_utf8(http.get(&gw.api_url("/metrics")).await.body.to_vec()).unwrap();
+    assert!(m.contains("fencegate_mutations_total{outcome=\"missing_token\",route=\"legacy\"} 1"), "{m}");
+    assert!(m.contains("fencegate_mutations_total{outcome=\"unissued\",route=\"legacy\"} 1"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn upstream_down_is_502_and_slow_is_504() {
+    let port = common::free_port();
+    let cfg = format!(
+        r#"
+[[routes]]
+match = "/down/{{*p}}"
+upstream = "http://127.0.0.1:{port}"
+[[routes]]
+match = "/{{*path}}"
+upstream = "UPSTREAM"
+upstream_timeout_ms = 300
+"#
+    );
+    let (_d, gw, rec, http) = setup_with(Some(cfg)).await;
+    let r = http.get(&gw.proxy_url("/down/x")).await;
+    assert_eq!(r.status, StatusCode::BAD_GATEWAY);
+    assert_eq!(r.error_code(), "upstream_unavailable");
+    rec.set_delay("/slow", 2000);
+    let r = http.get(&gw.proxy_url("/slow")).await;
+    assert_eq!(r.status, StatusCode::GATEWAY_TIMEOUT);
+    assert_eq!(r.error_code(), "upstream_timeout");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn declared_body_over_the_route_limit_is_413() {
+    let cfg = r#"
+[[routes]]
+match = "/{*path}"
+upstream = "UPSTREAM"
+max_body_bytes = 10
+"#;
+    let (_d, gw, rec, http) = setup_with(Some(cfg.into())).await;
+    let g = acquire(&http, &gw.api_url(""), "k", 10_000, 0).await.unwrap();
+    let r = http.send(Method::PUT, &gw.proxy_url("/k"), &[("x-fencing-token", &g.token.to_string())], "0123456789ABC").await;
+    assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(r.error_code(), "payload_too_large");
+    assert_eq!(rec.count(), 0);
+}
