@@ -47,7 +47,7 @@ impl Gateway {
         let store = Store::open(&cfg.data_dir, writer, observe)?;
 
         let started = std::time::Instant::now();
-        let fences = FenceTable::new();
+        let fences = FenceTable::with_capacity(store.estimated_fences());
         store.for_each_fence(|key, token| fences.load(key, token))?;
         let authority = Authority::restore(fences.clone(), store.clone(), metrics.clone(), cfg.locks.clone())?;
         tracing::info!(

@@ -235,6 +235,16 @@ impl Store {
         Ok(())
     }
 
+    /// RocksDB's estimate of the number of fences (to size the table).
+    pub fn estimated_fences(&self) -> usize {
+        let Inner::Rocks(r) = &self.inner else { return 0 };
+        let Ok(cf) = cf(&r.db, CF_FENCES) else { return 0 };
+        r.db.property_int_value_cf(cf, "rocksdb.estimate-num-keys")
+            .ok()
+            .flatten()
+            .map_or(0, |n| usize::try_from(n).unwrap_or(0))
+    }
+
     /// Every stored grant.
     pub fn grants(&self) -> Result<Vec<(String, GrantRecord)>, Error> {
         let db = match &self.inner {

@@ -1,0 +1,25 @@
+//! Every example runs against a gateway it starts itself and exits 0.
+#![allow(clippy::unwrap_used)]
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn example(name: &str) -> PathBuf {
+    // target/<profile>/deps/examples-xxxx -> target/<profile>/examples/<name>
+    let exe = std::env::current_exe().unwrap();
+    let profile_dir = exe.parent().unwrap().parent().unwrap();
+    profile_dir.join("examples").join(name)
+}
+
+#[test]
+fn gc_pause_example_refuses_the_zombie_write() {
+    let path = example("gc_pause");
+    assert!(path.exists(), "build the examples first (cargo build --all-targets): {}", path.display());
+    let out = Command::new(path).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("fencing token 33"), "{stdout}");
+    assert!(stdout.contains("fencing token 34"), "{stdout}");
+    assert!(stdout.contains("HTTP 409"), "{stdout}");
+    assert!(stdout.contains("stale_fencing_token"), "{stdout}");
+}
