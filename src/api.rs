@@ -40,7 +40,10 @@ impl Api {
         result.unwrap_or_else(Error::into_response)
     }
 
-    async fn route(&self, req: Request<BoxBody>) -> (&'static str, Result<Response<BoxBody>, Error>) {
+    async fn route(
+        &self,
+        req: Request<BoxBody>,
+    ) -> (&'static str, Result<Response<BoxBody>, Error>) {
         let path = req.uri().path().to_string();
         let method = req.method().clone();
         let (name, expected) = match path.as_str() {
@@ -69,7 +72,10 @@ impl Api {
                 self.watch(query.as_deref()).await
             }
             "metrics" => self.metrics(),
-            "healthz" => Ok(json_response(StatusCode::OK, &serde_json::json!({"status": "ok"}))),
+            "healthz" => Ok(json_response(
+                StatusCode::OK,
+                &serde_json::json!({"status": "ok"}),
+            )),
             _ => self.readyz(),
         };
         (name, result)
@@ -97,7 +103,10 @@ impl Api {
         })?;
         let key = body.key.clone();
         self.authority.release(body)?;
-        Ok(json_response(StatusCode::OK, &serde_json::json!({"key": key, "released": true})))
+        Ok(json_response(
+            StatusCode::OK,
+            &serde_json::json!({"key": key, "released": true}),
+        ))
     }
 
     fn status(&self, query: Option<&str>) -> Result<Response<BoxBody>, Error> {
@@ -119,7 +128,10 @@ impl Api {
     }
 
     fn metrics(&self) -> Result<Response<BoxBody>, Error> {
-        let text = self.metrics.render().map_err(|e| Error::Internal(format!("rendering metrics: {e}")))?;
+        let text = self
+            .metrics
+            .render()
+            .map_err(|e| Error::Internal(format!("rendering metrics: {e}")))?;
         let mut resp = Response::new(full(text));
         resp.headers_mut().insert(
             header::CONTENT_TYPE,
@@ -132,7 +144,10 @@ impl Api {
         if self.shutdown.is_triggered() {
             return Err(Error::Unavailable("shutting down".into()));
         }
-        Ok(json_response(StatusCode::OK, &serde_json::json!({"status": "ready"})))
+        Ok(json_response(
+            StatusCode::OK,
+            &serde_json::json!({"status": "ready"}),
+        ))
     }
 }
 
@@ -141,7 +156,10 @@ pub fn json_response<T: Serialize>(status: StatusCode, value: &T) -> Response<Bo
     let bytes = serde_json::to_vec(value).unwrap_or_else(|_| b"{}".to_vec());
     let mut resp = Response::new(full(Bytes::from(bytes)));
     *resp.status_mut() = status;
-    resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     resp
 }
 
@@ -160,7 +178,8 @@ async fn read_json<T: DeserializeOwned>(req: Request<BoxBody>, limit: u64) -> Re
     let mut body = req.into_body();
     let mut bytes = Vec::new();
     while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| Error::BadRequest(format!("reading the request body: {e}")))?;
+        let frame =
+            frame.map_err(|e| Error::BadRequest(format!("reading the request body: {e}")))?;
         if let Ok(data) = frame.into_data() {
             if bytes.len() as u64 + data.len() as u64 > limit {
                 return Err(too_large);
@@ -185,7 +204,10 @@ impl Query {
     }
 
     fn get(&self, name: &str) -> Option<&str> {
-        self.0.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+        self.0
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
     }
 
     fn required(&self, name: &str) -> Result<String, Error> {
@@ -197,8 +219,11 @@ impl Query {
     fn number(&self, name: &str) -> Result<Option<u64>, Error> {
         self.get(name)
             .map(|v| {
-                crate::fence::token::parse_one(v.as_bytes())
-                    .map_err(|_| Error::BadRequest(format!("query parameter {name} must be an unsigned integer")))
+                crate::fence::token::parse_one(v.as_bytes()).map_err(|_| {
+                    Error::BadRequest(format!(
+                        "query parameter {name} must be an unsigned integer"
+                    ))
+                })
             })
             .transpose()
     }
@@ -242,6 +267,9 @@ mod tests {
         assert_eq!(q.number("after").unwrap(), Some(3));
         assert!(Query::parse(Some("key=%zz")).is_err());
         assert!(Query::parse(Some("key=%ff")).is_err());
-        assert!(Query::parse(Some("after=-1")).unwrap().number("after").is_err());
+        assert!(Query::parse(Some("after=-1"))
+            .unwrap()
+            .number("after")
+            .is_err());
     }
 }

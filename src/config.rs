@@ -152,7 +152,9 @@ pub struct RouteConfig {
 }
 
 fn default_mutating_methods() -> Vec<String> {
-    ["PUT", "POST", "PATCH", "DELETE"].map(String::from).to_vec()
+    ["PUT", "POST", "PATCH", "DELETE"]
+        .map(String::from)
+        .to_vec()
 }
 fn default_authority() -> FenceAuthority {
     FenceAuthority::Embedded
@@ -205,7 +207,10 @@ impl Default for LocksConfig {
 
 impl Default for StoreConfig {
     fn default() -> Self {
-        StoreConfig { group_commit: true, max_batch: 1024 }
+        StoreConfig {
+            group_commit: true,
+            max_batch: 1024,
+        }
     }
 }
 
@@ -294,7 +299,10 @@ impl Config {
             return Err("store.max_batch: must be at least 1".into());
         }
         if !matches!(self.log_format.as_str(), "text" | "json") {
-            return Err(format!("log_format: {:?} is neither \"text\" nor \"json\"", self.log_format));
+            return Err(format!(
+                "log_format: {:?} is neither \"text\" nor \"json\"",
+                self.log_format
+            ));
         }
         if self.server.max_header_bytes < 1024 {
             return Err("server.max_header_bytes: must be at least 1024".into());
@@ -343,7 +351,8 @@ impl RouteConfig {
         if let Some(n) = &self.name {
             let ok = !n.is_empty()
                 && n.len() <= 64
-                && n.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+                && n.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
             if !ok {
                 return Err(format!("name: {n:?} must be 1-64 of [A-Za-z0-9_-]"));
             }
@@ -358,7 +367,9 @@ impl RouteConfig {
             .map_err(|e| format!("upstream: {:?}: {e}", self.upstream))?;
         for m in &self.mutating_methods {
             if http::Method::from_bytes(m.as_bytes()).is_err() || m.to_ascii_uppercase() != *m {
-                return Err(format!("mutating_methods: {m:?} is not an upper-case HTTP method"));
+                return Err(format!(
+                    "mutating_methods: {m:?} is not an upper-case HTTP method"
+                ));
             }
         }
         if self.upstream_timeout_ms == 0 {

@@ -72,11 +72,17 @@ impl Metrics {
         let registry = Registry::new();
         let m = Metrics {
             mutations: IntCounterVec::new(
-                Opts::new("fencegate_mutations_total", "Mutations seen by the proxy, by route and outcome."),
+                Opts::new(
+                    "fencegate_mutations_total",
+                    "Mutations seen by the proxy, by route and outcome.",
+                ),
                 &["route", "outcome"],
             )?,
             lock_requests: IntCounterVec::new(
-                Opts::new("fencegate_lock_requests_total", "Lease API calls by operation and outcome."),
+                Opts::new(
+                    "fencegate_lock_requests_total",
+                    "Lease API calls by operation and outcome.",
+                ),
                 &["op", "outcome"],
             )?,
             leases_active: IntGauge::new("fencegate_leases_active", "Grants currently live.")?,
@@ -89,11 +95,19 @@ impl Metrics {
                 "Times a fence moved (grants and external tokens).",
             )?,
             request_duration: HistogramVec::new(
-                hist("fencegate_request_duration_seconds", "Request latency by listener and route.", BUCKETS),
+                hist(
+                    "fencegate_request_duration_seconds",
+                    "Request latency by listener and route.",
+                    BUCKETS,
+                ),
                 &["listener", "route"],
             )?,
             upstream_duration: HistogramVec::new(
-                hist("fencegate_upstream_duration_seconds", "Upstream latency until response head, by route.", BUCKETS),
+                hist(
+                    "fencegate_upstream_duration_seconds",
+                    "Upstream latency until response head, by route.",
+                    BUCKETS,
+                ),
                 &["route"],
             )?,
             store_sync_duration: Histogram::with_opts(hist(
@@ -115,7 +129,11 @@ impl Metrics {
                 &["route"],
             )?,
             lock_wait: HistogramVec::new(
-                hist("fencegate_lock_wait_seconds", "Time queued waiters waited, by outcome.", BUCKETS),
+                hist(
+                    "fencegate_lock_wait_seconds",
+                    "Time queued waiters waited, by outcome.",
+                    BUCKETS,
+                ),
                 &["outcome"],
             )?,
             renew_margin: Histogram::with_opts(hist(
@@ -179,7 +197,12 @@ impl Metrics {
     /// Pre-creates the series of one route so dashboards see zeros.
     pub fn register_route(&self, route: &str) {
         for outcome in [
-            "forwarded", "stale", "unissued", "lease_expired", "missing_token", "malformed_token",
+            "forwarded",
+            "stale",
+            "unissued",
+            "lease_expired",
+            "missing_token",
+            "malformed_token",
             "upstream_error",
         ] {
             self.mutations.with_label_values(&[route, outcome]);
@@ -205,8 +228,12 @@ mod tests {
         m.register_route("default");
         m.store_sync_duration.observe(0.001);
         m.activation_wait.observe(0.0);
-        m.request_duration.with_label_values(&["api", "acquire"]).observe(0.001);
-        m.upstream_duration.with_label_values(&["default"]).observe(0.001);
+        m.request_duration
+            .with_label_values(&["api", "acquire"])
+            .observe(0.001);
+        m.upstream_duration
+            .with_label_values(&["default"])
+            .observe(0.001);
         let text = m.render().unwrap();
         for name in [
             "fencegate_mutations_total",

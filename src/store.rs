@@ -157,14 +157,22 @@ impl Store {
             .name("fencegate-store-writer".into())
             .spawn(move || writer_loop(&writer_db, &rx, writer, &observe))
             .map_err(|e| Error::Store(format!("starting the store writer: {e}")))?;
-        let rocks = Rocks { db, tx: Some(tx), writer: Some(handle) };
-        Ok(Store { inner: Inner::Rocks(Arc::new(rocks)) })
+        let rocks = Rocks {
+            db,
+            tx: Some(tx),
+            writer: Some(handle),
+        };
+        Ok(Store {
+            inner: Inner::Rocks(Arc::new(rocks)),
+        })
     }
 
     /// A store that keeps everything in memory and acknowledges at once.
     /// Not durable; for tests only.
     pub fn memory() -> Store {
-        Store { inner: Inner::Memory(Arc::default()) }
+        Store {
+            inner: Inner::Memory(Arc::default()),
+        }
     }
 
     /// Queues `ops` for the next group commit and returns at once. The
@@ -178,7 +186,10 @@ impl Store {
             // sender then resolves the receiver with an error.
             Inner::Rocks(r) => {
                 if let Some(tx) = &r.tx {
-                    let _ = tx.send(Commit { ops, done: Some(done) });
+                    let _ = tx.send(Commit {
+                        ops,
+                        done: Some(done),
+                    });
                 }
             }
             Inner::Memory(m) => {
@@ -218,7 +229,9 @@ impl Store {
         let db = match &self.inner {
             Inner::Rocks(r) => &r.db,
             Inner::Memory(m) => {
-                let m = m.lock().map_err(|_| Error::Store("memory store poisoned".into()))?;
+                let m = m
+                    .lock()
+                    .map_err(|_| Error::Store("memory store poisoned".into()))?;
                 m.fences.iter().for_each(|(k, t)| f(k, *t));
                 return Ok(());
             }
@@ -237,8 +250,12 @@ impl Store {
 
     /// RocksDB's estimate of the number of fences (to size the table).
     pub fn estimated_fences(&self) -> usize {
-        let Inner::Rocks(r) = &self.inner else { return 0 };
-        let Ok(cf) = cf(&r.db, CF_FENCES) else { return 0 };
+        let Inner::Rocks(r) = &self.inner else {
+            return 0;
+        };
+        let Ok(cf) = cf(&r.db, CF_FENCES) else {
+            return 0;
+        };
         r.db.property_int_value_cf(cf, "rocksdb.estimate-num-keys")
             .ok()
             .flatten()
@@ -250,8 +267,14 @@ impl Store {
         let db = match &self.inner {
             Inner::Rocks(r) => &r.db,
             Inner::Memory(m) => {
-                let m = m.lock().map_err(|_| Error::Store("memory store poisoned".into()))?;
-                return Ok(m.grants.iter().map(|(k, g)| (k.clone(), g.clone())).collect());
+                let m = m
+                    .lock()
+                    .map_err(|_| Error::Store("memory store poisoned".into()))?;
+                return Ok(m
+                    .grants
+                    .iter()
+                    .map(|(k, g)| (k.clone(), g.clone()))
+                    .collect());
             }
         };
         let cf = cf(db, CF_GRANTS)?;
@@ -269,7 +292,9 @@ impl Store {
 
     /// How many times this data directory has been opened, this time included.
     pub fn boots(&self) -> Result<u64, Error> {
-        let Inner::Rocks(r) = &self.inner else { return Ok(1) };
+        let Inner::Rocks(r) = &self.inner else {
+            return Ok(1);
+        };
         let db = &r.db;
         let cf = cf(db, CF_COUNTERS)?;
         let v = db
@@ -277,7 +302,6 @@ impl Store {
             .map_err(|e| Error::Store(format!("reading boots: {e}")))?;
         Ok(v.as_deref().and_then(decode_u64).unwrap_or(0))
     }
-
 }
 
 fn cf<'a>(db: &'a DB, name: &str) -> Result<&'a rocksdb::ColumnFamily, Error> {
@@ -316,7 +340,11 @@ fn decode_u64(v: &[u8]) -> Option<u64> {
 fn writer_loop(db: &DB, rx: &mpsc::Receiver<Commit>, opts: WriterOptions, observe: &SyncObserver) {
     let mut wo = WriteOptions::default();
     wo.set_sync(true);
-    let limit = if opts.group_commit { opts.max_batch.max(1) } else { 1 };
+    let limit = if opts.group_commit {
+        opts.max_batch.max(1)
+    } else {
+        1
+    };
     while let Ok(first) = rx.recv() {
         let mut group = vec![first];
         while group.len() < limit {
@@ -334,7 +362,12 @@ fn writer_loop(db: &DB, rx: &mpsc::Receiver<Commit>, opts: WriterOptions, observ
     }
 }
 
-fn write_group(db: &DB, group: &[Commit], wo: &WriteOptions, observe: &SyncObserver) -> Result<(), Error> {
+fn write_group(
+    db: &DB,
+    group: &[Commit],
+    wo: &WriteOptions,
+    observe: &SyncObserver,
+) -> Result<(), Error> {
     let (Some(fences), Some(grants)) = (db.cf_handle(CF_FENCES), db.cf_handle(CF_GRANTS)) else {
         return Err(Error::Store("column families missing".into()));
     };
@@ -367,7 +400,15 @@ mod tests {
 
     fn open(dir: &Path) -> Store {
         let noop: SyncObserver = Arc::new(|_, _| {});
-        Store::open(dir, WriterOptions { group_commit: true, max_batch: 64 }, noop).unwrap()
+        Store::open(
+            dir,
+            WriterOptions {
+                group_commit: true,
+                max_batch: 64,
+            },
+            noop,
+        )
+        .unwrap()
     }
 
     #[tokio::test]
@@ -376,19 +417,39 @@ mod tests {
         {
             let s = open(dir.path());
             let key: Arc<str> = Arc::from("orders/1");
-            let record = GrantRecord { token: 7, lease_id: "x".into(), holder: "h".into(), ttl_ms: 500 };
+            let record = GrantRecord {
+                token: 7,
+                lease_id: "x".into(),
+                holder: "h".into(),
+                ttl_ms: 500,
+            };
             s.commit(vec![
-                Op::Fence { key: key.clone(), token: 7 },
-                Op::Grant { key: key.clone(), record },
+                Op::Fence {
+                    key: key.clone(),
+                    token: 7,
+                },
+                Op::Grant {
+                    key: key.clone(),
+                    record,
+                },
             ])
             .await
             .unwrap();
-            s.commit(vec![Op::Fence { key: Arc::from("b"), token: 3 }]).await.unwrap();
+            s.commit(vec![Op::Fence {
+                key: Arc::from("b"),
+                token: 3,
+            }])
+            .await
+            .unwrap();
         }
         let s = open(dir.path());
         let mut seen = Vec::new();
-        s.for_each_fence(|k, t| seen.push((k.to_string(), t))).unwrap();
-        assert_eq!(seen, vec![("b".to_string(), 3), ("orders/1".to_string(), 7)]);
+        s.for_each_fence(|k, t| seen.push((k.to_string(), t)))
+            .unwrap();
+        assert_eq!(
+            seen,
+            vec![("b".to_string(), 3), ("orders/1".to_string(), 7)]
+        );
         let grants = s.grants().unwrap();
         assert_eq!(grants.len(), 1);
         assert_eq!(grants[0].1.token, 7);
@@ -401,8 +462,18 @@ mod tests {
         {
             let s = open(dir.path());
             let key: Arc<str> = Arc::from("k");
-            let record = GrantRecord { token: 1, lease_id: "x".into(), holder: String::new(), ttl_ms: 500 };
-            s.commit(vec![Op::Grant { key: key.clone(), record }]).await.unwrap();
+            let record = GrantRecord {
+                token: 1,
+                lease_id: "x".into(),
+                holder: String::new(),
+                ttl_ms: 500,
+            };
+            s.commit(vec![Op::Grant {
+                key: key.clone(),
+                record,
+            }])
+            .await
+            .unwrap();
             s.commit(vec![Op::DropGrant { key }]).await.unwrap();
         }
         assert!(open(dir.path()).grants().unwrap().is_empty());

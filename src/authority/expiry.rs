@@ -20,7 +20,9 @@ pub(super) type Due = Reverse<(Instant, Arc<str>, u64)>;
 impl Authority {
     /// Remembers that grant `token` of `key` may expire at `at`.
     pub(super) fn schedule_expiry(&self, key: &Arc<str>, at: Instant, token: u64) {
-        let Ok(mut heap) = self.expiry.lock() else { return };
+        let Ok(mut heap) = self.expiry.lock() else {
+            return;
+        };
         let earliest = heap.peek().is_none_or(|Reverse((t, _, _))| at < *t);
         heap.push(Reverse((at, key.clone(), token)));
         drop(heap);
@@ -32,7 +34,11 @@ impl Authority {
     /// Runs until `shutdown`: expires grants whose deadline has passed.
     pub async fn run_expiry(self: Arc<Self>, shutdown: Shutdown) {
         loop {
-            let next = self.expiry.lock().ok().and_then(|h| h.peek().map(|Reverse((t, _, _))| *t));
+            let next = self
+                .expiry
+                .lock()
+                .ok()
+                .and_then(|h| h.peek().map(|Reverse((t, _, _))| *t));
             let sleep = async {
                 match next {
                     Some(at) => tokio::time::sleep_until(at).await,
@@ -50,7 +56,9 @@ impl Authority {
     /// Ends every grant whose deadline is at or before `now`.
     pub(super) fn expire_due(&self, now: Instant) {
         let due: Vec<(Instant, Arc<str>, u64)> = {
-            let Ok(mut heap) = self.expiry.lock() else { return };
+            let Ok(mut heap) = self.expiry.lock() else {
+                return;
+            };
             let mut due = Vec::new();
             while heap.peek().is_some_and(|Reverse((t, _, _))| *t <= now) {
                 if let Some(Reverse(entry)) = heap.pop() {
@@ -61,7 +69,9 @@ impl Authority {
         };
         for (_, key, token) in due {
             let later = {
-                let Some(mut st) = self.keys.get_mut(&key) else { continue };
+                let Some(mut st) = self.keys.get_mut(&key) else {
+                    continue;
+                };
                 match &st.grant {
                     Some(g) if g.token == token && g.deadline <= now => {
                         self.end_locked(&key, &mut st, Ended::Expired);

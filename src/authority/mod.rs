@@ -36,10 +36,10 @@ use crate::fence::FenceTable;
 use crate::metrics::Metrics;
 use crate::store::{wait_durable, GrantRecord, Op, Store};
 
+use types::{new_lease_id, secret_eq, validate_holder, validate_ttl, validate_wait};
 pub use types::{
     validate_key, AcquireRequest, GrantView, ReleaseRequest, RenewRequest, RenewView, StatusView,
 };
-use types::{new_lease_id, secret_eq, validate_holder, validate_ttl, validate_wait};
 
 /// One live grant.
 #[derive(Debug, Clone)]
@@ -71,7 +71,12 @@ struct KeyState {
 
 impl KeyState {
     fn new() -> KeyState {
-        KeyState { grant: None, waiters: VecDeque::new(), handoff: None, holder_tx: watch::channel(0).0 }
+        KeyState {
+            grant: None,
+            waiters: VecDeque::new(),
+            handoff: None,
+            holder_tx: watch::channel(0).0,
+        }
     }
     fn is_free(&self) -> bool {
         self.grant.is_none() && self.handoff.is_none() && self.waiters.is_empty()
@@ -80,7 +85,9 @@ impl KeyState {
         self.is_free() && self.holder_tx.receiver_count() == 0
     }
     fn retry_after_ms(&self, now: Instant) -> u64 {
-        self.grant.as_ref().map_or(0, |g| millis(g.deadline.saturating_duration_since(now)))
+        self.grant
+            .as_ref()
+            .map_or(0, |g| millis(g.deadline.saturating_duration_since(now)))
     }
 }
 
@@ -114,7 +121,9 @@ pub struct Authority {
 
 impl std::fmt::Debug for Authority {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Authority").field("keys", &self.keys.len()).finish()
+        f.debug_struct("Authority")
+            .field("keys", &self.keys.len())
+            .finish()
     }
 }
 
@@ -212,7 +221,10 @@ impl Authority {
                 Step::Installed(self.install(&key, &mut st, &lease_id, &holder, ttl)?)
             } else if req.wait_ms == 0 || st.waiters.len() >= self.limits.max_waiters_per_key {
                 let retry_after_ms = st.retry_after_ms(started);
-                return Err(Error::Locked { key: req.key, retry_after_ms });
+                return Err(Error::Locked {
+                    key: req.key,
+                    retry_after_ms,
+                });
             } else {
                 let id = self.next_waiter.fetch_add(1, Ordering::Relaxed);
                 let (wake, rx) = oneshot::channel();
@@ -224,23 +236,43 @@ impl Authority {
         let (token, durable) = match step {
             Step::Installed(issued) => issued,
             Step::Queued(id, rx) => {
-                let mut guard = WaiterGuard { auth: self, key: key.clone(), id, armed: true };
-                let woken = tokio::time::timeout_at(started + Duration::from_millis(req.wait_ms), rx).await;
+                let mut guard = WaiterGuard {
+                    auth: self,
+                    key: key.clone(),
+                    id,
+                    armed: true,
+                };
+                let woken =
+                    tokio::time::timeout_at(started + Duration::from_millis(req.wait_ms), rx).await;
                 let waited = started.elapsed().as_secs_f64();
                 if !matches!(woken, Ok(Ok(()))) {
                     drop(guard);
-                    self.metrics.lock_wait.with_label_values(&["timeout"]).observe(waited);
-                    let retry_after_ms = self.keys.get(&key).map_or(0, |st| st.retry_after_ms(Instant::now()));
+                    self.metrics
+                        .lock_wait
+                        .with_label_values(&["timeout"])
+                        .observe(waited);
+                    let retry_after_ms = self
+                        .keys
+                        .get(&key)
+                        .map_or(0, |st| st.retry_after_ms(Instant::now()));
                     self.gc(&key);
-                    return Err(Error::Locked { key: req.key, retry_after_ms });
+                    return Err(Error::Locked {
+                        key: req.key,
+                        retry_after_ms,
+                    });
                 }
                 let mut st = self.keys.entry(key.clone()).or_insert_with(KeyState::new);
                 if st.handoff != Some(id) {
-                    return Err(Error::Internal(format!("waiter on {key} woken without the hand-off")));
+                    return Err(Error::Internal(format!(
+                        "waiter on {key} woken without the hand-off"
+                    )));
                 }
                 st.handoff = None;
                 guard.armed = false;
-                self.metrics.lock_wait.with_label_values(&["granted"]).observe(waited);
+                self.metrics
+                    .lock_wait
+                    .with_label_values(&["granted"])
+                    .observe(waited);
                 self.install(&key, &mut st, &lease_id, &holder, ttl)?
             }
         };
@@ -255,12 +287,20 @@ impl Authority {
         // before the new holder hears it holds the lock.
         let timeout = Duration::from_millis(self.limits.activation_timeout_ms);
         let outcome = self.fences.barrier(&key, token, timeout).await;
-        self.metrics.activation_wait.observe(outcome.waited.as_secs_f64());
+        self.metrics
+            .activation_wait
+            .observe(outcome.waited.as_secs_f64());
         if outcome.overrun {
             self.metrics.activation_overruns.inc();
             tracing::warn!(key = %key, token, "activation gave up waiting for older in-flight mutations");
         }
-        Ok(GrantView { key: req.key, fencing_token: token, lease_id, ttl_ms: req.ttl_ms, holder })
+        Ok(GrantView {
+            key: req.key,
+            fencing_token: token,
+            lease_id,
+            ttl_ms: req.ttl_ms,
+            holder,
+        })
     }
 
     /// Issues the next token to a new grant. Caller holds the key's state
@@ -275,8 +315,22 @@ impl Authority {
     ) -> Result<Issued, Error> {
         let ttl_ms = millis(ttl);
         let (token, durable) = self.fences.issue(key, &self.store, |k, token| {
-            let record = GrantRecord { token, lease_id: lease_id.to_string(), holder: holder.to_string(), ttl_ms };
-            vec![Op::Fence { key: k.clone(), token }, Op::Grant { key: k.clone(), record }]
+            let record = GrantRecord {
+                token,
+                lease_id: lease_id.to_string(),
+                holder: holder.to_string(),
+                ttl_ms,
+            };
+            vec![
+                Op::Fence {
+                    key: k.clone(),
+                    token,
+                },
+                Op::Grant {
+                    key: k.clone(),
+                    record,
+                },
+            ]
         })?;
         let now = Instant::now();
         st.grant = Some(Grant {
@@ -312,16 +366,24 @@ impl Authority {
         if let Some(ttl_ms) = req.ttl_ms {
             validate_ttl(ttl_ms, &self.limits)?;
         }
-        let lost = || Error::LeaseLost { key: req.key.clone() };
-        let Some(mut st) = self.keys.get_mut(req.key.as_str()) else { return Err(lost()) };
+        let lost = || Error::LeaseLost {
+            key: req.key.clone(),
+        };
+        let Some(mut st) = self.keys.get_mut(req.key.as_str()) else {
+            return Err(lost());
+        };
         let key = st.key().clone();
         let now = Instant::now();
         self.expire_if_due(&key, &mut st, now);
-        let Some(grant) = st.grant.as_mut() else { return Err(lost()) };
+        let Some(grant) = st.grant.as_mut() else {
+            return Err(lost());
+        };
         if !secret_eq(&grant.lease_id, &req.lease_id) {
             return Err(lost());
         }
-        self.metrics.renew_margin.observe(grant.deadline.saturating_duration_since(now).as_secs_f64());
+        self.metrics
+            .renew_margin
+            .observe(grant.deadline.saturating_duration_since(now).as_secs_f64());
         if let Some(ttl_ms) = req.ttl_ms {
             let ttl = Duration::from_millis(ttl_ms);
             if ttl != grant.ttl {
@@ -334,11 +396,18 @@ impl Authority {
                     holder: grant.holder.clone(),
                     ttl_ms,
                 };
-                self.store.submit_lazy(vec![Op::Grant { key: key.clone(), record }]);
+                self.store.submit_lazy(vec![Op::Grant {
+                    key: key.clone(),
+                    record,
+                }]);
             }
         }
         grant.deadline = now + grant.ttl;
-        Ok(RenewView { key: req.key, fencing_token: grant.token, ttl_ms: millis(grant.ttl) })
+        Ok(RenewView {
+            key: req.key,
+            fencing_token: grant.token,
+            ttl_ms: millis(grant.ttl),
+        })
     }
 
     /// Ends a grant at its holder's request; wakes the head waiter.
@@ -358,8 +427,12 @@ impl Authority {
 
     fn release_inner(&self, req: &ReleaseRequest) -> Result<(), Error> {
         validate_key(&req.key)?;
-        let not_owner = || Error::NotOwner { key: req.key.clone() };
-        let Some(mut st) = self.keys.get_mut(req.key.as_str()) else { return Err(not_owner()) };
+        let not_owner = || Error::NotOwner {
+            key: req.key.clone(),
+        };
+        let Some(mut st) = self.keys.get_mut(req.key.as_str()) else {
+            return Err(not_owner());
+        };
         let key = st.key().clone();
         match &st.grant {
             Some(g) if secret_eq(&g.lease_id, &req.lease_id) => {
@@ -402,7 +475,12 @@ impl Authority {
 
     /// Long-polls until the holder's token differs from `after` (0: no
     /// holder) or `timeout` passes; answers the status either way.
-    pub async fn watch(&self, key: &str, after: u64, timeout: Duration) -> Result<StatusView, Error> {
+    pub async fn watch(
+        &self,
+        key: &str,
+        after: u64,
+        timeout: Duration,
+    ) -> Result<StatusView, Error> {
         validate_key(key)?;
         let timeout = timeout.min(Duration::from_millis(self.limits.max_watch_timeout_ms));
         let mut rx = self
@@ -428,7 +506,9 @@ impl Authority {
 
     /// Ends grant `token` of `key` if it is still the current one.
     fn end(&self, key: &str, token: u64, why: Ended) {
-        let Some(mut st) = self.keys.get_mut(key) else { return };
+        let Some(mut st) = self.keys.get_mut(key) else {
+            return;
+        };
         if st.grant.as_ref().is_some_and(|g| g.token == token) {
             let key = st.key().clone();
             self.end_locked(&key, &mut st, why);
@@ -445,9 +525,12 @@ impl Authority {
     fn end_locked(&self, key: &Arc<str>, st: &mut KeyState, why: Ended) {
         let Some(grant) = st.grant.take() else { return };
         self.fences.set_live(key, grant.token, false);
-        self.store.submit_lazy(vec![Op::DropGrant { key: key.clone() }]);
+        self.store
+            .submit_lazy(vec![Op::DropGrant { key: key.clone() }]);
         self.metrics.leases_active.dec();
-        self.metrics.lease_holds.observe(grant.granted_at.elapsed().as_secs_f64());
+        self.metrics
+            .lease_holds
+            .observe(grant.granted_at.elapsed().as_secs_f64());
         match why {
             Ended::Expired => {
                 self.metrics.lease_expirations.inc();
@@ -490,7 +573,9 @@ impl Drop for WaiterGuard<'_> {
         if !self.armed {
             return;
         }
-        let Some(mut st) = self.auth.keys.get_mut(&self.key) else { return };
+        let Some(mut st) = self.auth.keys.get_mut(&self.key) else {
+            return;
+        };
         if st.handoff == Some(self.id) {
             st.handoff = None;
             self.auth.wake_next(&mut st);

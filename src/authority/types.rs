@@ -82,7 +82,9 @@ pub fn validate_key(key: &str) -> Result<(), Error> {
         )));
     }
     if key.chars().any(char::is_control) {
-        return Err(Error::BadRequest("key must not contain control characters".into()));
+        return Err(Error::BadRequest(
+            "key must not contain control characters".into(),
+        ));
     }
     Ok(())
 }
@@ -118,7 +120,9 @@ pub fn validate_holder(holder: &str, limits: &LocksConfig) -> Result<(), Error> 
         )));
     }
     if holder.chars().any(char::is_control) {
-        return Err(Error::BadRequest("holder must not contain control characters".into()));
+        return Err(Error::BadRequest(
+            "holder must not contain control characters".into(),
+        ));
     }
     Ok(())
 }

@@ -96,8 +96,18 @@ mod tests {
     #[test]
     fn malformed_values_are_refused() {
         for bad in [
-            &b""[..], b"+1", b"-1", b"1 2", b"0x10", b"1.0", b"abc", b"18446744073709551616",
-            b"99999999999999999999999", b"7,", b",7", b"1e3",
+            &b""[..],
+            b"+1",
+            b"-1",
+            b"1 2",
+            b"0x10",
+            b"1.0",
+            b"abc",
+            b"18446744073709551616",
+            b"99999999999999999999999",
+            b"7,",
+            b",7",
+            b"1e3",
         ] {
             assert!(parse(&[bad]).is_err(), "{:?}", String::from_utf8_lossy(bad));
         }
