@@ -16,15 +16,7 @@ use fencegate::store::{Store, SyncObserver, WriterOptions};
 
 fn authority(dir: &std::path::Path, group_commit: bool) -> Arc<Authority> {
     let noop: SyncObserver = Arc::new(|_, _| {});
-    let store = Store::open(
-        dir,
-        WriterOptions {
-            group_commit,
-            max_batch: 1024,
-        },
-        noop,
-    )
-    .unwrap();
+    let store = Store::open(dir, WriterOptions { group_commit, max_batch: 1024 }, noop).unwrap();
     let metrics = Arc::new(Metrics::new().unwrap());
     Authority::restore(FenceTable::new(), store, metrics, LocksConfig::default()).unwrap()
 }
@@ -38,19 +30,10 @@ async fn run(auth: &Arc<Authority>, clients: usize, per_client: u64) -> Duration
             let key = format!("bench/{c}");
             for _ in 0..per_client {
                 let g = auth
-                    .acquire(AcquireRequest {
-                        key: key.clone(),
-                        ttl_ms: 10_000,
-                        wait_ms: 0,
-                        holder: None,
-                    })
+                    .acquire(AcquireRequest { key: key.clone(), ttl_ms: 10_000, wait_ms: 0, holder: None })
                     .await
                     .unwrap();
-                auth.release(ReleaseRequest {
-                    key: key.clone(),
-                    lease_id: g.lease_id,
-                })
-                .unwrap();
+                auth.release(ReleaseRequest { key: key.clone(), lease_id: g.lease_id }).unwrap();
             }
         }));
     }
@@ -61,24 +44,13 @@ async fn run(auth: &Arc<Authority>, clients: usize, per_client: u64) -> Duration
 }
 
 fn durable(c: &mut Criterion) {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let mut group = c.benchmark_group("durable_acquire");
-    group
-        .sample_size(10)
-        .measurement_time(Duration::from_secs(4))
-        .warm_up_time(Duration::from_millis(500));
+    group.sample_size(10).measurement_time(Duration::from_secs(4)).warm_up_time(Duration::from_millis(500));
     for group_commit in [true, false] {
         let dir = tempfile::tempdir().unwrap();
         let auth = authority(dir.path(), group_commit);
-        let mode = if group_commit {
-            "group_commit"
-        } else {
-            "fsync_each"
-        };
+        let mode = if group_commit { "group_commit" } else { "fsync_each" };
         for clients in [1usize, 8, 64] {
             group.throughput(Throughput::Elements(clients as u64));
             group.bench_with_input(BenchmarkId::new(mode, clients), &clients, |b, &clients| {

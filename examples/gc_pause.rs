@@ -28,16 +28,11 @@ async fn call(
     token: Option<u64>,
     body: &str,
 ) -> Result<(u16, String), Box<dyn std::error::Error>> {
-    let mut req = Request::builder()
-        .method(method)
-        .uri(url)
-        .header("content-type", "application/json");
+    let mut req = Request::builder().method(method).uri(url).header("content-type", "application/json");
     if let Some(t) = token {
         req = req.header("x-fencing-token", t.to_string());
     }
-    let resp = http
-        .request(req.body(Full::new(Bytes::from(body.to_string())))?)
-        .await?;
+    let resp = http.request(req.body(Full::new(Bytes::from(body.to_string())))?).await?;
     let status = resp.status().as_u16();
     let bytes = resp.into_body().collect().await?.to_bytes();
     Ok((status, String::from_utf8_lossy(&bytes).into_owned()))
@@ -50,17 +45,8 @@ async fn acquire(
     ttl_ms: u64,
     wait_ms: u64,
 ) -> Result<Value, Box<dyn std::error::Error>> {
-    let body =
-        json!({"key": "invoices/42", "ttl_ms": ttl_ms, "wait_ms": wait_ms, "holder": holder})
-            .to_string();
-    let (status, text) = call(
-        http,
-        Method::POST,
-        &format!("{api}/v1/locks/acquire"),
-        None,
-        &body,
-    )
-    .await?;
+    let body = json!({"key": "invoices/42", "ttl_ms": ttl_ms, "wait_ms": wait_ms, "holder": holder}).to_string();
+    let (status, text) = call(http, Method::POST, &format!("{api}/v1/locks/acquire"), None, &body).await?;
     if status != 200 {
         return Err(format!("acquire failed: {status} {text}").into());
     }
@@ -84,14 +70,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     for _ in 0..32 {
         let g = acquire(&http, &api, "history", 1000, 0).await?;
         let body = json!({"key": "invoices/42", "lease_id": g["lease_id"]}).to_string();
-        call(
-            &http,
-            Method::POST,
-            &format!("{api}/v1/locks/release"),
-            None,
-            &body,
-        )
-        .await?;
+        call(&http, Method::POST, &format!("{api}/v1/locks/release"), None, &body).await?;
     }
 
     let a = acquire(&http, &api, "writer-a", 1000, 0).await?;
@@ -103,24 +82,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let b = acquire(&http, &api, "writer-b", 10_000, 5000).await?;
     let token_b = b["fencing_token"].as_u64().ok_or("no token")?;
     println!("3. writer B is granted the lock with fencing token {token_b}");
-    let (status, _) = call(
-        &http,
-        Method::PUT,
-        &object,
-        Some(token_b),
-        "total: 100 (written by B)",
-    )
-    .await?;
+    let (status, _) = call(&http, Method::PUT, &object, Some(token_b), "total: 100 (written by B)").await?;
     println!("4. writer B writes with token {token_b}: HTTP {status}");
 
-    let (status, text) = call(
-        &http,
-        Method::PUT,
-        &object,
-        Some(token_a),
-        "total: 0 (written by A)",
-    )
-    .await?;
+    let (status, text) = call(&http, Method::PUT, &object, Some(token_a), "total: 0 (written by A)").await?;
     println!("5. writer A wakes up and writes with token {token_a}: HTTP {status} {text}");
     if status != 409 {
         return Err("the stale write was not refused".into());

@@ -7,6 +7,7 @@ mode="${1:-build}"
 packages=(libclang-dev)            # RocksDB's bindings are generated with bindgen
 if [ "$mode" = "test" ]; then
   packages+=(procps)               # kill(1) for the crash and restart tests
+  packages+=(prometheus)           # real Prometheus + promtool check the dashboard and alert rules
 fi
 
 missing=()

@@ -17,6 +17,7 @@ use crate::authority::{AcquireRequest, Authority, ReleaseRequest, RenewRequest};
 use crate::body::{full, BoxBody};
 use crate::error::Error;
 use crate::metrics::Metrics;
+use crate::proxy::ClientInfo;
 use crate::shutdown::Shutdown;
 
 /// What the api listener needs.
@@ -30,20 +31,36 @@ pub struct Api {
 
 impl Api {
     /// Serves one api request.
-    pub async fn handle(&self, req: Request<BoxBody>) -> Response<BoxBody> {
+    pub async fn handle(&self, req: Request<BoxBody>, client: ClientInfo) -> Response<BoxBody> {
         let started = Instant::now();
+        let method = req.method().clone();
+        let req_bytes =
+            req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok());
         let (endpoint, result) = self.route(req).await;
-        self.metrics
-            .request_duration
-            .with_label_values(&["api", endpoint])
-            .observe(started.elapsed().as_secs_f64());
-        result.unwrap_or_else(Error::into_response)
+        let elapsed = started.elapsed();
+        self.metrics.request_duration.with_label_values(&["api", endpoint]).observe(elapsed.as_secs_f64());
+        let (response, outcome) = match result {
+            Ok(r) => (r, "ok"),
+            Err(e) => {
+                let code = e.code();
+                (e.into_response(), code)
+            }
+        };
+        tracing::info!(
+            target: "fencegate::access",
+            listener = "api",
+            client = %client.addr,
+            method = %method,
+            route = endpoint,
+            status = response.status().as_u16(),
+            outcome,
+            duration_us = u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX),
+            req_bytes = req_bytes.unwrap_or(0u64),
+        );
+        response
     }
 
-    async fn route(
-        &self,
-        req: Request<BoxBody>,
-    ) -> (&'static str, Result<Response<BoxBody>, Error>) {
+    async fn route(&self, req: Request<BoxBody>) -> (&'static str, Result<Response<BoxBody>, Error>) {
         let path = req.uri().path().to_string();
         let method = req.method().clone();
         let (name, expected) = match path.as_str() {
@@ -72,10 +89,7 @@ impl Api {
                 self.watch(query.as_deref()).await
             }
             "metrics" => self.metrics(),
-            "healthz" => Ok(json_response(
-                StatusCode::OK,
-                &serde_json::json!({"status": "ok"}),
-            )),
+            "healthz" => Ok(json_response(StatusCode::OK, &serde_json::json!({"status": "ok"}))),
             _ => self.readyz(),
         };
         (name, result)
@@ -103,10 +117,7 @@ impl Api {
         })?;
         let key = body.key.clone();
         self.authority.release(body)?;
-        Ok(json_response(
-            StatusCode::OK,
-            &serde_json::json!({"key": key, "released": true}),
-        ))
+        Ok(json_response(StatusCode::OK, &serde_json::json!({"key": key, "released": true})))
     }
 
     fn status(&self, query: Option<&str>) -> Result<Response<BoxBody>, Error> {
@@ -128,15 +139,10 @@ impl Api {
     }
 
     fn metrics(&self) -> Result<Response<BoxBody>, Error> {
-        let text = self
-            .metrics
-            .render()
-            .map_err(|e| Error::Internal(format!("rendering metrics: {e}")))?;
+        let text = self.metrics.render().map_err(|e| Error::Internal(format!("rendering metrics: {e}")))?;
         let mut resp = Response::new(full(text));
-        resp.headers_mut().insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
-        );
+        resp.headers_mut()
+            .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"));
         Ok(resp)
     }
 
@@ -144,10 +150,7 @@ impl Api {
         if self.shutdown.is_triggered() {
             return Err(Error::Unavailable("shutting down".into()));
         }
-        Ok(json_response(
-            StatusCode::OK,
-            &serde_json::json!({"status": "ready"}),
-        ))
+        Ok(json_response(StatusCode::OK, &serde_json::json!({"status": "ready"})))
     }
 }
 
@@ -156,10 +159,7 @@ pub fn json_response<T: Serialize>(status: StatusCode, value: &T) -> Response<Bo
     let bytes = serde_json::to_vec(value).unwrap_or_else(|_| b"{}".to_vec());
     let mut resp = Response::new(full(Bytes::from(bytes)));
     *resp.status_mut() = status;
-    resp.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
+    resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     resp
 }
 
@@ -167,19 +167,15 @@ pub fn json_response<T: Serialize>(status: StatusCode, value: &T) -> Response<Bo
 /// does not parse or does not have the expected fields.
 async fn read_json<T: DeserializeOwned>(req: Request<BoxBody>, limit: u64) -> Result<T, Error> {
     let too_large = Error::PayloadTooLarge { limit_bytes: limit };
-    let declared = req
-        .headers()
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
+    let declared =
+        req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limit) {
         return Err(too_large);
     }
     let mut body = req.into_body();
     let mut bytes = Vec::new();
     while let Some(frame) = body.frame().await {
-        let frame =
-            frame.map_err(|e| Error::BadRequest(format!("reading the request body: {e}")))?;
+        let frame = frame.map_err(|e| Error::BadRequest(format!("reading the request body: {e}")))?;
         if let Ok(data) = frame.into_data() {
             if bytes.len() as u64 + data.len() as u64 > limit {
                 return Err(too_large);
@@ -204,10 +200,7 @@ impl Query {
     }
 
     fn get(&self, name: &str) -> Option<&str> {
-        self.0
-            .iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.as_str())
+        self.0.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
     }
 
     fn required(&self, name: &str) -> Result<String, Error> {
@@ -219,11 +212,8 @@ impl Query {
     fn number(&self, name: &str) -> Result<Option<u64>, Error> {
         self.get(name)
             .map(|v| {
-                crate::fence::token::parse_one(v.as_bytes()).map_err(|_| {
-                    Error::BadRequest(format!(
-                        "query parameter {name} must be an unsigned integer"
-                    ))
-                })
+                crate::fence::token::parse_one(v.as_bytes())
+                    .map_err(|_| Error::BadRequest(format!("query parameter {name} must be an unsigned integer")))
             })
             .transpose()
     }
@@ -267,9 +257,6 @@ mod tests {
         assert_eq!(q.number("after").unwrap(), Some(3));
         assert!(Query::parse(Some("key=%zz")).is_err());
         assert!(Query::parse(Some("key=%ff")).is_err());
-        assert!(Query::parse(Some("after=-1"))
-            .unwrap()
-            .number("after")
-            .is_err());
+        assert!(Query::parse(Some("after=-1")).unwrap().number("after").is_err());
     }
 }

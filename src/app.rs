@@ -40,25 +40,16 @@ impl Gateway {
     /// binds both listeners and starts serving.
     pub async fn start(cfg: Config) -> Result<Gateway, Error> {
         cfg.validate().map_err(Error::BadRequest)?;
-        let metrics =
-            Arc::new(Metrics::new().map_err(|e| Error::Internal(format!("metrics: {e}")))?);
+        let metrics = Arc::new(Metrics::new().map_err(|e| Error::Internal(format!("metrics: {e}")))?);
         let sync_hist = metrics.store_sync_duration.clone();
         let observe: SyncObserver = Arc::new(move |d, _n| sync_hist.observe(d.as_secs_f64()));
-        let writer = WriterOptions {
-            group_commit: cfg.store.group_commit,
-            max_batch: cfg.store.max_batch,
-        };
+        let writer = WriterOptions { group_commit: cfg.store.group_commit, max_batch: cfg.store.max_batch };
         let store = Store::open(&cfg.data_dir, writer, observe)?;
 
         let started = std::time::Instant::now();
         let fences = FenceTable::with_capacity(store.estimated_fences());
         store.for_each_fence(|key, token| fences.load(key, token))?;
-        let authority = Authority::restore(
-            fences.clone(),
-            store.clone(),
-            metrics.clone(),
-            cfg.locks.clone(),
-        )?;
+        let authority = Authority::restore(fences.clone(), store.clone(), metrics.clone(), cfg.locks.clone())?;
         tracing::info!(
             fences = fences.len(),
             live_grants = authority.live_grants(),
@@ -66,21 +57,15 @@ impl Gateway {
             elapsed_ms = started.elapsed().as_millis() as u64,
             "fence table rebuilt from the store"
         );
-        let proxy = Arc::new(Proxy::new(&cfg, fences, store, metrics.clone())?);
+        let proxy = Arc::new(Proxy::new(&cfg, authority.clone(), store, metrics.clone())?);
 
         let bind = |addr: SocketAddr| async move {
-            TcpListener::bind(addr)
-                .await
-                .map_err(|e| Error::Internal(format!("binding {addr}: {e}")))
+            TcpListener::bind(addr).await.map_err(|e| Error::Internal(format!("binding {addr}: {e}")))
         };
         let proxy_listener = bind(cfg.listen).await?;
         let api_listener = bind(cfg.api_listen).await?;
-        let proxy_addr = proxy_listener
-            .local_addr()
-            .map_err(|e| Error::Internal(e.to_string()))?;
-        let api_addr = api_listener
-            .local_addr()
-            .map_err(|e| Error::Internal(e.to_string()))?;
+        let proxy_addr = proxy_listener.local_addr().map_err(|e| Error::Internal(e.to_string()))?;
+        let api_addr = api_listener.local_addr().map_err(|e| Error::Internal(e.to_string()))?;
 
         let (trigger, stop) = shutdown::channel();
         let limits = Limits {
@@ -95,9 +80,9 @@ impl Gateway {
             max_body_bytes: cfg.server.api_max_body_bytes,
             shutdown: stop.clone(),
         });
-        let api_handler: Handler = Arc::new(move |req, _client| {
+        let api_handler: Handler = Arc::new(move |req, client| {
             let api = api.clone();
-            Box::pin(async move { api.handle(req).await })
+            Box::pin(async move { api.handle(req, client).await })
         });
         let proxy_handler: Handler = Arc::new(move |req, client| {
             let proxy = proxy.clone();
@@ -105,30 +90,11 @@ impl Gateway {
         });
 
         let mut tasks = JoinSet::new();
-        tasks.spawn(server::serve(
-            "proxy",
-            proxy_listener,
-            proxy_handler,
-            limits,
-            stop.clone(),
-        ));
-        tasks.spawn(server::serve(
-            "api",
-            api_listener,
-            api_handler,
-            limits,
-            stop.clone(),
-        ));
+        tasks.spawn(server::serve("proxy", proxy_listener, proxy_handler, limits, stop.clone()));
+        tasks.spawn(server::serve("api", api_listener, api_handler, limits, stop.clone()));
         tasks.spawn(authority.clone().run_expiry(stop));
         tracing::info!(proxy = %proxy_addr, api = %api_addr, data_dir = %cfg.data_dir.display(), "fencegate serving");
-        Ok(Gateway {
-            proxy_addr,
-            api_addr,
-            authority,
-            metrics,
-            trigger,
-            tasks,
-        })
+        Ok(Gateway { proxy_addr, api_addr, authority, metrics, trigger, tasks })
     }
 
     /// Starts graceful shutdown.

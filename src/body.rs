@@ -12,16 +12,12 @@ pub type BoxBody = http_body_util::combinators::UnsyncBoxBody<Bytes, BoxError>;
 
 /// A body holding `bytes` whole.
 pub fn full(bytes: impl Into<Bytes>) -> BoxBody {
-    Full::new(bytes.into())
-        .map_err(|never| match never {})
-        .boxed_unsync()
+    Full::new(bytes.into()).map_err(|never| match never {}).boxed_unsync()
 }
 
 /// An empty body.
 pub fn empty() -> BoxBody {
-    Empty::<Bytes>::new()
-        .map_err(|never| match never {})
-        .boxed_unsync()
+    Empty::<Bytes>::new().map_err(|never| match never {}).boxed_unsync()
 }
 
 /// A JSON response body.

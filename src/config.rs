@@ -152,9 +152,7 @@ pub struct RouteConfig {
 }
 
 fn default_mutating_methods() -> Vec<String> {
-    ["PUT", "POST", "PATCH", "DELETE"]
-        .map(String::from)
-        .to_vec()
+    ["PUT", "POST", "PATCH", "DELETE"].map(String::from).to_vec()
 }
 fn default_authority() -> FenceAuthority {
     FenceAuthority::Embedded
@@ -207,10 +205,7 @@ impl Default for LocksConfig {
 
 impl Default for StoreConfig {
     fn default() -> Self {
-        StoreConfig {
-            group_commit: true,
-            max_batch: 1024,
-        }
+        StoreConfig { group_commit: true, max_batch: 1024 }
     }
 }
 
@@ -244,8 +239,7 @@ impl Config {
 
     /// Reads and parses a config file.
     pub fn load(path: &Path) -> Result<Config, String> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("reading {}: {e}", path.display()))?;
+        let text = std::fs::read_to_string(path).map_err(|e| format!("reading {}: {e}", path.display()))?;
         Config::from_toml(&text).map_err(|e| format!("{}: {e}", path.display()))
     }
 
@@ -287,10 +281,7 @@ impl Config {
             return Err("locks.min_ttl_ms: must be at least 1".into());
         }
         if l.max_ttl_ms < l.min_ttl_ms {
-            return Err(format!(
-                "locks.max_ttl_ms: {} is below locks.min_ttl_ms {}",
-                l.max_ttl_ms, l.min_ttl_ms
-            ));
+            return Err(format!("locks.max_ttl_ms: {} is below locks.min_ttl_ms {}", l.max_ttl_ms, l.min_ttl_ms));
         }
         if l.max_waiters_per_key == 0 {
             return Err("locks.max_waiters_per_key: must be at least 1".into());
@@ -299,10 +290,7 @@ impl Config {
             return Err("store.max_batch: must be at least 1".into());
         }
         if !matches!(self.log_format.as_str(), "text" | "json") {
-            return Err(format!(
-                "log_format: {:?} is neither \"text\" nor \"json\"",
-                self.log_format
-            ));
+            return Err(format!("log_format: {:?} is neither \"text\" nor \"json\"", self.log_format));
         }
         if self.server.max_header_bytes < 1024 {
             return Err("server.max_header_bytes: must be at least 1024".into());
@@ -351,25 +339,21 @@ impl RouteConfig {
         if let Some(n) = &self.name {
             let ok = !n.is_empty()
                 && n.len() <= 64
-                && n.bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+                && n.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
             if !ok {
                 return Err(format!("name: {n:?} must be 1-64 of [A-Za-z0-9_-]"));
             }
         }
-        let matcher = Template::parse_match(&self.match_path)
-            .map_err(|e| format!("match: {:?}: {e}", self.match_path))?;
+        let matcher =
+            Template::parse_match(&self.match_path).map_err(|e| format!("match: {:?}: {e}", self.match_path))?;
         if let Some(res) = &self.resource {
-            Template::parse_resource(res, &matcher)
-                .map_err(|e| format!("resource: {res:?}: {e}"))?;
+            Template::parse_resource(res, &matcher).map_err(|e| format!("resource: {res:?}: {e}"))?;
         }
         crate::proxy::upstream::UpstreamUrl::parse(&self.upstream)
             .map_err(|e| format!("upstream: {:?}: {e}", self.upstream))?;
         for m in &self.mutating_methods {
             if http::Method::from_bytes(m.as_bytes()).is_err() || m.to_ascii_uppercase() != *m {
-                return Err(format!(
-                    "mutating_methods: {m:?} is not an upper-case HTTP method"
-                ));
+                return Err(format!("mutating_methods: {m:?} is not an upper-case HTTP method"));
             }
         }
         if self.upstream_timeout_ms == 0 {

@@ -145,8 +145,7 @@ impl Error {
             Error::Locked { retry_after_ms, .. } => {
                 body["retry_after_ms"] = json!(retry_after_ms);
             }
-            Error::StaleFencingToken { token, fence, .. }
-            | Error::UnissuedFencingToken { token, fence, .. } => {
+            Error::StaleFencingToken { token, fence, .. } | Error::UnissuedFencingToken { token, fence, .. } => {
                 body["token"] = json!(token);
                 body["fence"] = json!(fence);
             }
@@ -165,10 +164,7 @@ impl Error {
         let mut response = Response::new(full(bytes));
         *response.status_mut() = status;
         let headers = response.headers_mut();
-        headers.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
         if let Error::Locked { retry_after_ms, .. } = &self {
             // Retry-After is in whole seconds; round up so a client never
             // comes back before the lease could have ended.
@@ -189,72 +185,18 @@ mod tests {
     #[test]
     fn every_variant_has_spec_status_and_code() {
         let cases = [
-            (
-                Error::FencingTokenRequired { key: "k".into() },
-                428,
-                "fencing_token_required",
-            ),
-            (
-                Error::MalformedFencingToken("x".into()),
-                400,
-                "malformed_fencing_token",
-            ),
-            (
-                Error::StaleFencingToken {
-                    key: "k".into(),
-                    token: 1,
-                    fence: 2,
-                },
-                409,
-                "stale_fencing_token",
-            ),
-            (
-                Error::UnissuedFencingToken {
-                    key: "k".into(),
-                    token: 9,
-                    fence: 2,
-                },
-                403,
-                "unissued_fencing_token",
-            ),
-            (
-                Error::LeaseExpired {
-                    key: "k".into(),
-                    token: 2,
-                },
-                409,
-                "lease_expired",
-            ),
-            (
-                Error::Locked {
-                    key: "k".into(),
-                    retry_after_ms: 1500,
-                },
-                409,
-                "locked",
-            ),
+            (Error::FencingTokenRequired { key: "k".into() }, 428, "fencing_token_required"),
+            (Error::MalformedFencingToken("x".into()), 400, "malformed_fencing_token"),
+            (Error::StaleFencingToken { key: "k".into(), token: 1, fence: 2 }, 409, "stale_fencing_token"),
+            (Error::UnissuedFencingToken { key: "k".into(), token: 9, fence: 2 }, 403, "unissued_fencing_token"),
+            (Error::LeaseExpired { key: "k".into(), token: 2 }, 409, "lease_expired"),
+            (Error::Locked { key: "k".into(), retry_after_ms: 1500 }, 409, "locked"),
             (Error::LeaseLost { key: "k".into() }, 410, "lease_lost"),
             (Error::NotOwner { key: "k".into() }, 409, "not_owner"),
-            (
-                Error::UpstreamUnavailable("x".into()),
-                502,
-                "upstream_unavailable",
-            ),
-            (
-                Error::UpstreamTimeout { timeout_ms: 5 },
-                504,
-                "upstream_timeout",
-            ),
-            (
-                Error::PayloadTooLarge { limit_bytes: 5 },
-                413,
-                "payload_too_large",
-            ),
-            (
-                Error::HeadersTooLarge { limit_bytes: 5 },
-                431,
-                "headers_too_large",
-            ),
+            (Error::UpstreamUnavailable("x".into()), 502, "upstream_unavailable"),
+            (Error::UpstreamTimeout { timeout_ms: 5 }, 504, "upstream_timeout"),
+            (Error::PayloadTooLarge { limit_bytes: 5 }, 413, "payload_too_large"),
+            (Error::HeadersTooLarge { limit_bytes: 5 }, 431, "headers_too_large"),
         ];
         for (err, status, code) in cases {
             assert_eq!(err.status().as_u16(), status, "{err:?}");
@@ -265,22 +207,13 @@ mod tests {
 
     #[test]
     fn locked_response_carries_retry_after_rounded_up() {
-        let resp = Error::Locked {
-            key: "k".into(),
-            retry_after_ms: 1500,
-        }
-        .into_response();
+        let resp = Error::Locked { key: "k".into(), retry_after_ms: 1500 }.into_response();
         assert_eq!(resp.headers()[header::RETRY_AFTER], "2");
     }
 
     #[test]
     fn stale_body_names_token_and_fence() {
-        let body = Error::StaleFencingToken {
-            key: "k".into(),
-            token: 33,
-            fence: 34,
-        }
-        .body();
+        let body = Error::StaleFencingToken { key: "k".into(), token: 33, fence: 34 }.body();
         assert_eq!(body["token"], 33);
         assert_eq!(body["fence"], 34);
     }

@@ -84,9 +84,7 @@ fn init_tracing(cfg: &Config) {
     let filter = EnvFilter::try_from_default_env()
         .or_else(|_| EnvFilter::try_new(&cfg.log_level))
         .unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     if cfg.log_format == "json" {
         builder.json().init();
     } else {
@@ -117,10 +115,7 @@ fn serve(args: ServeArgs) -> ExitCode {
         return ExitCode::from(2);
     }
     init_tracing(&cfg);
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("fencegate: starting the runtime: {e}");

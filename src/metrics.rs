@@ -7,22 +7,19 @@
 //! bounded by the configuration.
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
-    Registry, TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
 };
 
 /// Buckets from 10 µs to 2 min: resolve a fence check or an fsync as well
 /// as a lock wait.
 const BUCKETS: &[f64] = &[
-    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
-    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+    2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 ];
 
 /// Buckets for lease-scale durations (100 ms … 1 h).
-const LEASE_BUCKETS: &[f64] = &[
-    0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0,
-    3600.0,
-];
+const LEASE_BUCKETS: &[f64] =
+    &[0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0];
 
 /// Every metric handle. Cheap to share behind an `Arc`.
 #[derive(Clone)]
@@ -46,6 +43,8 @@ pub struct Metrics {
     /// `outcome` = granted, timeout, abandoned.
     pub lock_wait: HistogramVec,
     pub renew_margin: Histogram,
+    /// Time left on a lease when renewed, as a fraction of its TTL.
+    pub renew_margin_ratio: Histogram,
     pub lease_holds: Histogram,
     pub grants: IntCounter,
     /// Older uploads aborted by activation, by route.
@@ -72,17 +71,11 @@ impl Metrics {
         let registry = Registry::new();
         let m = Metrics {
             mutations: IntCounterVec::new(
-                Opts::new(
-                    "fencegate_mutations_total",
-                    "Mutations seen by the proxy, by route and outcome.",
-                ),
+                Opts::new("fencegate_mutations_total", "Mutations seen by the proxy, by route and outcome."),
                 &["route", "outcome"],
             )?,
             lock_requests: IntCounterVec::new(
-                Opts::new(
-                    "fencegate_lock_requests_total",
-                    "Lease API calls by operation and outcome.",
-                ),
+                Opts::new("fencegate_lock_requests_total", "Lease API calls by operation and outcome."),
                 &["op", "outcome"],
             )?,
             leases_active: IntGauge::new("fencegate_leases_active", "Grants currently live.")?,
@@ -95,19 +88,11 @@ impl Metrics {
                 "Times a fence moved (grants and external tokens).",
             )?,
             request_duration: HistogramVec::new(
-                hist(
-                    "fencegate_request_duration_seconds",
-                    "Request latency by listener and route.",
-                    BUCKETS,
-                ),
+                hist("fencegate_request_duration_seconds", "Request latency by listener and route.", BUCKETS),
                 &["listener", "route"],
             )?,
             upstream_duration: HistogramVec::new(
-                hist(
-                    "fencegate_upstream_duration_seconds",
-                    "Upstream latency until response head, by route.",
-                    BUCKETS,
-                ),
+                hist("fencegate_upstream_duration_seconds", "Upstream latency until response head, by route.", BUCKETS),
                 &["route"],
             )?,
             store_sync_duration: Histogram::with_opts(hist(
@@ -129,17 +114,18 @@ impl Metrics {
                 &["route"],
             )?,
             lock_wait: HistogramVec::new(
-                hist(
-                    "fencegate_lock_wait_seconds",
-                    "Time queued waiters waited, by outcome.",
-                    BUCKETS,
-                ),
+                hist("fencegate_lock_wait_seconds", "Time queued waiters waited, by outcome.", BUCKETS),
                 &["outcome"],
             )?,
             renew_margin: Histogram::with_opts(hist(
                 "fencegate_renew_margin_seconds",
                 "Time left on a lease when it was renewed.",
                 LEASE_BUCKETS,
+            ))?,
+            renew_margin_ratio: Histogram::with_opts(hist(
+                "fencegate_renew_margin_ratio",
+                "Time left on a lease when it was renewed, as a fraction of its TTL.",
+                &[0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0],
             ))?,
             lease_holds: Histogram::with_opts(hist(
                 "fencegate_lease_holds_seconds",
@@ -175,6 +161,7 @@ impl Metrics {
         r.register(Box::new(m.lock_wait.clone()))?;
         r.register(Box::new(m.renew_margin.clone()))?;
         r.register(Box::new(m.lease_holds.clone()))?;
+        r.register(Box::new(m.renew_margin_ratio.clone()))?;
         r.register(Box::new(m.grants.clone()))?;
         r.register(Box::new(m.aborted_uploads.clone()))?;
         r.register(Box::new(m.activation_overruns.clone()))?;
@@ -196,15 +183,9 @@ impl Metrics {
 
     /// Pre-creates the series of one route so dashboards see zeros.
     pub fn register_route(&self, route: &str) {
-        for outcome in [
-            "forwarded",
-            "stale",
-            "unissued",
-            "lease_expired",
-            "missing_token",
-            "malformed_token",
-            "upstream_error",
-        ] {
+        for outcome in
+            ["forwarded", "stale", "unissued", "lease_expired", "missing_token", "malformed_token", "upstream_error"]
+        {
             self.mutations.with_label_values(&[route, outcome]);
         }
         self.aborted_uploads.with_label_values(&[route]);
@@ -228,12 +209,8 @@ mod tests {
         m.register_route("default");
         m.store_sync_duration.observe(0.001);
         m.activation_wait.observe(0.0);
-        m.request_duration
-            .with_label_values(&["api", "acquire"])
-            .observe(0.001);
-        m.upstream_duration
-            .with_label_values(&["default"])
-            .observe(0.001);
+        m.request_duration.with_label_values(&["api", "acquire"]).observe(0.001);
+        m.upstream_duration.with_label_values(&["default"]).observe(0.001);
         let text = m.render().unwrap();
         for name in [
             "fencegate_mutations_total",

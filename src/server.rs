@@ -40,13 +40,7 @@ pub struct Limits {
 
 /// Serves `listener` until `shutdown`, then drains open connections for
 /// up to `limits.shutdown_grace`.
-pub async fn serve(
-    name: &'static str,
-    listener: TcpListener,
-    handler: Handler,
-    limits: Limits,
-    shutdown: Shutdown,
-) {
+pub async fn serve(name: &'static str, listener: TcpListener, handler: Handler, limits: Limits, shutdown: Shutdown) {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()

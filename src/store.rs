@@ -136,8 +136,7 @@ impl Store {
     /// Opens (or creates) the database under `dir` and starts the writer.
     /// Counts one more boot, durably, before returning.
     pub fn open(dir: &Path, writer: WriterOptions, observe: SyncObserver) -> Result<Store, Error> {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| Error::Store(format!("creating {}: {e}", dir.display())))?;
+        std::fs::create_dir_all(dir).map_err(|e| Error::Store(format!("creating {}: {e}", dir.display())))?;
         let mut opts = Options::default();
         opts.create_if_missing(true);
         opts.create_missing_column_families(true);
@@ -145,8 +144,7 @@ impl Store {
         // memory and background work small on a 2-core machine.
         opts.set_max_background_jobs(2);
         opts.set_keep_log_file_num(4);
-        let cfs = [CF_FENCES, CF_GRANTS, CF_COUNTERS]
-            .map(|name| ColumnFamilyDescriptor::new(name, Options::default()));
+        let cfs = [CF_FENCES, CF_GRANTS, CF_COUNTERS].map(|name| ColumnFamilyDescriptor::new(name, Options::default()));
         let db = DB::open_cf_descriptors(&opts, dir.join("db"), cfs)
             .map_err(|e| Error::Store(format!("opening RocksDB in {}: {e}", dir.display())))?;
         let db = Arc::new(db);
@@ -157,22 +155,14 @@ impl Store {
             .name("fencegate-store-writer".into())
             .spawn(move || writer_loop(&writer_db, &rx, writer, &observe))
             .map_err(|e| Error::Store(format!("starting the store writer: {e}")))?;
-        let rocks = Rocks {
-            db,
-            tx: Some(tx),
-            writer: Some(handle),
-        };
-        Ok(Store {
-            inner: Inner::Rocks(Arc::new(rocks)),
-        })
+        let rocks = Rocks { db, tx: Some(tx), writer: Some(handle) };
+        Ok(Store { inner: Inner::Rocks(Arc::new(rocks)) })
     }
 
     /// A store that keeps everything in memory and acknowledges at once.
     /// Not durable; for tests only.
     pub fn memory() -> Store {
-        Store {
-            inner: Inner::Memory(Arc::default()),
-        }
+        Store { inner: Inner::Memory(Arc::default()) }
     }
 
     /// Queues `ops` for the next group commit and returns at once. The
@@ -186,10 +176,7 @@ impl Store {
             // sender then resolves the receiver with an error.
             Inner::Rocks(r) => {
                 if let Some(tx) = &r.tx {
-                    let _ = tx.send(Commit {
-                        ops,
-                        done: Some(done),
-                    });
+                    let _ = tx.send(Commit { ops, done: Some(done) });
                 }
             }
             Inner::Memory(m) => {
@@ -229,9 +216,7 @@ impl Store {
         let db = match &self.inner {
             Inner::Rocks(r) => &r.db,
             Inner::Memory(m) => {
-                let m = m
-                    .lock()
-                    .map_err(|_| Error::Store("memory store poisoned".into()))?;
+                let m = m.lock().map_err(|_| Error::Store("memory store poisoned".into()))?;
                 m.fences.iter().for_each(|(k, t)| f(k, *t));
                 return Ok(());
             }
@@ -239,10 +224,8 @@ impl Store {
         let cf = cf(db, CF_FENCES)?;
         for item in db.iterator_cf(cf, IteratorMode::Start) {
             let (k, v) = item.map_err(|e| Error::Store(format!("reading fences: {e}")))?;
-            let key = std::str::from_utf8(&k)
-                .map_err(|_| Error::Store("reading fences: a key is not UTF-8".into()))?;
-            let token = decode_u64(&v)
-                .ok_or_else(|| Error::Store(format!("reading fence of {key}: bad value")))?;
+            let key = std::str::from_utf8(&k).map_err(|_| Error::Store("reading fences: a key is not UTF-8".into()))?;
+            let token = decode_u64(&v).ok_or_else(|| Error::Store(format!("reading fence of {key}: bad value")))?;
             f(key, token);
         }
         Ok(())
@@ -267,24 +250,18 @@ impl Store {
         let db = match &self.inner {
             Inner::Rocks(r) => &r.db,
             Inner::Memory(m) => {
-                let m = m
-                    .lock()
-                    .map_err(|_| Error::Store("memory store poisoned".into()))?;
-                return Ok(m
-                    .grants
-                    .iter()
-                    .map(|(k, g)| (k.clone(), g.clone()))
-                    .collect());
+                let m = m.lock().map_err(|_| Error::Store("memory store poisoned".into()))?;
+                return Ok(m.grants.iter().map(|(k, g)| (k.clone(), g.clone())).collect());
             }
         };
         let cf = cf(db, CF_GRANTS)?;
         let mut out = Vec::new();
         for item in db.iterator_cf(cf, IteratorMode::Start) {
             let (k, v) = item.map_err(|e| Error::Store(format!("reading grants: {e}")))?;
-            let key = String::from_utf8(k.to_vec())
-                .map_err(|_| Error::Store("reading grants: a key is not UTF-8".into()))?;
-            let record: GrantRecord = serde_json::from_slice(&v)
-                .map_err(|e| Error::Store(format!("reading grant of {key}: {e}")))?;
+            let key =
+                String::from_utf8(k.to_vec()).map_err(|_| Error::Store("reading grants: a key is not UTF-8".into()))?;
+            let record: GrantRecord =
+                serde_json::from_slice(&v).map_err(|e| Error::Store(format!("reading grant of {key}: {e}")))?;
             out.push((key, record));
         }
         Ok(out)
@@ -297,16 +274,13 @@ impl Store {
         };
         let db = &r.db;
         let cf = cf(db, CF_COUNTERS)?;
-        let v = db
-            .get_cf(cf, b"boots")
-            .map_err(|e| Error::Store(format!("reading boots: {e}")))?;
+        let v = db.get_cf(cf, b"boots").map_err(|e| Error::Store(format!("reading boots: {e}")))?;
         Ok(v.as_deref().and_then(decode_u64).unwrap_or(0))
     }
 }
 
 fn cf<'a>(db: &'a DB, name: &str) -> Result<&'a rocksdb::ColumnFamily, Error> {
-    db.cf_handle(name)
-        .ok_or_else(|| Error::Store(format!("column family {name} missing")))
+    db.cf_handle(name).ok_or_else(|| Error::Store(format!("column family {name} missing")))
 }
 
 /// Waits for a receiver from [`Store::submit`].
@@ -319,16 +293,13 @@ pub async fn wait_durable(rx: oneshot::Receiver<Result<(), Error>>) -> Result<()
 
 fn bump_boots(db: &DB) -> Result<(), Error> {
     let cf = cf(db, CF_COUNTERS)?;
-    let old = db
-        .get_cf(cf, b"boots")
-        .map_err(|e| Error::Store(format!("reading boots: {e}")))?;
+    let old = db.get_cf(cf, b"boots").map_err(|e| Error::Store(format!("reading boots: {e}")))?;
     let boots = old.as_deref().and_then(decode_u64).unwrap_or(0) + 1;
     let mut wo = WriteOptions::default();
     wo.set_sync(true);
     let mut batch = WriteBatch::default();
     batch.put_cf(cf, b"boots", boots.to_be_bytes());
-    db.write_opt(batch, &wo)
-        .map_err(|e| Error::Store(format!("writing boots: {e}")))
+    db.write_opt(batch, &wo).map_err(|e| Error::Store(format!("writing boots: {e}")))
 }
 
 fn decode_u64(v: &[u8]) -> Option<u64> {
@@ -340,11 +311,7 @@ fn decode_u64(v: &[u8]) -> Option<u64> {
 fn writer_loop(db: &DB, rx: &mpsc::Receiver<Commit>, opts: WriterOptions, observe: &SyncObserver) {
     let mut wo = WriteOptions::default();
     wo.set_sync(true);
-    let limit = if opts.group_commit {
-        opts.max_batch.max(1)
-    } else {
-        1
-    };
+    let limit = if opts.group_commit { opts.max_batch.max(1) } else { 1 };
     while let Ok(first) = rx.recv() {
         let mut group = vec![first];
         while group.len() < limit {
@@ -362,12 +329,7 @@ fn writer_loop(db: &DB, rx: &mpsc::Receiver<Commit>, opts: WriterOptions, observ
     }
 }
 
-fn write_group(
-    db: &DB,
-    group: &[Commit],
-    wo: &WriteOptions,
-    observe: &SyncObserver,
-) -> Result<(), Error> {
+fn write_group(db: &DB, group: &[Commit], wo: &WriteOptions, observe: &SyncObserver) -> Result<(), Error> {
     let (Some(fences), Some(grants)) = (db.cf_handle(CF_FENCES), db.cf_handle(CF_GRANTS)) else {
         return Err(Error::Store("column families missing".into()));
     };
@@ -376,17 +338,16 @@ fn write_group(
         match op {
             Op::Fence { key, token } => batch.put_cf(fences, key.as_bytes(), token.to_be_bytes()),
             Op::Grant { key, record } => {
-                let value = serde_json::to_vec(record)
-                    .map_err(|e| Error::Store(format!("encoding grant of {key}: {e}")))?;
+                let value =
+                    serde_json::to_vec(record).map_err(|e| Error::Store(format!("encoding grant of {key}: {e}")))?;
                 batch.put_cf(grants, key.as_bytes(), value);
             }
             Op::DropGrant { key } => batch.delete_cf(grants, key.as_bytes()),
         }
     }
     let started = Instant::now();
-    let result = db
-        .write_opt(batch, wo)
-        .map_err(|e| Error::Store(format!("writing {} ops with fsync: {e}", group.len())));
+    let result =
+        db.write_opt(batch, wo).map_err(|e| Error::Store(format!("writing {} ops with fsync: {e}", group.len())));
     observe(started.elapsed(), group.len());
     if let Err(e) = &result {
         tracing::error!(error = %e, "group commit failed");
@@ -400,15 +361,7 @@ mod tests {
 
     fn open(dir: &Path) -> Store {
         let noop: SyncObserver = Arc::new(|_, _| {});
-        Store::open(
-            dir,
-            WriterOptions {
-                group_commit: true,
-                max_batch: 64,
-            },
-            noop,
-        )
-        .unwrap()
+        Store::open(dir, WriterOptions { group_commit: true, max_batch: 64 }, noop).unwrap()
     }
 
     #[tokio::test]
@@ -417,39 +370,16 @@ mod tests {
         {
             let s = open(dir.path());
             let key: Arc<str> = Arc::from("orders/1");
-            let record = GrantRecord {
-                token: 7,
-                lease_id: "x".into(),
-                holder: "h".into(),
-                ttl_ms: 500,
-            };
-            s.commit(vec![
-                Op::Fence {
-                    key: key.clone(),
-                    token: 7,
-                },
-                Op::Grant {
-                    key: key.clone(),
-                    record,
-                },
-            ])
-            .await
-            .unwrap();
-            s.commit(vec![Op::Fence {
-                key: Arc::from("b"),
-                token: 3,
-            }])
-            .await
-            .unwrap();
+            let record = GrantRecord { token: 7, lease_id: "x".into(), holder: "h".into(), ttl_ms: 500 };
+            s.commit(vec![Op::Fence { key: key.clone(), token: 7 }, Op::Grant { key: key.clone(), record }])
+                .await
+                .unwrap();
+            s.commit(vec![Op::Fence { key: Arc::from("b"), token: 3 }]).await.unwrap();
         }
         let s = open(dir.path());
         let mut seen = Vec::new();
-        s.for_each_fence(|k, t| seen.push((k.to_string(), t)))
-            .unwrap();
-        assert_eq!(
-            seen,
-            vec![("b".to_string(), 3), ("orders/1".to_string(), 7)]
-        );
+        s.for_each_fence(|k, t| seen.push((k.to_string(), t))).unwrap();
+        assert_eq!(seen, vec![("b".to_string(), 3), ("orders/1".to_string(), 7)]);
         let grants = s.grants().unwrap();
         assert_eq!(grants.len(), 1);
         assert_eq!(grants[0].1.token, 7);
@@ -462,18 +392,8 @@ mod tests {
         {
             let s = open(dir.path());
             let key: Arc<str> = Arc::from("k");
-            let record = GrantRecord {
-                token: 1,
-                lease_id: "x".into(),
-                holder: String::new(),
-                ttl_ms: 500,
-            };
-            s.commit(vec![Op::Grant {
-                key: key.clone(),
-                record,
-            }])
-            .await
-            .unwrap();
+            let record = GrantRecord { token: 1, lease_id: "x".into(), holder: String::new(), ttl_ms: 500 };
+            s.commit(vec![Op::Grant { key: key.clone(), record }]).await.unwrap();
             s.commit(vec![Op::DropGrant { key }]).await.unwrap();
         }
         assert!(open(dir.path()).grants().unwrap().is_empty());

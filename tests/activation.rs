@@ -20,13 +20,7 @@ use hyper_util::rt::TokioExecutor;
 async fn setup() -> (tempfile::TempDir, Gateway, Recorder, Http) {
     let rec = Recorder::start().await;
     let dir = tempfile::tempdir().unwrap();
-    let gw = Gateway::start(
-        &dir.path().join("data"),
-        Opts {
-            upstream: Some(rec.url()),
-            ..Opts::default()
-        },
-    );
+    let gw = Gateway::start(&dir.path().join("data"), Opts { upstream: Some(rec.url()), ..Opts::default() });
     (dir, gw, rec, Http::default())
 }
 
@@ -39,10 +33,7 @@ async fn grant_returns_only_after_the_older_inflight_write_finished() {
     let started = Instant::now();
     let slow_write = tokio::spawn({
         let (http, url, t) = (http.clone(), gw.proxy_url("/k"), old.token.to_string());
-        async move {
-            http.send(Method::PUT, &url, &[("x-fencing-token", &t)], "old")
-                .await
-        }
+        async move { http.send(Method::PUT, &url, &[("x-fencing-token", &t)], "old").await }
     });
     tokio::time::sleep(Duration::from_millis(100)).await;
     // The old lease expires at 300 ms; a new holder asks at once after.
@@ -55,33 +46,16 @@ async fn grant_returns_only_after_the_older_inflight_write_finished() {
     });
     tokio::time::sleep(Duration::from_millis(400)).await;
     // The fence moved before the grant returned: the old holder is out.
-    let r = http
-        .send(
-            Method::PUT,
-            &gw.proxy_url("/k"),
-            &[("x-fencing-token", &old.token.to_string())],
-            "late",
-        )
-        .await;
+    let r = http.send(Method::PUT, &gw.proxy_url("/k"), &[("x-fencing-token", &old.token.to_string())], "late").await;
     assert_eq!(r.error_code(), "stale_fencing_token");
-    assert!(
-        !new.is_finished(),
-        "the grant must wait for the older in-flight write"
-    );
+    assert!(!new.is_finished(), "the grant must wait for the older in-flight write");
     let (g, granted_at) = new.await.unwrap();
     assert_eq!(g.token, old.token + 1);
     assert!(granted_at.duration_since(started) >= Duration::from_millis(1400));
     assert_eq!(slow_write.await.unwrap().status, StatusCode::OK);
-    assert_eq!(
-        rec.count(),
-        1,
-        "the old write was applied before the new grant; the late one never"
-    );
+    assert_eq!(rec.count(), 1, "the old write was applied before the new grant; the late one never");
     let m = String::from_utf8(http.get(&gw.api_url("/metrics")).await.body.to_vec()).unwrap();
-    assert!(
-        m.contains("fencegate_activation_wait_seconds_count 2"),
-        "{m}"
-    );
+    assert!(m.contains("fencegate_activation_wait_seconds_count 2"), "{m}");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -90,25 +64,19 @@ async fn older_upload_still_streaming_is_aborted_by_a_new_grant() {
     let api = gw.api_url("");
     let old = acquire(&http, &api, "big", 10_000, 0).await.unwrap();
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, std::io::Error>>(4);
-    let stream =
-        futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|x| (x, rx)) });
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|x| (x, rx)) });
     let client = Client::builder(TokioExecutor::new()).build_http();
     let req = Request::put(gw.proxy_url("/big"))
         .header("x-fencing-token", old.token.to_string())
         .body(StreamBody::new(Box::pin(stream)))
         .unwrap();
     let upload = tokio::spawn(client.request(req));
-    tx.send(Ok(Frame::data(Bytes::from(vec![b'a'; 64 * 1024]))))
-        .await
-        .unwrap();
+    tx.send(Ok(Frame::data(Bytes::from(vec![b'a'; 64 * 1024])))).await.unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
     release(&http, &api, &old).await;
     let started = Instant::now();
     let new = acquire(&http, &api, "big", 10_000, 0).await.unwrap();
-    assert!(
-        started.elapsed() < Duration::from_secs(2),
-        "the abort must free the barrier promptly"
-    );
+    assert!(started.elapsed() < Duration::from_secs(2), "the abort must free the barrier promptly");
     assert_eq!(new.token, old.token + 1);
     let resp = upload.await.unwrap().unwrap();
     let reply = common::collect(resp).await;
@@ -116,15 +84,9 @@ async fn older_upload_still_streaming_is_aborted_by_a_new_grant() {
     assert_eq!(reply.error_code(), "stale_fencing_token");
     drop(tx);
     tokio::time::sleep(Duration::from_millis(100)).await;
-    assert!(
-        rec.requests().iter().all(|s| !s.complete),
-        "the upstream must never get the whole body"
-    );
+    assert!(rec.requests().iter().all(|s| !s.complete), "the upstream must never get the whole body");
     let m = String::from_utf8(http.get(&gw.api_url("/metrics")).await.body.to_vec()).unwrap();
-    assert!(
-        m.contains("fencegate_aborted_uploads_total{route=\"default\"} 1"),
-        "{m}"
-    );
+    assert!(m.contains("fencegate_aborted_uploads_total{route=\"default\"} 1"), "{m}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -181,23 +143,13 @@ async fn tokens_never_decrease_in_applied_order_under_handovers() {
     let mut last: HashMap<String, u64> = HashMap::new();
     let applied = rec.requests();
     for s in &applied {
-        let t: u64 = s.headers["x-fencing-token"]
-            .to_str()
-            .unwrap()
-            .parse()
-            .unwrap();
+        let t: u64 = s.headers["x-fencing-token"].to_str().unwrap().parse().unwrap();
         let prev = last.entry(s.path.clone()).or_insert(0);
         assert!(t >= *prev, "{}: token {t} applied after {prev}", s.path);
         *prev = t;
     }
-    println!(
-        "{forwarded} forwarded, {refused} refused, {} applied",
-        applied.len()
-    );
+    println!("{forwarded} forwarded, {refused} refused, {} applied", applied.len());
     assert_eq!(applied.len(), forwarded as usize);
-    assert!(
-        forwarded > 500,
-        "too few writes to mean anything: {forwarded}"
-    );
+    assert!(forwarded > 500, "too few writes to mean anything: {forwarded}");
     assert!(refused > 0, "zombies must have been refused");
 }

@@ -20,10 +20,7 @@ async fn acquire_renew_release_status_round_trip() {
     let http = Http::default();
     let api = gw.api_url("");
     let r = http
-        .post_json(
-            &format!("{api}/v1/locks/acquire"),
-            json!({"key": "orders/1", "ttl_ms": 5000, "holder": "w1"}),
-        )
+        .post_json(&format!("{api}/v1/locks/acquire"), json!({"key": "orders/1", "ttl_ms": 5000, "holder": "w1"}))
         .await;
     assert_eq!(r.status, StatusCode::OK);
     assert_eq!(r.headers["content-type"], "application/json");
@@ -35,45 +32,25 @@ async fn acquire_renew_release_status_round_trip() {
     let lease_id = g["lease_id"].as_str().unwrap().to_string();
     assert_eq!(lease_id.len(), 32, "128-bit lease id as hex");
 
-    let s = http
-        .get(&format!("{api}/v1/locks/status?key=orders%2F1"))
-        .await
-        .json();
+    let s = http.get(&format!("{api}/v1/locks/status?key=orders%2F1")).await.json();
     assert_eq!(s["fence"], 1);
     assert_eq!(s["held"], true);
     assert_eq!(s["fencing_token"], 1);
     assert_eq!(s["holder"], "w1");
     assert!(s["expires_in_ms"].as_u64().unwrap() <= 5000);
-    assert!(
-        s.get("lease_id").is_none(),
-        "status must never show the lease id"
-    );
+    assert!(s.get("lease_id").is_none(), "status must never show the lease id");
 
     let r = http
-        .post_json(
-            &format!("{api}/v1/locks/renew"),
-            json!({"key": "orders/1", "lease_id": lease_id, "ttl_ms": 8000}),
-        )
+        .post_json(&format!("{api}/v1/locks/renew"), json!({"key": "orders/1", "lease_id": lease_id, "ttl_ms": 8000}))
         .await;
     assert_eq!(r.status, StatusCode::OK);
-    assert_eq!(
-        r.json(),
-        json!({"key": "orders/1", "fencing_token": 1, "ttl_ms": 8000})
-    );
+    assert_eq!(r.json(), json!({"key": "orders/1", "fencing_token": 1, "ttl_ms": 8000}));
 
-    let r = http
-        .post_json(
-            &format!("{api}/v1/locks/release"),
-            json!({"key": "orders/1", "lease_id": lease_id}),
-        )
-        .await;
+    let r = http.post_json(&format!("{api}/v1/locks/release"), json!({"key": "orders/1", "lease_id": lease_id})).await;
     assert_eq!(r.status, StatusCode::OK);
     assert_eq!(r.json(), json!({"key": "orders/1", "released": true}));
 
-    let s = http
-        .get(&format!("{api}/v1/locks/status?key=orders/1"))
-        .await
-        .json();
+    let s = http.get(&format!("{api}/v1/locks/status?key=orders/1")).await.json();
     assert_eq!(s, json!({"key": "orders/1", "fence": 1, "held": false}));
 }
 
@@ -119,39 +96,20 @@ async fn renew_of_lost_lease_is_410_and_release_by_stranger_is_409() {
     let http = Http::default();
     let api = gw.api_url("");
     let g = acquire(&http, &api, "k", 200, 0).await.unwrap();
-    let stranger = http
-        .post_json(
-            &format!("{api}/v1/locks/release"),
-            json!({"key": "k", "lease_id": "00".repeat(16)}),
-        )
-        .await;
+    let stranger =
+        http.post_json(&format!("{api}/v1/locks/release"), json!({"key": "k", "lease_id": "00".repeat(16)})).await;
     assert_eq!(stranger.status, StatusCode::CONFLICT);
     assert_eq!(stranger.error_code(), "not_owner");
     tokio::time::sleep(std::time::Duration::from_millis(400)).await;
-    let r = http
-        .post_json(
-            &format!("{api}/v1/locks/renew"),
-            json!({"key": "k", "lease_id": g.lease_id}),
-        )
-        .await;
+    let r = http.post_json(&format!("{api}/v1/locks/renew"), json!({"key": "k", "lease_id": g.lease_id})).await;
     assert_eq!(r.status, StatusCode::GONE);
     assert_eq!(r.error_code(), "lease_lost");
-    let unknown = http
-        .post_json(
-            &format!("{api}/v1/locks/renew"),
-            json!({"key": "nokey", "lease_id": "x"}),
-        )
-        .await;
+    let unknown = http.post_json(&format!("{api}/v1/locks/renew"), json!({"key": "nokey", "lease_id": "x"})).await;
     assert_eq!(unknown.status, StatusCode::GONE);
     // Superseded: a new holder; the old lease id is lost.
     let g2 = acquire(&http, &api, "k", 5000, 0).await.unwrap();
     assert_eq!(g2.token, 2);
-    let r = http
-        .post_json(
-            &format!("{api}/v1/locks/renew"),
-            json!({"key": "k", "lease_id": g.lease_id}),
-        )
-        .await;
+    let r = http.post_json(&format!("{api}/v1/locks/renew"), json!({"key": "k", "lease_id": g.lease_id})).await;
     assert_eq!(r.error_code(), "lease_lost");
     let r = release(&http, &api, &g).await;
     assert_eq!(r.error_code(), "not_owner");
@@ -164,12 +122,7 @@ async fn watch_answers_when_the_holder_changes() {
     let api = gw.api_url("");
     let w = tokio::spawn({
         let (http, api) = (http.clone(), api.clone());
-        async move {
-            http.get(&format!(
-                "{api}/v1/locks/watch?key=k&after=0&timeout_ms=10000"
-            ))
-            .await
-        }
+        async move { http.get(&format!("{api}/v1/locks/watch?key=k&after=0&timeout_ms=10000")).await }
     });
     tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     assert!(!w.is_finished());
@@ -179,12 +132,7 @@ async fn watch_answers_when_the_holder_changes() {
     assert_eq!(r.json()["fencing_token"], g.token);
     // Unchanged: answers at the timeout with the same status.
     let started = std::time::Instant::now();
-    let r = http
-        .get(&format!(
-            "{api}/v1/locks/watch?key=k&after={}&timeout_ms=300",
-            g.token
-        ))
-        .await;
+    let r = http.get(&format!("{api}/v1/locks/watch?key=k&after={}&timeout_ms=300", g.token)).await;
     assert!(started.elapsed() >= std::time::Duration::from_millis(300));
     assert_eq!(r.json()["fencing_token"], g.token);
 }
@@ -214,20 +162,12 @@ async fn bad_input_gets_400_with_json_error() {
         assert_eq!(r.error_code(), "bad_request", "{body}");
         assert!(r.json()["message"].as_str().is_some_and(|m| !m.is_empty()));
     }
-    for raw in [
-        "",
-        "{",
-        "not json",
-        "{\"key\": \"k\", \"ttl_ms\": 1e400}",
-        "\u{0}",
-    ] {
+    for raw in ["", "{", "not json", "{\"key\": \"k\", \"ttl_ms\": 1e400}", "\u{0}"] {
         let r = http.send(Method::POST, &url, &[], raw.to_string()).await;
         assert_eq!(r.status, StatusCode::BAD_REQUEST, "{raw:?}");
         assert_eq!(r.error_code(), "bad_request");
     }
-    let r = http
-        .send(Method::POST, &url, &[], vec![0xffu8, 0xfe, 0x00])
-        .await;
+    let r = http.send(Method::POST, &url, &[], vec![0xffu8, 0xfe, 0x00]).await;
     assert_eq!(r.status, StatusCode::BAD_REQUEST);
     for q in ["", "?key=", "?key=%zz", "?key=%ff"] {
         let r = http.get(&gw.api_url(&format!("/v1/locks/status{q}"))).await;
@@ -242,13 +182,8 @@ async fn bad_input_gets_400_with_json_error() {
 async fn oversized_body_is_413_and_unknown_paths_404_405() {
     let (_d, gw) = start();
     let http = Http::default();
-    let big = format!(
-        "{{\"key\": \"k\", \"ttl_ms\": 1000, \"holder\": \"{}\"}}",
-        "x".repeat(70_000)
-    );
-    let r = http
-        .send(Method::POST, &gw.api_url("/v1/locks/acquire"), &[], big)
-        .await;
+    let big = format!("{{\"key\": \"k\", \"ttl_ms\": 1000, \"holder\": \"{}\"}}", "x".repeat(70_000));
+    let r = http.send(Method::POST, &gw.api_url("/v1/locks/acquire"), &[], big).await;
     assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE);
     assert_eq!(r.error_code(), "payload_too_large");
     let r = http.get(&gw.api_url("/v1/nope")).await;
@@ -263,21 +198,12 @@ async fn oversized_body_is_413_and_unknown_paths_404_405() {
 async fn health_ready_and_metrics_answer() {
     let (_d, gw) = start();
     let http = Http::default();
-    assert_eq!(
-        http.get(&gw.api_url("/healthz")).await.status,
-        StatusCode::OK
-    );
-    assert_eq!(
-        http.get(&gw.api_url("/readyz")).await.status,
-        StatusCode::OK
-    );
+    assert_eq!(http.get(&gw.api_url("/healthz")).await.status, StatusCode::OK);
+    assert_eq!(http.get(&gw.api_url("/readyz")).await.status, StatusCode::OK);
     acquire(&http, &gw.api_url(""), "k", 1000, 0).await.unwrap();
     let m = http.get(&gw.api_url("/metrics")).await;
     let text = String::from_utf8(m.body.to_vec()).unwrap();
-    assert!(
-        text.contains("fencegate_lock_requests_total{op=\"acquire\",outcome=\"ok\"} 1"),
-        "{text}"
-    );
+    assert!(text.contains("fencegate_lock_requests_total{op=\"acquire\",outcome=\"ok\"} 1"), "{text}");
     assert!(text.contains("fencegate_leases_active 1"));
 }
 

@@ -14,11 +14,7 @@ fn fencegate() -> Command {
 fn example_config_is_valid() {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/fencegate.example.toml");
     let out = fencegate().arg("check-config").arg(path).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stdout).contains("ok (2 route(s)"));
 }
 
@@ -28,7 +24,10 @@ fn check_config_names_the_bad_key() {
     let cases = [
         ("[locks]\nmax_ttl = 5\n", "max_ttl"),
         ("listen = \"nope\"\n", "listen"),
-        ("[[routes]]\nmatch = \"/{id}\"\nresource = \"{x}\"\nupstream = \"http://127.0.0.1:1\"\n", "routes[0].resource"),
+        (
+            "[[routes]]\nmatch = \"/{id}\"\nresource = \"{x}\"\nupstream = \"http://127.0.0.1:1\"\n",
+            "routes[0].resource",
+        ),
         ("[[routes]]\nmatch = \"/{*p}\"\nupstream = \"gopher://x\"\n", "routes[0].upstream"),
         ("[locks]\nmin_ttl_ms = 10\nmax_ttl_ms = 1\n", "locks.max_ttl_ms"),
     ];
@@ -51,19 +50,12 @@ fn serve_with_no_arguments_runs_on_the_embedded_defaults() {
             "port {port} is taken; this test needs the default ports free"
         );
     }
-    let mut child = fencegate()
-        .arg("serve")
-        .current_dir(dir.path())
-        .spawn()
-        .unwrap();
+    let mut child = fencegate().arg("serve").current_dir(dir.path()).spawn().unwrap();
     let started = Instant::now();
     while std::net::TcpStream::connect("127.0.0.1:7070").is_err()
         || std::net::TcpStream::connect("127.0.0.1:8080").is_err()
     {
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "defaults did not come up"
-        );
+        assert!(started.elapsed() < Duration::from_secs(30), "defaults did not come up");
         std::thread::sleep(Duration::from_millis(20));
     }
     assert!(dir.path().join("fencegate-data/db").is_dir());

@@ -32,21 +32,13 @@ impl Rng {
 async fn kill9_never_reuses_a_token() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
-    let seed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64
-        | 1;
+    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1;
     println!("seed {seed}");
     let mut rng = Rng(seed);
     // Highest token each key's clients ever received, across all runs.
     let received: Arc<Mutex<HashMap<String, u64>>> = Arc::default();
     let mut total_grants = 0usize;
-    let ports = Opts {
-        proxy_port: Some(common::free_port()),
-        api_port: Some(common::free_port()),
-        ..Opts::default()
-    };
+    let ports = Opts { proxy_port: Some(common::free_port()), api_port: Some(common::free_port()), ..Opts::default() };
     for round in 0..KILLS {
         let gw = Gateway::start(&data, ports.clone());
         let api = gw.api_url("");
@@ -54,22 +46,15 @@ async fn kill9_never_reuses_a_token() {
         // Every key's fence covers every token handed out before the kill,
         // and the next token is greater: never a reuse.
         for key in KEYS {
-            let s = http
-                .get(&format!("{api}/v1/locks/status?key={key}"))
-                .await
-                .json();
+            let s = http.get(&format!("{api}/v1/locks/status?key={key}")).await.json();
             let seen = received.lock().unwrap().get(key).copied().unwrap_or(0);
             let fence = s["fence"].as_u64().unwrap();
-            assert!(
-                fence >= seen,
-                "round {round}: {key} fence {fence} < received token {seen}"
-            );
+            assert!(fence >= seen, "round {round}: {key} fence {fence} < received token {seen}");
         }
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let mut workers = Vec::new();
         for w in 0..8 {
-            let (http, api, received, stop) =
-                (http.clone(), api.clone(), received.clone(), stop.clone());
+            let (http, api, received, stop) = (http.clone(), api.clone(), received.clone(), stop.clone());
             workers.push(tokio::spawn(async move {
                 let mut grants = 0usize;
                 let mut i = w;
@@ -98,10 +83,7 @@ async fn kill9_never_reuses_a_token() {
                     let lease_id = v["lease_id"].as_str().unwrap().to_string();
                     let url = format!("{api}/v1/locks/release");
                     let rel = http.try_post_json(&url, json!({"key": key, "lease_id": lease_id}));
-                    if !matches!(
-                        tokio::time::timeout(Duration::from_secs(5), rel).await,
-                        Ok(Ok(_))
-                    ) {
+                    if !matches!(tokio::time::timeout(Duration::from_secs(5), rel).await, Ok(Ok(_))) {
                         break;
                     }
                 }
@@ -122,18 +104,9 @@ async fn kill9_never_reuses_a_token() {
     let api = gw.api_url("");
     for key in KEYS {
         let seen = received.lock().unwrap().get(key).copied().unwrap_or(0);
-        let g = common::acquire(&http, &api, key, 1000, 10_000)
-            .await
-            .unwrap();
-        assert!(
-            g.token > seen,
-            "{key}: new token {} not above received {seen}",
-            g.token
-        );
+        let g = common::acquire(&http, &api, key, 1000, 10_000).await.unwrap();
+        assert!(g.token > seen, "{key}: new token {} not above received {seen}", g.token);
     }
     println!("{KILLS} kills, {total_grants} grants observed by clients");
-    assert!(
-        total_grants > KILLS,
-        "the storm must actually have produced grants"
-    );
+    assert!(total_grants > KILLS, "the storm must actually have produced grants");
 }

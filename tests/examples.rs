@@ -14,18 +14,10 @@ fn example(name: &str) -> PathBuf {
 #[test]
 fn gc_pause_example_refuses_the_zombie_write() {
     let path = example("gc_pause");
-    assert!(
-        path.exists(),
-        "build the examples first (cargo build --all-targets): {}",
-        path.display()
-    );
+    assert!(path.exists(), "build the examples first (cargo build --all-targets): {}", path.display());
     let out = Command::new(path).output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.contains("fencing token 33"), "{stdout}");
     assert!(stdout.contains("fencing token 34"), "{stdout}");
     assert!(stdout.contains("HTTP 409"), "{stdout}");

@@ -12,14 +12,8 @@ async fn setup_with(config: Option<String>) -> (tempfile::TempDir, Gateway, Reco
     let rec = Recorder::start().await;
     let dir = tempfile::tempdir().unwrap();
     let opts = match config {
-        Some(c) => Opts {
-            config: Some(c.replace("UPSTREAM", &rec.url())),
-            ..Opts::default()
-        },
-        None => Opts {
-            upstream: Some(rec.url()),
-            ..Opts::default()
-        },
+        Some(c) => Opts { config: Some(c.replace("UPSTREAM", &rec.url())), ..Opts::default() },
+        None => Opts { upstream: Some(rec.url()), ..Opts::default() },
     };
     let gw = Gateway::start(&dir.path().join("data"), opts);
     (dir, gw, rec, Http::default())
@@ -34,17 +28,14 @@ async fn put(http: &Http, gw: &Gateway, path: &str, token: Option<&str>) -> comm
     if let Some(t) = token {
         headers.push(("x-fencing-token", t));
     }
-    http.send(Method::PUT, &gw.proxy_url(path), &headers, "payload")
-        .await
+    http.send(Method::PUT, &gw.proxy_url(path), &headers, "payload").await
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn missing_token_is_428_before_upstream() {
     let (_d, gw, rec, http) = setup().await;
     for m in [Method::PUT, Method::POST, Method::PATCH, Method::DELETE] {
-        let r = http
-            .send(m.clone(), &gw.proxy_url("/orders/1"), &[], "x")
-            .await;
+        let r = http.send(m.clone(), &gw.proxy_url("/orders/1"), &[], "x").await;
         assert_eq!(r.status, StatusCode::PRECONDITION_REQUIRED, "{m}");
         assert_eq!(r.error_code(), "fencing_token_required");
     }
@@ -54,21 +45,9 @@ async fn missing_token_is_428_before_upstream() {
 #[tokio::test(flavor = "multi_thread")]
 async fn malformed_token_is_400_before_upstream() {
     let (_d, gw, rec, http) = setup().await;
-    let g = acquire(&http, &gw.api_url(""), "orders/1", 10_000, 0)
-        .await
-        .unwrap();
+    let g = acquire(&http, &gw.api_url(""), "orders/1", 10_000, 0).await.unwrap();
     let t = g.token.to_string();
-    let bad = [
-        "",
-        "+1",
-        "-1",
-        "1 2",
-        "0x1",
-        "1.0",
-        "abc",
-        "18446744073709551616",
-        "1,2",
-    ];
+    let bad = ["", "+1", "-1", "1 2", "0x1", "1.0", "abc", "18446744073709551616", "1,2"];
     for v in bad {
         let r = put(&http, &gw, "/orders/1", Some(v)).await;
         assert_eq!(r.status, StatusCode::BAD_REQUEST, "{v:?}");
@@ -76,12 +55,7 @@ async fn malformed_token_is_400_before_upstream() {
     }
     // Two header lines that disagree.
     let r = http
-        .send(
-            Method::PUT,
-            &gw.proxy_url("/orders/1"),
-            &[("x-fencing-token", &t), ("x-fencing-token", "999")],
-            "x",
-        )
+        .send(Method::PUT, &gw.proxy_url("/orders/1"), &[("x-fencing-token", &t), ("x-fencing-token", "999")], "x")
         .await;
     assert_eq!(r.error_code(), "malformed_fencing_token");
     assert_eq!(rec.count(), 0);
@@ -163,9 +137,7 @@ strict = false
 #[tokio::test(flavor = "multi_thread")]
 async fn current_token_is_forwarded_with_proxy_headers() {
     let (_d, gw, rec, http) = setup().await;
-    let g = acquire(&http, &gw.api_url(""), "orders/1", 10_000, 0)
-        .await
-        .unwrap();
+    let g = acquire(&http, &gw.api_url(""), "orders/1", 10_000, 0).await.unwrap();
     let t = g.token.to_string();
     let r = http
         .send(
@@ -211,29 +183,17 @@ async fn reads_pass_but_a_stale_read_learns_it() {
     let old = acquire(&http, &api, "orders/1", 10_000, 0).await.unwrap();
     release(&http, &api, &old).await;
     acquire(&http, &api, "orders/1", 10_000, 0).await.unwrap();
-    let r = http
-        .send(
-            Method::GET,
-            &gw.proxy_url("/orders/1"),
-            &[("x-fencing-token", &old.token.to_string())],
-            "",
-        )
-        .await;
+    let r =
+        http.send(Method::GET, &gw.proxy_url("/orders/1"), &[("x-fencing-token", &old.token.to_string())], "").await;
     assert_eq!(r.status, StatusCode::CONFLICT);
     assert_eq!(r.error_code(), "stale_fencing_token");
-    assert_eq!(
-        rec.count(),
-        1,
-        "only the token-less read reached the upstream"
-    );
+    assert_eq!(rec.count(), 1, "only the token-less read reached the upstream");
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn path_aliases_are_refused_before_upstream() {
     let (_d, gw, rec, http) = setup().await;
-    let g = acquire(&http, &gw.api_url(""), "orders/1", 10_000, 0)
-        .await
-        .unwrap();
+    let g = acquire(&http, &gw.api_url(""), "orders/1", 10_000, 0).await.unwrap();
     let t = g.token.to_string();
     for path in [
         "/orders/x/../1",
@@ -247,27 +207,13 @@ async fn path_aliases_are_refused_before_upstream() {
         "/orders/%ff",
         "/orders/%zz",
     ] {
-        let r = http
-            .send(
-                Method::PUT,
-                &gw.proxy_url(path),
-                &[("x-fencing-token", &t)],
-                "x",
-            )
-            .await;
+        let r = http.send(Method::PUT, &gw.proxy_url(path), &[("x-fencing-token", &t)], "x").await;
         assert_eq!(r.status, StatusCode::BAD_REQUEST, "{path}");
         assert_eq!(r.error_code(), "bad_request", "{path}");
     }
     assert_eq!(rec.count(), 0);
     // One spelling of the same key: %31 is "1".
-    let r = http
-        .send(
-            Method::PUT,
-            &gw.proxy_url("/orders/%31"),
-            &[("x-fencing-token", &t)],
-            "x",
-        )
-        .await;
+    let r = http.send(Method::PUT, &gw.proxy_url("/orders/%31"), &[("x-fencing-token", &t)], "x").await;
     assert_eq!(r.status, StatusCode::OK);
 }
 
@@ -281,36 +227,17 @@ resource = "orders/{id}"
 upstream = "UPSTREAM"
 "#;
     let (_d, gw, rec, http) = setup_with(Some(cfg.into())).await;
-    let g = acquire(&http, &gw.api_url(""), "orders/7", 10_000, 0)
-        .await
-        .unwrap();
+    let g = acquire(&http, &gw.api_url(""), "orders/7", 10_000, 0).await.unwrap();
     let t = g.token.to_string();
-    let r = http
-        .send(
-            Method::PUT,
-            &gw.proxy_url("/orders/7/lines/3"),
-            &[("x-fencing-token", &t)],
-            "x",
-        )
-        .await;
+    let r = http.send(Method::PUT, &gw.proxy_url("/orders/7/lines/3"), &[("x-fencing-token", &t)], "x").await;
     assert_eq!(r.status, StatusCode::OK);
-    let r = http
-        .send(
-            Method::PUT,
-            &gw.proxy_url("/orders/8/lines/3"),
-            &[("x-fencing-token", &t)],
-            "x",
-        )
-        .await;
+    let r = http.send(Method::PUT, &gw.proxy_url("/orders/8/lines/3"), &[("x-fencing-token", &t)], "x").await;
     assert_eq!(r.error_code(), "unissued_fencing_token");
     let r = http.get(&gw.proxy_url("/elsewhere")).await;
     assert_eq!(r.status, StatusCode::NOT_FOUND);
     assert_eq!(rec.count(), 1);
     let m = String::from_utf8(http.get(&gw.api_url("/metrics")).await.body.to_vec()).unwrap();
-    assert!(
-        m.contains("fencegate_mutations_total{outcome=\"forwarded\",route=\"orders\"} 1"),
-        "{m}"
-    );
+    assert!(m.contains("fencegate_mutations_total{outcome=\"forwarded\",route=\"orders\"} 1"), "{m}");
     assert!(m.contains("fencegate_mutations_total{outcome=\"unissued\",route=\"orders\"} 1"));
 }
 
@@ -323,18 +250,9 @@ upstream = "UPSTREAM"
 fence_authority = "external"
 "#;
     let (_d, gw, rec, http) = setup_with(Some(cfg.into())).await;
-    assert_eq!(
-        put(&http, &gw, "/k", Some("100")).await.status,
-        StatusCode::OK
-    );
-    assert_eq!(
-        put(&http, &gw, "/k", Some("100")).await.status,
-        StatusCode::OK
-    );
-    assert_eq!(
-        put(&http, &gw, "/k", Some("250")).await.status,
-        StatusCode::OK
-    );
+    assert_eq!(put(&http, &gw, "/k", Some("100")).await.status, StatusCode::OK);
+    assert_eq!(put(&http, &gw, "/k", Some("100")).await.status, StatusCode::OK);
+    assert_eq!(put(&http, &gw, "/k", Some("250")).await.status, StatusCode::OK);
     let r = put(&http, &gw, "/k", Some("100")).await;
     assert_eq!(r.error_code(), "stale_fencing_token");
     assert_eq!(r.json()["fence"], 250);
@@ -354,16 +272,10 @@ enforce = false
 "#;
     let (_d, gw, rec, http) = setup_with(Some(cfg.into())).await;
     assert_eq!(put(&http, &gw, "/k", None).await.status, StatusCode::OK);
-    assert_eq!(
-        put(&http, &gw, "/k", Some("77")).await.status,
-        StatusCode::OK
-    );
+    assert_eq!(put(&http, &gw, "/k", Some("77")).await.status, StatusCode::OK);
     assert_eq!(rec.count(), 2);
     let m = String::from_utf8(http.get(&gw.api_url("/metrics")).await.body.to_vec()).unwrap();
-    assert!(
-        m.contains("fencegate_mutations_total{outcome=\"missing_token\",route=\"legacy\"} 1"),
-        "{m}"
-    );
+    assert!(m.contains("fencegate_mutations_total{outcome=\"missing_token\",route=\"legacy\"} 1"), "{m}");
     assert!(m.contains("fencegate_mutations_total{outcome=\"unissued\",route=\"legacy\"} 1"));
 }
 
@@ -400,16 +312,9 @@ upstream = "UPSTREAM"
 max_body_bytes = 10
 "#;
     let (_d, gw, rec, http) = setup_with(Some(cfg.into())).await;
-    let g = acquire(&http, &gw.api_url(""), "k", 10_000, 0)
-        .await
-        .unwrap();
+    let g = acquire(&http, &gw.api_url(""), "k", 10_000, 0).await.unwrap();
     let r = http
-        .send(
-            Method::PUT,
-            &gw.proxy_url("/k"),
-            &[("x-fencing-token", &g.token.to_string())],
-            "0123456789ABC",
-        )
+        .send(Method::PUT, &gw.proxy_url("/k"), &[("x-fencing-token", &g.token.to_string())], "0123456789ABC")
         .await;
     assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE);
     assert_eq!(r.error_code(), "payload_too_large");

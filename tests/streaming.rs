@@ -41,14 +41,10 @@ async fn sink() -> (std::net::SocketAddr, Arc<AtomicU64>) {
                                 counter.fetch_add(d.len() as u64, Ordering::Relaxed);
                             }
                         }
-                        Ok::<_, std::convert::Infallible>(Response::new(Full::new(
-                            Bytes::from_static(b"ok"),
-                        )))
+                        Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::from_static(b"ok"))))
                     }
                 });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(stream), svc)
-                    .await;
+                let _ = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), svc).await;
             });
         }
     });
@@ -65,28 +61,14 @@ fn peak_rss_kib(pid: u32) -> u64 {
 async fn one_gib_put_streams_with_bounded_memory() {
     let (addr, received) = sink().await;
     let dir = tempfile::tempdir().unwrap();
-    let gw = Gateway::start(
-        &dir.path().join("data"),
-        Opts {
-            upstream: Some(format!("http://{addr}")),
-            ..Opts::default()
-        },
-    );
+    let gw =
+        Gateway::start(&dir.path().join("data"), Opts { upstream: Some(format!("http://{addr}")), ..Opts::default() });
     let http = Http::default();
-    let g = acquire(&http, &gw.api_url(""), "big/object", 60_000, 0)
-        .await
-        .unwrap();
+    let g = acquire(&http, &gw.api_url(""), "big/object", 60_000, 0).await.unwrap();
     let chunk = Bytes::from(vec![b'x'; CHUNK]);
     let stream = futures_util::stream::unfold(0u64, move |sent| {
         let chunk = chunk.clone();
-        async move {
-            (sent < TOTAL).then(|| {
-                (
-                    Ok::<_, std::io::Error>(Frame::data(chunk)),
-                    sent + CHUNK as u64,
-                )
-            })
-        }
+        async move { (sent < TOTAL).then(|| (Ok::<_, std::io::Error>(Frame::data(chunk)), sent + CHUNK as u64)) }
     });
     let client = Client::builder(TokioExecutor::new()).build_http();
     let req = Request::put(gw.proxy_url("/big/object"))
@@ -98,16 +80,8 @@ async fn one_gib_put_streams_with_bounded_memory() {
     let resp = client.request(req).await.unwrap();
     assert_eq!(resp.status(), 200);
     let secs = started.elapsed().as_secs_f64();
-    assert_eq!(
-        received.load(Ordering::Relaxed),
-        TOTAL,
-        "every byte must arrive"
-    );
+    assert_eq!(received.load(Ordering::Relaxed), TOTAL, "every byte must arrive");
     let peak = peak_rss_kib(gw.child.id());
-    println!(
-        "1 GiB PUT through fencegate: {:.0} MiB/s, gateway peak RSS {} MiB",
-        1024.0 / secs,
-        peak / 1024
-    );
+    println!("1 GiB PUT through fencegate: {:.0} MiB/s, gateway peak RSS {} MiB", 1024.0 / secs, peak / 1024);
     assert!(peak < 64 * 1024, "peak RSS {peak} KiB");
 }

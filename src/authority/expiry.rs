@@ -34,11 +34,7 @@ impl Authority {
     /// Runs until `shutdown`: expires grants whose deadline has passed.
     pub async fn run_expiry(self: Arc<Self>, shutdown: Shutdown) {
         loop {
-            let next = self
-                .expiry
-                .lock()
-                .ok()
-                .and_then(|h| h.peek().map(|Reverse((t, _, _))| *t));
+            let next = self.expiry.lock().ok().and_then(|h| h.peek().map(|Reverse((t, _, _))| *t));
             let sleep = async {
                 match next {
                     Some(at) => tokio::time::sleep_until(at).await,

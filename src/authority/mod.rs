@@ -37,9 +37,7 @@ use crate::metrics::Metrics;
 use crate::store::{wait_durable, GrantRecord, Op, Store};
 
 use types::{new_lease_id, secret_eq, validate_holder, validate_ttl, validate_wait};
-pub use types::{
-    validate_key, AcquireRequest, GrantView, ReleaseRequest, RenewRequest, RenewView, StatusView,
-};
+pub use types::{validate_key, AcquireRequest, GrantView, ReleaseRequest, RenewRequest, RenewView, StatusView};
 
 /// One live grant.
 #[derive(Debug, Clone)]
@@ -71,12 +69,7 @@ struct KeyState {
 
 impl KeyState {
     fn new() -> KeyState {
-        KeyState {
-            grant: None,
-            waiters: VecDeque::new(),
-            handoff: None,
-            holder_tx: watch::channel(0).0,
-        }
+        KeyState { grant: None, waiters: VecDeque::new(), handoff: None, holder_tx: watch::channel(0).0 }
     }
     fn is_free(&self) -> bool {
         self.grant.is_none() && self.handoff.is_none() && self.waiters.is_empty()
@@ -85,9 +78,7 @@ impl KeyState {
         self.is_free() && self.holder_tx.receiver_count() == 0
     }
     fn retry_after_ms(&self, now: Instant) -> u64 {
-        self.grant
-            .as_ref()
-            .map_or(0, |g| millis(g.deadline.saturating_duration_since(now)))
+        self.grant.as_ref().map_or(0, |g| millis(g.deadline.saturating_duration_since(now)))
     }
 }
 
@@ -121,9 +112,7 @@ pub struct Authority {
 
 impl std::fmt::Debug for Authority {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Authority")
-            .field("keys", &self.keys.len())
-            .finish()
+        f.debug_struct("Authority").field("keys", &self.keys.len()).finish()
     }
 }
 
@@ -221,10 +210,7 @@ impl Authority {
                 Step::Installed(self.install(&key, &mut st, &lease_id, &holder, ttl)?)
             } else if req.wait_ms == 0 || st.waiters.len() >= self.limits.max_waiters_per_key {
                 let retry_after_ms = st.retry_after_ms(started);
-                return Err(Error::Locked {
-                    key: req.key,
-                    retry_after_ms,
-                });
+                return Err(Error::Locked { key: req.key, retry_after_ms });
             } else {
                 let id = self.next_waiter.fetch_add(1, Ordering::Relaxed);
                 let (wake, rx) = oneshot::channel();
@@ -236,43 +222,23 @@ impl Authority {
         let (token, durable) = match step {
             Step::Installed(issued) => issued,
             Step::Queued(id, rx) => {
-                let mut guard = WaiterGuard {
-                    auth: self,
-                    key: key.clone(),
-                    id,
-                    armed: true,
-                };
-                let woken =
-                    tokio::time::timeout_at(started + Duration::from_millis(req.wait_ms), rx).await;
+                let mut guard = WaiterGuard { auth: self, key: key.clone(), id, armed: true };
+                let woken = tokio::time::timeout_at(started + Duration::from_millis(req.wait_ms), rx).await;
                 let waited = started.elapsed().as_secs_f64();
                 if !matches!(woken, Ok(Ok(()))) {
                     drop(guard);
-                    self.metrics
-                        .lock_wait
-                        .with_label_values(&["timeout"])
-                        .observe(waited);
-                    let retry_after_ms = self
-                        .keys
-                        .get(&key)
-                        .map_or(0, |st| st.retry_after_ms(Instant::now()));
+                    self.metrics.lock_wait.with_label_values(&["timeout"]).observe(waited);
+                    let retry_after_ms = self.keys.get(&key).map_or(0, |st| st.retry_after_ms(Instant::now()));
                     self.gc(&key);
-                    return Err(Error::Locked {
-                        key: req.key,
-                        retry_after_ms,
-                    });
+                    return Err(Error::Locked { key: req.key, retry_after_ms });
                 }
                 let mut st = self.keys.entry(key.clone()).or_insert_with(KeyState::new);
                 if st.handoff != Some(id) {
-                    return Err(Error::Internal(format!(
-                        "waiter on {key} woken without the hand-off"
-                    )));
+                    return Err(Error::Internal(format!("waiter on {key} woken without the hand-off")));
                 }
                 st.handoff = None;
                 guard.armed = false;
-                self.metrics
-                    .lock_wait
-                    .with_label_values(&["granted"])
-                    .observe(waited);
+                self.metrics.lock_wait.with_label_values(&["granted"]).observe(waited);
                 self.install(&key, &mut st, &lease_id, &holder, ttl)?
             }
         };
@@ -287,20 +253,12 @@ impl Authority {
         // before the new holder hears it holds the lock.
         let timeout = Duration::from_millis(self.limits.activation_timeout_ms);
         let outcome = self.fences.barrier(&key, token, timeout).await;
-        self.metrics
-            .activation_wait
-            .observe(outcome.waited.as_secs_f64());
+        self.metrics.activation_wait.observe(outcome.waited.as_secs_f64());
         if outcome.overrun {
             self.metrics.activation_overruns.inc();
             tracing::warn!(key = %key, token, "activation gave up waiting for older in-flight mutations");
         }
-        Ok(GrantView {
-            key: req.key,
-            fencing_token: token,
-            lease_id,
-            ttl_ms: req.ttl_ms,
-            holder,
-        })
+        Ok(GrantView { key: req.key, fencing_token: token, lease_id, ttl_ms: req.ttl_ms, holder })
     }
 
     /// Issues the next token to a new grant. Caller holds the key's state
@@ -315,22 +273,8 @@ impl Authority {
     ) -> Result<Issued, Error> {
         let ttl_ms = millis(ttl);
         let (token, durable) = self.fences.issue(key, &self.store, |k, token| {
-            let record = GrantRecord {
-                token,
-                lease_id: lease_id.to_string(),
-                holder: holder.to_string(),
-                ttl_ms,
-            };
-            vec![
-                Op::Fence {
-                    key: k.clone(),
-                    token,
-                },
-                Op::Grant {
-                    key: k.clone(),
-                    record,
-                },
-            ]
+            let record = GrantRecord { token, lease_id: lease_id.to_string(), holder: holder.to_string(), ttl_ms };
+            vec![Op::Fence { key: k.clone(), token }, Op::Grant { key: k.clone(), record }]
         })?;
         let now = Instant::now();
         st.grant = Some(Grant {
@@ -366,9 +310,7 @@ impl Authority {
         if let Some(ttl_ms) = req.ttl_ms {
             validate_ttl(ttl_ms, &self.limits)?;
         }
-        let lost = || Error::LeaseLost {
-            key: req.key.clone(),
-        };
+        let lost = || Error::LeaseLost { key: req.key.clone() };
         let Some(mut st) = self.keys.get_mut(req.key.as_str()) else {
             return Err(lost());
         };
@@ -381,9 +323,9 @@ impl Authority {
         if !secret_eq(&grant.lease_id, &req.lease_id) {
             return Err(lost());
         }
-        self.metrics
-            .renew_margin
-            .observe(grant.deadline.saturating_duration_since(now).as_secs_f64());
+        let margin = grant.deadline.saturating_duration_since(now).as_secs_f64();
+        self.metrics.renew_margin.observe(margin);
+        self.metrics.renew_margin_ratio.observe(margin / grant.ttl.as_secs_f64().max(f64::EPSILON));
         if let Some(ttl_ms) = req.ttl_ms {
             let ttl = Duration::from_millis(ttl_ms);
             if ttl != grant.ttl {
@@ -396,18 +338,11 @@ impl Authority {
                     holder: grant.holder.clone(),
                     ttl_ms,
                 };
-                self.store.submit_lazy(vec![Op::Grant {
-                    key: key.clone(),
-                    record,
-                }]);
+                self.store.submit_lazy(vec![Op::Grant { key: key.clone(), record }]);
             }
         }
         grant.deadline = now + grant.ttl;
-        Ok(RenewView {
-            key: req.key,
-            fencing_token: grant.token,
-            ttl_ms: millis(grant.ttl),
-        })
+        Ok(RenewView { key: req.key, fencing_token: grant.token, ttl_ms: millis(grant.ttl) })
     }
 
     /// Ends a grant at its holder's request; wakes the head waiter.
@@ -427,9 +362,7 @@ impl Authority {
 
     fn release_inner(&self, req: &ReleaseRequest) -> Result<(), Error> {
         validate_key(&req.key)?;
-        let not_owner = || Error::NotOwner {
-            key: req.key.clone(),
-        };
+        let not_owner = || Error::NotOwner { key: req.key.clone() };
         let Some(mut st) = self.keys.get_mut(req.key.as_str()) else {
             return Err(not_owner());
         };
@@ -448,11 +381,7 @@ impl Authority {
         validate_key(key)?;
         let fence = self.fences.fence(key);
         let now = Instant::now();
-        let grant = self
-            .keys
-            .get(key)
-            .and_then(|st| st.grant.clone())
-            .filter(|g| g.deadline > now);
+        let grant = self.keys.get(key).and_then(|st| st.grant.clone()).filter(|g| g.deadline > now);
         Ok(match grant {
             Some(g) => StatusView {
                 key: key.to_string(),
@@ -475,20 +404,10 @@ impl Authority {
 
     /// Long-polls until the holder's token differs from `after` (0: no
     /// holder) or `timeout` passes; answers the status either way.
-    pub async fn watch(
-        &self,
-        key: &str,
-        after: u64,
-        timeout: Duration,
-    ) -> Result<StatusView, Error> {
+    pub async fn watch(&self, key: &str, after: u64, timeout: Duration) -> Result<StatusView, Error> {
         validate_key(key)?;
         let timeout = timeout.min(Duration::from_millis(self.limits.max_watch_timeout_ms));
-        let mut rx = self
-            .keys
-            .entry(Arc::from(key))
-            .or_insert_with(KeyState::new)
-            .holder_tx
-            .subscribe();
+        let mut rx = self.keys.entry(Arc::from(key)).or_insert_with(KeyState::new).holder_tx.subscribe();
         let deadline = Instant::now() + timeout;
         loop {
             if *rx.borrow_and_update() != after {
@@ -525,12 +444,9 @@ impl Authority {
     fn end_locked(&self, key: &Arc<str>, st: &mut KeyState, why: Ended) {
         let Some(grant) = st.grant.take() else { return };
         self.fences.set_live(key, grant.token, false);
-        self.store
-            .submit_lazy(vec![Op::DropGrant { key: key.clone() }]);
+        self.store.submit_lazy(vec![Op::DropGrant { key: key.clone() }]);
         self.metrics.leases_active.dec();
-        self.metrics
-            .lease_holds
-            .observe(grant.granted_at.elapsed().as_secs_f64());
+        self.metrics.lease_holds.observe(grant.granted_at.elapsed().as_secs_f64());
         match why {
             Ended::Expired => {
                 self.metrics.lease_expirations.inc();

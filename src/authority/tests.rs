@@ -21,10 +21,7 @@ fn rig_with(store: Store) -> Rig {
     let auth = Authority::restore(fences, store, metrics, LocksConfig::default()).unwrap();
     let (trigger, stop) = shutdown::channel();
     tokio::spawn(auth.clone().run_expiry(stop));
-    Rig {
-        auth,
-        _trigger: trigger,
-    }
+    Rig { auth, _trigger: trigger }
 }
 
 fn rig() -> Rig {
@@ -32,12 +29,7 @@ fn rig() -> Rig {
 }
 
 fn acq(key: &str, ttl_ms: u64, wait_ms: u64) -> AcquireRequest {
-    AcquireRequest {
-        key: key.into(),
-        ttl_ms,
-        wait_ms,
-        holder: Some("t".into()),
-    }
+    AcquireRequest { key: key.into(), ttl_ms, wait_ms, holder: Some("t".into()) }
 }
 
 #[tokio::test(start_paused = true)]
@@ -45,12 +37,7 @@ async fn tokens_start_at_one_and_increase() {
     let r = rig();
     let a = r.auth.acquire(acq("k", 1000, 0)).await.unwrap();
     assert_eq!(a.fencing_token, 1);
-    r.auth
-        .release(ReleaseRequest {
-            key: "k".into(),
-            lease_id: a.lease_id,
-        })
-        .unwrap();
+    r.auth.release(ReleaseRequest { key: "k".into(), lease_id: a.lease_id }).unwrap();
     let b = r.auth.acquire(acq("k", 1000, 0)).await.unwrap();
     assert_eq!(b.fencing_token, 2);
     let other = r.auth.acquire(acq("other", 1000, 0)).await.unwrap();
@@ -78,11 +65,7 @@ async fn lease_expires_after_ttl_and_fence_stays() {
     let s = r.auth.status("k").unwrap();
     assert!(!s.held);
     assert_eq!(s.fence, a.fencing_token);
-    let lost = r.auth.renew(RenewRequest {
-        key: "k".into(),
-        lease_id: a.lease_id,
-        ttl_ms: None,
-    });
+    let lost = r.auth.renew(RenewRequest { key: "k".into(), lease_id: a.lease_id, ttl_ms: None });
     assert!(matches!(lost, Err(Error::LeaseLost { .. })));
     assert_eq!(r.auth.metrics.lease_expirations.get(), 1);
 }
@@ -93,14 +76,7 @@ async fn renew_extends_the_lease() {
     let a = r.auth.acquire(acq("k", 1000, 0)).await.unwrap();
     for _ in 0..5 {
         sleep(Duration::from_millis(600)).await;
-        let v = r
-            .auth
-            .renew(RenewRequest {
-                key: "k".into(),
-                lease_id: a.lease_id.clone(),
-                ttl_ms: None,
-            })
-            .unwrap();
+        let v = r.auth.renew(RenewRequest { key: "k".into(), lease_id: a.lease_id.clone(), ttl_ms: None }).unwrap();
         assert_eq!(v.fencing_token, a.fencing_token);
     }
     // 3 s after the grant with a 1 s TTL: still held thanks to renewals.
@@ -113,14 +89,7 @@ async fn renew_extends_the_lease() {
 async fn renew_with_new_ttl_changes_it() {
     let r = rig();
     let a = r.auth.acquire(acq("k", 1000, 0)).await.unwrap();
-    let v = r
-        .auth
-        .renew(RenewRequest {
-            key: "k".into(),
-            lease_id: a.lease_id.clone(),
-            ttl_ms: Some(5000),
-        })
-        .unwrap();
+    let v = r.auth.renew(RenewRequest { key: "k".into(), lease_id: a.lease_id.clone(), ttl_ms: Some(5000) }).unwrap();
     assert_eq!(v.ttl_ms, 5000);
     sleep(Duration::from_millis(4000)).await;
     assert!(r.auth.status("k").unwrap().held);
@@ -130,28 +99,14 @@ async fn renew_with_new_ttl_changes_it() {
 async fn release_by_non_owner_is_refused() {
     let r = rig();
     let a = r.auth.acquire(acq("k", 1000, 0)).await.unwrap();
-    let wrong = r.auth.release(ReleaseRequest {
-        key: "k".into(),
-        lease_id: "0".repeat(32),
-    });
+    let wrong = r.auth.release(ReleaseRequest { key: "k".into(), lease_id: "0".repeat(32) });
     assert!(matches!(wrong, Err(Error::NotOwner { .. })));
-    let nothing = r.auth.release(ReleaseRequest {
-        key: "nope".into(),
-        lease_id: a.lease_id.clone(),
-    });
+    let nothing = r.auth.release(ReleaseRequest { key: "nope".into(), lease_id: a.lease_id.clone() });
     assert!(matches!(nothing, Err(Error::NotOwner { .. })));
     assert!(r.auth.status("k").unwrap().held);
-    r.auth
-        .release(ReleaseRequest {
-            key: "k".into(),
-            lease_id: a.lease_id.clone(),
-        })
-        .unwrap();
+    r.auth.release(ReleaseRequest { key: "k".into(), lease_id: a.lease_id.clone() }).unwrap();
     // Released twice: no longer the owner.
-    let again = r.auth.release(ReleaseRequest {
-        key: "k".into(),
-        lease_id: a.lease_id,
-    });
+    let again = r.auth.release(ReleaseRequest { key: "k".into(), lease_id: a.lease_id });
     assert!(matches!(again, Err(Error::NotOwner { .. })));
 }
 
@@ -166,21 +121,12 @@ async fn waiters_are_served_in_fifo_order() {
         tokio::spawn(async move {
             let g = auth.acquire(acq("k", 10_000, 60_000)).await.unwrap();
             tx.send((i, g.fencing_token)).unwrap();
-            auth.release(ReleaseRequest {
-                key: "k".into(),
-                lease_id: g.lease_id,
-            })
-            .unwrap();
+            auth.release(ReleaseRequest { key: "k".into(), lease_id: g.lease_id }).unwrap();
         });
         // Let each join the queue before the next arrives.
         sleep(Duration::from_millis(10)).await;
     }
-    r.auth
-        .release(ReleaseRequest {
-            key: "k".into(),
-            lease_id: first.lease_id,
-        })
-        .unwrap();
+    r.auth.release(ReleaseRequest { key: "k".into(), lease_id: first.lease_id }).unwrap();
     let mut order = Vec::new();
     for _ in 0..5 {
         order.push(rx.recv().await.unwrap());
@@ -202,10 +148,7 @@ async fn expiry_wakes_only_the_head_waiter() {
         async move { auth.acquire(acq("k", 5000, 10_000)).await }
     });
     sleep(Duration::from_millis(1100)).await;
-    assert!(
-        a.is_finished(),
-        "head waiter should hold the key after expiry"
-    );
+    assert!(a.is_finished(), "head waiter should hold the key after expiry");
     assert!(!b.is_finished(), "second waiter must still wait");
     assert_eq!(a.await.unwrap().unwrap().fencing_token, 2);
     b.abort();
@@ -226,12 +169,7 @@ async fn waiter_that_times_out_leaves_the_queue() {
         async move { auth.acquire(acq("k", 1000, 5000)).await }
     });
     sleep(Duration::from_millis(10)).await;
-    r.auth
-        .release(ReleaseRequest {
-            key: "k".into(),
-            lease_id: held.lease_id,
-        })
-        .unwrap();
+    r.auth.release(ReleaseRequest { key: "k".into(), lease_id: held.lease_id }).unwrap();
     assert_eq!(later.await.unwrap().unwrap().fencing_token, 2);
 }
 
@@ -251,12 +189,7 @@ async fn abandoned_waiter_passes_its_turn_on() {
     sleep(Duration::from_millis(10)).await;
     gone.abort(); // the client hung up
     sleep(Duration::from_millis(10)).await;
-    r.auth
-        .release(ReleaseRequest {
-            key: "k".into(),
-            lease_id: held.lease_id,
-        })
-        .unwrap();
+    r.auth.release(ReleaseRequest { key: "k".into(), lease_id: held.lease_id }).unwrap();
     assert_eq!(next.await.unwrap().unwrap().fencing_token, 2);
 }
 
@@ -280,12 +213,7 @@ async fn watch_wakes_on_grant_and_on_release() {
     });
     sleep(Duration::from_millis(100)).await;
     assert!(!w2.is_finished());
-    r.auth
-        .release(ReleaseRequest {
-            key: "k".into(),
-            lease_id: g.lease_id,
-        })
-        .unwrap();
+    r.auth.release(ReleaseRequest { key: "k".into(), lease_id: g.lease_id }).unwrap();
     let s = w2.await.unwrap().unwrap();
     assert!(!s.held);
     assert_eq!(s.fence, 1);
@@ -295,11 +223,7 @@ async fn watch_wakes_on_grant_and_on_release() {
 async fn watch_returns_at_timeout_without_change() {
     let r = rig();
     let started = Instant::now();
-    let s = r
-        .auth
-        .watch("k", 0, Duration::from_millis(700))
-        .await
-        .unwrap();
+    let s = r.auth.watch("k", 0, Duration::from_millis(700)).await.unwrap();
     assert!(!s.held);
     assert_eq!(started.elapsed(), Duration::from_millis(700));
 }
@@ -308,12 +232,8 @@ async fn watch_returns_at_timeout_without_change() {
 async fn grant_waits_for_older_inflight_mutation() {
     let r = rig();
     let a = r.auth.acquire(acq("k", 1000, 0)).await.unwrap();
-    let policy = CheckPolicy {
-        strict: true,
-        external: false,
-    };
-    let Ok(Admission::Admitted(inflight)) = r.auth.fences().check("k", a.fencing_token, policy)
-    else {
+    let policy = CheckPolicy { strict: true, external: false };
+    let Ok(Admission::Admitted(inflight)) = r.auth.fences().check("k", a.fencing_token, policy) else {
         panic!("current token must be admitted")
     };
     sleep(Duration::from_millis(1001)).await; // a's lease expires mid-write
@@ -322,10 +242,7 @@ async fn grant_waits_for_older_inflight_mutation() {
         async move { auth.acquire(acq("k", 1000, 0)).await }
     });
     sleep(Duration::from_millis(300)).await;
-    assert!(
-        !b.is_finished(),
-        "grant must wait for the older in-flight write"
-    );
+    assert!(!b.is_finished(), "grant must wait for the older in-flight write");
     // The fence already moved: a's later writes are refused.
     assert!(r.auth.fences().check("k", a.fencing_token, policy).is_err());
     drop(inflight);
@@ -346,41 +263,16 @@ async fn live_grant_comes_back_with_full_ttl_after_restart() {
     let s = r.auth.status("k").unwrap();
     assert!(s.held);
     assert_eq!(s.expires_in_ms, Some(2000));
-    r.auth
-        .renew(RenewRequest {
-            key: "k".into(),
-            lease_id: a.lease_id,
-            ttl_ms: None,
-        })
-        .unwrap();
-    assert!(matches!(
-        r.auth.acquire(acq("k", 1000, 0)).await,
-        Err(Error::Locked { .. })
-    ));
+    r.auth.renew(RenewRequest { key: "k".into(), lease_id: a.lease_id, ttl_ms: None }).unwrap();
+    assert!(matches!(r.auth.acquire(acq("k", 1000, 0)).await, Err(Error::Locked { .. })));
 }
 
 #[tokio::test(start_paused = true)]
 async fn bounds_are_enforced() {
     let r = rig();
-    for bad in [
-        acq("k", 99, 0),
-        acq("k", 3_600_001, 0),
-        acq("k", 1000, 300_001),
-        acq("", 1000, 0),
-    ] {
-        assert!(matches!(
-            r.auth.acquire(bad).await,
-            Err(Error::BadRequest(_))
-        ));
+    for bad in [acq("k", 99, 0), acq("k", 3_600_001, 0), acq("k", 1000, 300_001), acq("", 1000, 0)] {
+        assert!(matches!(r.auth.acquire(bad).await, Err(Error::BadRequest(_))));
     }
-    let bad_holder = AcquireRequest {
-        key: "k".into(),
-        ttl_ms: 1000,
-        wait_ms: 0,
-        holder: Some("a\u{0}".into()),
-    };
-    assert!(matches!(
-        r.auth.acquire(bad_holder).await,
-        Err(Error::BadRequest(_))
-    ));
+    let bad_holder = AcquireRequest { key: "k".into(), ttl_ms: 1000, wait_ms: 0, holder: Some("a\u{0}".into()) };
+    assert!(matches!(r.auth.acquire(bad_holder).await, Err(Error::BadRequest(_))));
 }

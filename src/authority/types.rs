@@ -76,15 +76,10 @@ pub struct StatusView {
 /// bytes, no control characters.
 pub fn validate_key(key: &str) -> Result<(), Error> {
     if key.is_empty() || key.len() > MAX_KEY_BYTES {
-        return Err(Error::BadRequest(format!(
-            "key must be 1 to {MAX_KEY_BYTES} bytes, got {}",
-            key.len()
-        )));
+        return Err(Error::BadRequest(format!("key must be 1 to {MAX_KEY_BYTES} bytes, got {}", key.len())));
     }
     if key.chars().any(char::is_control) {
-        return Err(Error::BadRequest(
-            "key must not contain control characters".into(),
-        ));
+        return Err(Error::BadRequest("key must not contain control characters".into()));
     }
     Ok(())
 }
@@ -103,10 +98,7 @@ pub fn validate_ttl(ttl_ms: u64, limits: &LocksConfig) -> Result<(), Error> {
 /// Checks `wait_ms` against the configured bound.
 pub fn validate_wait(wait_ms: u64, limits: &LocksConfig) -> Result<(), Error> {
     if wait_ms > limits.max_wait_ms {
-        return Err(Error::BadRequest(format!(
-            "wait_ms must be at most {}, got {wait_ms}",
-            limits.max_wait_ms
-        )));
+        return Err(Error::BadRequest(format!("wait_ms must be at most {}, got {wait_ms}", limits.max_wait_ms)));
     }
     Ok(())
 }
@@ -114,15 +106,10 @@ pub fn validate_wait(wait_ms: u64, limits: &LocksConfig) -> Result<(), Error> {
 /// Checks a holder label: bounded, no control characters.
 pub fn validate_holder(holder: &str, limits: &LocksConfig) -> Result<(), Error> {
     if holder.len() > limits.max_holder_bytes {
-        return Err(Error::BadRequest(format!(
-            "holder must be at most {} bytes",
-            limits.max_holder_bytes
-        )));
+        return Err(Error::BadRequest(format!("holder must be at most {} bytes", limits.max_holder_bytes)));
     }
     if holder.chars().any(char::is_control) {
-        return Err(Error::BadRequest(
-            "holder must not contain control characters".into(),
-        ));
+        return Err(Error::BadRequest("holder must not contain control characters".into()));
     }
     Ok(())
 }

@@ -35,11 +35,7 @@ pub struct CheckPolicy {
 pub enum Refusal {
     /// `token < fence`. `superseded_for`: time since the fence last moved
     /// (a lower bound of how long this token's holder has been a zombie).
-    Stale {
-        token: u64,
-        fence: u64,
-        superseded_for: Duration,
-    },
+    Stale { token: u64, fence: u64, superseded_for: Duration },
     /// `token > fence` on an embedded route (or `0` on a fresh key).
     Unissued { token: u64, fence: u64 },
     /// `token == fence` but its grant was released or expired (strict).
@@ -127,11 +123,7 @@ impl Slot {
 
     fn register(&mut self, token: u64, id: u64) -> Arc<InflightCtl> {
         let ctl = Arc::new(InflightCtl::default());
-        self.inflight.push(InflightEntry {
-            token,
-            id,
-            ctl: ctl.clone(),
-        });
+        self.inflight.push(InflightEntry { token, id, ctl: ctl.clone() });
         ctl
     }
 
@@ -157,18 +149,13 @@ pub struct FenceTable {
 
 impl std::fmt::Debug for FenceTable {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FenceTable")
-            .field("keys", &self.slots.len())
-            .finish()
+        f.debug_struct("FenceTable").field("keys", &self.slots.len()).finish()
     }
 }
 
 impl Default for FenceTable {
     fn default() -> Self {
-        FenceTable {
-            slots: DashMap::new(),
-            next_id: AtomicU64::new(1),
-        }
+        FenceTable { slots: DashMap::new(), next_id: AtomicU64::new(1) }
     }
 }
 
@@ -180,21 +167,12 @@ impl FenceTable {
 
     /// An empty table sized for `n` keys (start-up from the store).
     pub fn with_capacity(n: usize) -> Arc<FenceTable> {
-        Arc::new(FenceTable {
-            slots: DashMap::with_capacity(n),
-            next_id: AtomicU64::new(1),
-        })
+        Arc::new(FenceTable { slots: DashMap::with_capacity(n), next_id: AtomicU64::new(1) })
     }
 
     /// Installs a fence read from the store at start (not live).
     pub fn load(&self, key: &str, fence: u64) {
-        self.slots.insert(
-            Arc::from(key),
-            Slot {
-                fence,
-                ..Slot::default()
-            },
-        );
+        self.slots.insert(Arc::from(key), Slot { fence, ..Slot::default() });
     }
 
     /// Number of keys with a fence.
@@ -224,12 +202,7 @@ impl FenceTable {
 
     /// The fence check of SPEC 4 and, when it passes, the registration of
     /// the request as in flight — one atomic step per key.
-    pub fn check(
-        self: &Arc<Self>,
-        key: &str,
-        token: u64,
-        policy: CheckPolicy,
-    ) -> Result<Admission, Refusal> {
+    pub fn check(self: &Arc<Self>, key: &str, token: u64, policy: CheckPolicy) -> Result<Admission, Refusal> {
         let Some(mut slot) = self.slots.get_mut(key) else {
             // Never fenced: fence 0. Nothing was ever issued for this key.
             if policy.external && token > 0 {
@@ -240,11 +213,7 @@ impl FenceTable {
         let fence = slot.fence;
         if token < fence {
             let superseded_for = slot.moved_at.map_or(Duration::ZERO, |t| t.elapsed());
-            return Err(Refusal::Stale {
-                token,
-                fence,
-                superseded_for,
-            });
+            return Err(Refusal::Stale { token, fence, superseded_for });
         }
         if token > fence {
             if policy.external {
@@ -262,13 +231,7 @@ impl FenceTable {
         let ctl = slot.register(token, id);
         let key = slot.key().clone();
         drop(slot);
-        Ok(Admission::Admitted(InflightGuard {
-            table: self.clone(),
-            key,
-            token,
-            id,
-            ctl,
-        }))
+        Ok(Admission::Admitted(InflightGuard { table: self.clone(), key, token, id, ctl }))
     }
 
     /// External authority: raises the fence of `key` to `token`, submits it
@@ -286,18 +249,11 @@ impl FenceTable {
         let mut slot = self.slots.entry(Arc::from(key)).or_default();
         if token < slot.fence {
             let superseded_for = slot.moved_at.map_or(Duration::ZERO, |t| t.elapsed());
-            return Err(Refusal::Stale {
-                token,
-                fence: slot.fence,
-                superseded_for,
-            });
+            return Err(Refusal::Stale { token, fence: slot.fence, superseded_for });
         }
         let durable = if token > slot.fence {
             slot.raise(token, true);
-            Some(store.submit(vec![Op::Fence {
-                key: slot.key().clone(),
-                token,
-            }]))
+            Some(store.submit(vec![Op::Fence { key: slot.key().clone(), token }]))
         } else {
             None
         };
@@ -305,16 +261,7 @@ impl FenceTable {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let ctl = slot.register(token, id);
         drop(slot);
-        Ok((
-            InflightGuard {
-                table: self.clone(),
-                key: key_arc,
-                token,
-                id,
-                ctl,
-            },
-            durable,
-        ))
+        Ok((InflightGuard { table: self.clone(), key: key_arc, token, id, ctl }, durable))
     }
 
     /// Embedded authority: issues the next token of `key` (`fence + 1`),
@@ -327,10 +274,8 @@ impl FenceTable {
         ops: impl FnOnce(&Arc<str>, u64) -> Vec<Op>,
     ) -> Result<(u64, oneshot::Receiver<Result<(), Error>>), Error> {
         let mut slot = self.slots.entry(Arc::from(key)).or_default();
-        let token = slot
-            .fence
-            .checked_add(1)
-            .ok_or_else(|| Error::Internal(format!("token space of {key} exhausted")))?;
+        let token =
+            slot.fence.checked_add(1).ok_or_else(|| Error::Internal(format!("token space of {key} exhausted")))?;
         slot.raise(token, true);
         let durable = store.submit(ops(slot.key(), token));
         Ok((token, durable))
@@ -349,9 +294,7 @@ impl FenceTable {
                 if !slot.has_older_than(token) {
                     break;
                 }
-                slot.barrier
-                    .get_or_insert_with(|| Arc::new(Notify::new()))
-                    .clone()
+                slot.barrier.get_or_insert_with(|| Arc::new(Notify::new())).clone()
             };
             let notified = notify.notified();
             tokio::pin!(notified);
@@ -361,16 +304,10 @@ impl FenceTable {
                 break;
             }
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                return BarrierOutcome {
-                    waited: started.elapsed(),
-                    overrun: true,
-                };
+                return BarrierOutcome { waited: started.elapsed(), overrun: true };
             }
         }
-        BarrierOutcome {
-            waited: started.elapsed(),
-            overrun: false,
-        }
+        BarrierOutcome { waited: started.elapsed(), overrun: false }
     }
 
     /// Number of mutations in flight on `key` (tests and status).
@@ -403,10 +340,7 @@ pub struct InflightGuard {
 
 impl std::fmt::Debug for InflightGuard {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("InflightGuard")
-            .field("key", &self.key)
-            .field("token", &self.token)
-            .finish()
+        f.debug_struct("InflightGuard").field("key", &self.key).field("token", &self.token).finish()
     }
 }
 
@@ -431,14 +365,8 @@ impl Drop for InflightGuard {
 mod tests {
     use super::*;
 
-    const STRICT: CheckPolicy = CheckPolicy {
-        strict: true,
-        external: false,
-    };
-    const LAX: CheckPolicy = CheckPolicy {
-        strict: false,
-        external: false,
-    };
+    const STRICT: CheckPolicy = CheckPolicy { strict: true, external: false };
+    const LAX: CheckPolicy = CheckPolicy { strict: false, external: false };
 
     fn table_with(key: &str, fence: u64, live: bool) -> Arc<FenceTable> {
         let t = FenceTable::new();
@@ -451,11 +379,7 @@ mod tests {
     fn stale_token_is_refused_with_fence() {
         let t = table_with("k", 34, true);
         match t.check("k", 33, STRICT) {
-            Err(Refusal::Stale {
-                token: 33,
-                fence: 34,
-                ..
-            }) => {}
+            Err(Refusal::Stale { token: 33, fence: 34, .. }) => {}
             other => panic!("{other:?}"),
         }
     }
@@ -463,39 +387,22 @@ mod tests {
     #[test]
     fn token_above_fence_is_unissued_on_embedded_routes() {
         let t = table_with("k", 34, true);
-        assert!(matches!(
-            t.check("k", 35, STRICT),
-            Err(Refusal::Unissued {
-                token: 35,
-                fence: 34
-            })
-        ));
-        assert!(matches!(
-            t.check("fresh", 1, STRICT),
-            Err(Refusal::Unissued { fence: 0, .. })
-        ));
-        assert!(matches!(
-            t.check("fresh", 0, LAX),
-            Err(Refusal::Unissued { fence: 0, .. })
-        ));
+        assert!(matches!(t.check("k", 35, STRICT), Err(Refusal::Unissued { token: 35, fence: 34 })));
+        assert!(matches!(t.check("fresh", 1, STRICT), Err(Refusal::Unissued { fence: 0, .. })));
+        assert!(matches!(t.check("fresh", 0, LAX), Err(Refusal::Unissued { fence: 0, .. })));
     }
 
     #[test]
     fn ended_grant_is_refused_only_when_strict() {
         let t = table_with("k", 5, false);
-        assert!(matches!(
-            t.check("k", 5, STRICT),
-            Err(Refusal::LeaseExpired { token: 5 })
-        ));
+        assert!(matches!(t.check("k", 5, STRICT), Err(Refusal::LeaseExpired { token: 5 })));
         assert!(matches!(t.check("k", 5, LAX), Ok(Admission::Admitted(_))));
     }
 
     #[test]
     fn live_current_token_is_admitted_and_registered() {
         let t = table_with("k", 5, true);
-        let Ok(Admission::Admitted(g)) = t.check("k", 5, STRICT) else {
-            panic!()
-        };
+        let Ok(Admission::Admitted(g)) = t.check("k", 5, STRICT) else { panic!() };
         assert_eq!(t.inflight("k"), 1);
         drop(g);
         assert_eq!(t.inflight("k"), 0);
@@ -504,10 +411,7 @@ mod tests {
     #[test]
     fn external_higher_token_must_advance() {
         let t = table_with("k", 5, false);
-        let ext = CheckPolicy {
-            strict: true,
-            external: true,
-        };
+        let ext = CheckPolicy { strict: true, external: true };
         assert!(matches!(t.check("k", 9, ext), Ok(Admission::MustAdvance)));
         assert!(matches!(t.check("new", 1, ext), Ok(Admission::MustAdvance)));
         assert!(matches!(t.check("k", 5, ext), Ok(Admission::Admitted(_))));
@@ -516,9 +420,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn barrier_waits_for_older_inflight_only() {
         let t = table_with("k", 5, true);
-        let Ok(Admission::Admitted(old)) = t.check("k", 5, STRICT) else {
-            panic!()
-        };
+        let Ok(Admission::Admitted(old)) = t.check("k", 5, STRICT) else { panic!() };
         // A newer fence: the barrier for 6 must wait for the token-5 mutation.
         t.slots.get_mut("k").unwrap().raise(6, true);
         let t2 = t.clone();
@@ -534,9 +436,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn barrier_gives_up_at_timeout() {
         let t = table_with("k", 5, true);
-        let Ok(Admission::Admitted(_old)) = t.check("k", 5, STRICT) else {
-            panic!()
-        };
+        let Ok(Admission::Admitted(_old)) = t.check("k", 5, STRICT) else { panic!() };
         let outcome = t.barrier("k", 6, Duration::from_secs(1)).await;
         assert!(outcome.overrun);
     }
@@ -544,12 +444,8 @@ mod tests {
     #[test]
     fn raising_the_fence_aborts_streaming_uploads_but_not_finished_ones() {
         let t = table_with("k", 5, true);
-        let Ok(Admission::Admitted(streaming)) = t.check("k", 5, STRICT) else {
-            panic!()
-        };
-        let Ok(Admission::Admitted(sent)) = t.check("k", 5, STRICT) else {
-            panic!()
-        };
+        let Ok(Admission::Admitted(streaming)) = t.check("k", 5, STRICT) else { panic!() };
+        let Ok(Admission::Admitted(sent)) = t.check("k", 5, STRICT) else { panic!() };
         sent.ctl().mark_body_done();
         t.slots.get_mut("k").unwrap().raise(6, true);
         assert!(streaming.ctl().is_aborted());

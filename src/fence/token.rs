@@ -23,9 +23,7 @@ pub fn parse_token_header(values: GetAll<'_, HeaderValue>) -> Result<Option<u64>
             let token = parse_one(trim_ows(element))?;
             match found {
                 Some(prev) if prev != token => {
-                    return Err(TokenError::Malformed(format!(
-                        "several disagreeing values ({prev} and {token})"
-                    )))
+                    return Err(TokenError::Malformed(format!("several disagreeing values ({prev} and {token})")))
                 }
                 _ => found = Some(token),
             }

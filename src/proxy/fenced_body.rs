@@ -62,20 +62,9 @@ pub struct FencedBody {
 impl FencedBody {
     /// Wraps `inner`. `ctl`: the in-flight registration of a fenced
     /// mutation (None for reads).
-    pub fn new(
-        inner: BoxBody,
-        ctl: Option<Arc<InflightCtl>>,
-        limit: u64,
-    ) -> (FencedBody, Arc<BodyOutcome>) {
+    pub fn new(inner: BoxBody, ctl: Option<Arc<InflightCtl>>, limit: u64) -> (FencedBody, Arc<BodyOutcome>) {
         let outcome = Arc::new(BodyOutcome::default());
-        let body = FencedBody {
-            inner,
-            ctl,
-            limit,
-            seen: 0,
-            outcome: outcome.clone(),
-            done: false,
-        };
+        let body = FencedBody { inner, ctl, limit, seen: 0, outcome: outcome.clone(), done: false };
         (body, outcome)
     }
 
@@ -91,10 +80,7 @@ impl Body for FencedBody {
     type Data = Bytes;
     type Error = BoxError;
 
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         if self.done {
             return Poll::Ready(None);
         }

@@ -77,9 +77,7 @@ impl FileStore {
 
     fn resolve(&self, name: &str) -> Result<PathBuf, Error> {
         if name.is_empty() || name.ends_with('/') {
-            return Err(Error::BadRequest(
-                "the built-in store holds objects, not directories".into(),
-            ));
+            return Err(Error::BadRequest("the built-in store holds objects, not directories".into()));
         }
         if name == RESERVED || name.starts_with(".fencegate/") {
             return Err(Error::BadRequest(format!("{RESERVED} is reserved")));
@@ -89,9 +87,7 @@ impl FileStore {
             path.push(seg);
             match std::fs::symlink_metadata(&path) {
                 Ok(m) if m.file_type().is_symlink() => {
-                    return Err(Error::BadRequest(
-                        "the object path crosses a symlink".into(),
-                    ))
+                    return Err(Error::BadRequest("the object path crosses a symlink".into()))
                 }
                 _ => {}
             }
@@ -140,10 +136,7 @@ impl FileStore {
         let h = resp.headers_mut();
         insert(h, header::ETAG, &etag);
         h.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
-        h.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/octet-stream"),
-        );
+        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
         if let Some(t) = token {
             h.insert("x-fencing-token", HeaderValue::from(t));
         }
@@ -158,27 +151,20 @@ impl FileStore {
         path: &Path,
         token: Option<u64>,
     ) -> Result<Response<BoxBody>, Error> {
-        let tmp = self
-            .root
-            .join(RESERVED)
-            .join("tmp")
-            .join(crate::authority::types::new_lease_id()?);
+        let tmp = self.root.join(RESERVED).join("tmp").join(crate::authority::types::new_lease_id()?);
         let written = write_body(&tmp, body, token).await;
         if let Err(e) = written {
             let _ = tokio::fs::remove_file(&tmp).await;
             return Err(e);
         }
         let _held = self.stripe(name).lock().await;
-        let existing = tokio::fs::metadata(path)
-            .await
-            .ok()
-            .filter(std::fs::Metadata::is_file);
+        let existing = tokio::fs::metadata(path).await.ok().filter(std::fs::Metadata::is_file);
         let current = existing.as_ref().map(etag_of);
         let check = check_if_match(&parts.headers, current.as_deref()).and_then(|()| {
             match parts.headers.get(header::IF_NONE_MATCH) {
-                Some(inm) if etag_matches(inm, current.as_deref()) => Err(
-                    Error::PreconditionFailed("If-None-Match: the object exists".into()),
-                ),
+                Some(inm) if etag_matches(inm, current.as_deref()) => {
+                    Err(Error::PreconditionFailed("If-None-Match: the object exists".into()))
+                }
                 _ => Ok(()),
             }
         });
@@ -187,46 +173,25 @@ impl FileStore {
             return Err(e);
         }
         let parent = path.parent().unwrap_or(&self.root).to_path_buf();
-        tokio::fs::create_dir_all(&parent)
-            .await
-            .map_err(io("creating", &parent))?;
+        tokio::fs::create_dir_all(&parent).await.map_err(io("creating", &parent))?;
         // Re-check after creating directories: none may be a symlink.
         self.resolve(name)?;
-        tokio::fs::rename(&tmp, path)
-            .await
-            .map_err(io("renaming into", path))?;
+        tokio::fs::rename(&tmp, path).await.map_err(io("renaming into", path))?;
         sync_dir(&parent).await?;
-        let meta = tokio::fs::metadata(path)
-            .await
-            .map_err(io("reading", path))?;
+        let meta = tokio::fs::metadata(path).await.map_err(io("reading", path))?;
         let mut resp = Response::new(empty());
-        *resp.status_mut() = if existing.is_some() {
-            StatusCode::OK
-        } else {
-            StatusCode::CREATED
-        };
+        *resp.status_mut() = if existing.is_some() { StatusCode::OK } else { StatusCode::CREATED };
         insert(resp.headers_mut(), header::ETAG, &etag_of(&meta));
         Ok(resp)
     }
 
-    async fn delete(
-        &self,
-        req: &Parts,
-        name: &str,
-        path: &Path,
-    ) -> Result<Response<BoxBody>, Error> {
+    async fn delete(&self, req: &Parts, name: &str, path: &Path) -> Result<Response<BoxBody>, Error> {
         let _held = self.stripe(name).lock().await;
-        let Some(meta) = tokio::fs::metadata(path)
-            .await
-            .ok()
-            .filter(std::fs::Metadata::is_file)
-        else {
+        let Some(meta) = tokio::fs::metadata(path).await.ok().filter(std::fs::Metadata::is_file) else {
             return Err(not_found());
         };
         check_if_match(&req.headers, Some(&etag_of(&meta)))?;
-        tokio::fs::remove_file(path)
-            .await
-            .map_err(io("removing", path))?;
+        tokio::fs::remove_file(path).await.map_err(io("removing", path))?;
         sync_dir(path.parent().unwrap_or(&self.root)).await?;
         let mut resp = Response::new(empty());
         *resp.status_mut() = StatusCode::NO_CONTENT;
@@ -246,9 +211,7 @@ fn insert(h: &mut HeaderMap, name: header::HeaderName, value: &str) {
 
 /// Streams the body into `tmp`, fsyncs it and tags it with the token.
 async fn write_body(tmp: &Path, mut body: FencedBody, token: Option<u64>) -> Result<(), Error> {
-    let mut file = tokio::fs::File::create(tmp)
-        .await
-        .map_err(io("creating", tmp))?;
+    let mut file = tokio::fs::File::create(tmp).await.map_err(io("creating", tmp))?;
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| Error::UpstreamUnavailable(format!("request body: {e}")))?;
         if let Ok(data) = frame.into_data() {
@@ -263,12 +226,9 @@ async fn write_body(tmp: &Path, mut body: FencedBody, token: Option<u64>) -> Res
         if let Some(t) = token {
             // Best effort: a filesystem without user xattrs still stores the
             // object; GET then carries no token header.
-            if let Err(e) = rustix::fs::fsetxattr(
-                &std_file,
-                TOKEN_XATTR,
-                t.to_string().as_bytes(),
-                rustix::fs::XattrFlags::empty(),
-            ) {
+            if let Err(e) =
+                rustix::fs::fsetxattr(&std_file, TOKEN_XATTR, t.to_string().as_bytes(), rustix::fs::XattrFlags::empty())
+            {
                 tracing::debug!(error = %e, "cannot tag object with its fencing token");
             }
         }
@@ -293,9 +253,7 @@ async fn read_token(file: &tokio::fs::File) -> Option<u64> {
 async fn sync_dir(dir: &Path) -> Result<(), Error> {
     let dir = dir.to_path_buf();
     tokio::task::spawn_blocking(move || {
-        std::fs::File::open(&dir)
-            .and_then(|d| d.sync_all())
-            .map_err(io("fsyncing", &dir))
+        std::fs::File::open(&dir).and_then(|d| d.sync_all()).map_err(io("fsyncing", &dir))
     })
     .await
     .map_err(|e| Error::Internal(format!("fsync task: {e}")))?
@@ -303,11 +261,7 @@ async fn sync_dir(dir: &Path) -> Result<(), Error> {
 
 /// Strong ETag from modification time and size (as nginx does).
 fn etag_of(meta: &std::fs::Metadata) -> String {
-    let nanos = meta
-        .modified()
-        .ok()
-        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-        .map_or(0, |d| d.as_nanos());
+    let nanos = meta.modified().ok().and_then(|t| t.duration_since(UNIX_EPOCH).ok()).map_or(0, |d| d.as_nanos());
     format!("\"{nanos:x}-{:x}\"", meta.len())
 }
 
@@ -318,16 +272,14 @@ fn etag_matches(list: &HeaderValue, current: Option<&str>) -> bool {
     let Ok(text) = list.to_str() else {
         return false;
     };
-    text.split(',')
-        .map(str::trim)
-        .any(|t| t == "*" || t.trim_start_matches("W/") == current)
+    text.split(',').map(str::trim).any(|t| t == "*" || t.trim_start_matches("W/") == current)
 }
 
 fn check_if_match(headers: &HeaderMap, current: Option<&str>) -> Result<(), Error> {
     match headers.get(header::IF_MATCH) {
-        Some(im) if !etag_matches(im, current) => Err(Error::PreconditionFailed(
-            "If-Match does not match the object".into(),
-        )),
+        Some(im) if !etag_matches(im, current) => {
+            Err(Error::PreconditionFailed("If-Match does not match the object".into()))
+        }
         _ => Ok(()),
     }
 }

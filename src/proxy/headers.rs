@@ -78,18 +78,14 @@ pub fn prepare_request<B>(
     forward_token: bool,
 ) {
     let version = req.version();
-    let original_host = req.headers().get(header::HOST).cloned().or_else(|| {
-        req.uri()
-            .authority()
-            .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
-    });
+    let original_host = req
+        .headers()
+        .get(header::HOST)
+        .cloned()
+        .or_else(|| req.uri().authority().and_then(|a| HeaderValue::from_str(a.as_str()).ok()));
     let h = req.headers_mut();
     strip_hop_by_hop(h);
-    append_list(
-        h,
-        HeaderName::from_static("x-forwarded-for"),
-        &client.addr.ip().to_string(),
-    );
+    append_list(h, HeaderName::from_static("x-forwarded-for"), &client.addr.ip().to_string());
     h.insert(
         HeaderName::from_static("x-forwarded-proto"),
         HeaderValue::from_static(if client.tls { "https" } else { "http" }),
@@ -128,10 +124,7 @@ mod tests {
     use super::*;
 
     fn client() -> ClientInfo {
-        ClientInfo {
-            addr: "10.1.2.3:5555".parse().unwrap(),
-            tls: false,
-        }
+        ClientInfo { addr: "10.1.2.3:5555".parse().unwrap(), tls: false }
     }
 
     #[test]
@@ -149,14 +142,7 @@ mod tests {
             .unwrap();
         prepare_request(&mut req, client(), HostHeader::Preserve, None, true);
         let h = req.headers();
-        for gone in [
-            "connection",
-            "x-secret",
-            "keep-alive",
-            "te",
-            "upgrade",
-            "proxy-authorization",
-        ] {
+        for gone in ["connection", "x-secret", "keep-alive", "te", "upgrade", "proxy-authorization"] {
             assert!(!h.contains_key(gone), "{gone}");
         }
         assert_eq!(h["if-match"], "\"e\"");
@@ -169,21 +155,14 @@ mod tests {
 
     #[test]
     fn forwarded_for_is_appended() {
-        let mut req = Request::builder()
-            .header("x-forwarded-for", "1.1.1.1")
-            .body(())
-            .unwrap();
+        let mut req = Request::builder().header("x-forwarded-for", "1.1.1.1").body(()).unwrap();
         prepare_request(&mut req, client(), HostHeader::Preserve, None, true);
         assert_eq!(req.headers()["x-forwarded-for"], "1.1.1.1, 10.1.2.3");
     }
 
     #[test]
     fn host_rewrite_and_token_removal() {
-        let mut req = Request::builder()
-            .header("host", "front")
-            .header("x-fencing-token", "5")
-            .body(())
-            .unwrap();
+        let mut req = Request::builder().header("host", "front").header("x-fencing-token", "5").body(()).unwrap();
         let up = HeaderValue::from_static("127.0.0.1:9000");
         prepare_request(&mut req, client(), HostHeader::Rewrite, Some(up), false);
         assert_eq!(req.headers()["host"], "127.0.0.1:9000");

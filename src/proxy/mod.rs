@@ -25,13 +25,11 @@ use std::time::Duration;
 use http::{header, Method, Request, Response};
 use tokio::time::Instant;
 
-use crate::authority::validate_key;
+use crate::authority::{validate_key, Authority};
 use crate::body::BoxBody;
 use crate::config::{Config, FenceAuthority, HostHeader};
 use crate::error::Error;
-use crate::fence::{
-    parse_token_header, Admission, CheckPolicy, FenceTable, InflightGuard, Refusal,
-};
+use crate::fence::{parse_token_header, Admission, CheckPolicy, FenceTable, InflightGuard, Refusal};
 use crate::metrics::Metrics;
 use crate::store::{wait_durable, Store};
 use fenced_body::FencedBody;
@@ -60,6 +58,7 @@ pub struct Route {
 #[derive(Debug)]
 pub struct Proxy {
     routes: Vec<Route>,
+    authority: Arc<Authority>,
     fences: Arc<FenceTable>,
     store: Store,
     metrics: Arc<Metrics>,
@@ -73,11 +72,19 @@ struct Refused {
 
 impl From<Error> for Refused {
     fn from(error: Error) -> Refused {
-        Refused {
-            error,
-            outcome: None,
-        }
+        Refused { error, outcome: None }
     }
+}
+
+/// What the access log learns of a request on its way.
+#[derive(Default)]
+struct Seen<'a> {
+    route: Option<&'a str>,
+    key: Option<String>,
+}
+
+fn content_length(h: &http::HeaderMap) -> Option<u64> {
+    h.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok())
 }
 
 fn outcome_of(r: &Refusal) -> &'static str {
@@ -91,29 +98,17 @@ fn outcome_of(r: &Refusal) -> &'static str {
 impl Proxy {
     /// Builds every route of `cfg` (effective routes: the configured ones
     /// or the embedded default).
-    pub fn new(
-        cfg: &Config,
-        fences: Arc<FenceTable>,
-        store: Store,
-        metrics: Arc<Metrics>,
-    ) -> Result<Proxy, Error> {
+    pub fn new(cfg: &Config, authority: Arc<Authority>, store: Store, metrics: Arc<Metrics>) -> Result<Proxy, Error> {
+        let fences = authority.fences().clone();
         let mut routes = Vec::new();
         for (i, rc) in cfg.effective_routes().iter().enumerate() {
             let bad = |e: String| Error::Internal(format!("routes[{i}]: {e}"));
             let matcher = Template::parse_match(&rc.match_path).map_err(bad)?;
-            let resource = rc
-                .resource
-                .as_deref()
-                .map(|r| Template::parse_resource(r, &matcher))
-                .transpose()
-                .map_err(bad)?;
+            let resource =
+                rc.resource.as_deref().map(|r| Template::parse_resource(r, &matcher)).transpose().map_err(bad)?;
             let url = UpstreamUrl::parse(&rc.upstream).map_err(bad)?;
             let upstream = Upstream::connect(&url, Duration::from_millis(rc.connect_timeout_ms))?;
-            let mutating = rc
-                .mutating_methods
-                .iter()
-                .filter_map(|m| Method::from_bytes(m.as_bytes()).ok())
-                .collect();
+            let mutating = rc.mutating_methods.iter().filter_map(|m| Method::from_bytes(m.as_bytes()).ok()).collect();
             let name = rc.route_name(i);
             metrics.register_route(&name);
             routes.push(Route {
@@ -122,10 +117,7 @@ impl Proxy {
                 resource,
                 upstream,
                 mutating,
-                policy: CheckPolicy {
-                    strict: rc.strict,
-                    external: rc.fence_authority == FenceAuthority::External,
-                },
+                policy: CheckPolicy { strict: rc.strict, external: rc.fence_authority == FenceAuthority::External },
                 enforce: rc.enforce,
                 upstream_timeout: Duration::from_millis(rc.upstream_timeout_ms),
                 max_body_bytes: rc.max_body_bytes,
@@ -133,35 +125,45 @@ impl Proxy {
                 host_header: rc.host_header,
             });
         }
-        Ok(Proxy {
-            routes,
-            fences,
-            store,
-            metrics,
-        })
+        Ok(Proxy { routes, authority, fences, store, metrics })
     }
 
     /// Serves one proxied request. Never panics on client input; every
-    /// refusal is a JSON error response.
+    /// refusal is a JSON error response. Writes one access log line.
     pub async fn handle(&self, req: Request<BoxBody>, client: ClientInfo) -> Response<BoxBody> {
         let started = Instant::now();
-        let (route_name, result) = self.handle_inner(req, client).await;
-        let response = match result {
-            Ok(resp) => resp,
+        let method = req.method().clone();
+        let path = req.uri().path().to_string();
+        let req_bytes = content_length(req.headers());
+        let mut seen = Seen::default();
+        let result = self.handle_inner(req, client, &mut seen).await;
+        let (response, code) = match result {
+            Ok(resp) => (resp, "ok"),
             Err(refused) => {
-                if let (Some(route), Some(outcome)) = (route_name, refused.outcome) {
-                    self.metrics
-                        .mutations
-                        .with_label_values(&[route, outcome])
-                        .inc();
+                if let (Some(route), Some(outcome)) = (seen.route, refused.outcome) {
+                    self.metrics.mutations.with_label_values(&[route, outcome]).inc();
                 }
-                refused.error.into_response()
+                let code = refused.error.code();
+                (refused.error.into_response(), code)
             }
         };
-        self.metrics
-            .request_duration
-            .with_label_values(&["proxy", route_name.unwrap_or("none")])
-            .observe(started.elapsed().as_secs_f64());
+        let elapsed = started.elapsed();
+        let route = seen.route.unwrap_or("none");
+        self.metrics.request_duration.with_label_values(&["proxy", route]).observe(elapsed.as_secs_f64());
+        tracing::info!(
+            target: "fencegate::access",
+            listener = "proxy",
+            client = %client.addr,
+            method = %method,
+            path = %path,
+            route,
+            resource = seen.key.as_deref().unwrap_or(""),
+            status = response.status().as_u16(),
+            outcome = code,
+            duration_us = u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX),
+            req_bytes = req_bytes.unwrap_or(0),
+            resp_bytes = content_length(response.headers()).unwrap_or(0),
+        );
         response
     }
 
@@ -169,36 +171,24 @@ impl Proxy {
         &'a self,
         req: Request<BoxBody>,
         client: ClientInfo,
-    ) -> (Option<&'a str>, Result<Response<BoxBody>, Refused>) {
+        seen: &mut Seen<'a>,
+    ) -> Result<Response<BoxBody>, Refused> {
         // 1. route
         let checked = match path::check_path(req.uri().path()) {
             Ok(p) => p,
-            Err(msg) => {
-                return (
-                    None,
-                    Err(Error::BadRequest(format!("path refused: {msg}")).into()),
-                )
-            }
+            Err(msg) => return Err(Error::BadRequest(format!("path refused: {msg}")).into()),
         };
         let segments = checked.segments();
-        let Some((route, caps)) = self
-            .routes
-            .iter()
-            .find_map(|r| r.matcher.matches(&segments).map(|c| (r, c)))
-        else {
-            return (
-                None,
-                Err(Error::NotFound(format!("no route for {}", req.uri().path())).into()),
-            );
+        let Some((route, caps)) = self.routes.iter().find_map(|r| r.matcher.matches(&segments).map(|c| (r, c))) else {
+            return Err(Error::NotFound(format!("no route for {}", req.uri().path())).into());
         };
         let key = match &route.resource {
             Some(t) => t.render(&caps),
             None => checked.decoded.clone(),
         };
-        let result = self
-            .admit_and_forward(route, &key, &checked.decoded, req, client)
-            .await;
-        (Some(route.name.as_str()), result)
+        seen.route = Some(route.name.as_str());
+        seen.key = Some(key.clone());
+        self.admit_and_forward(route, &key, &checked.decoded, req, client).await
     }
 
     async fn admit_and_forward(
@@ -214,15 +204,11 @@ impl Proxy {
         let token = match parse_token_header(req.headers().get_all(&X_FENCING_TOKEN)) {
             Ok(t) => t,
             Err(crate::fence::token::TokenError::Malformed(m)) => {
-                let refused = Refused {
-                    error: Error::MalformedFencingToken(m),
-                    outcome: mutation.then_some("malformed_token"),
-                };
+                let refused =
+                    Refused { error: Error::MalformedFencingToken(m), outcome: mutation.then_some("malformed_token") };
                 // Enforcing: refused here. Shadow: forwarded unregistered.
                 self.refuse_or_shadow(route, key, None, refused, client)?;
-                return self
-                    .forward(route, key, object, req, client, None, None)
-                    .await;
+                return self.forward(route, key, object, req, client, None, None).await;
             }
         };
         let guard = if mutation {
@@ -233,11 +219,7 @@ impl Proxy {
                 let fence = self.fences.fence(key);
                 if t < fence {
                     let refused = Refused {
-                        error: Error::StaleFencingToken {
-                            key: key.to_string(),
-                            token: t,
-                            fence,
-                        },
+                        error: Error::StaleFencingToken { key: key.to_string(), token: t, fence },
                         outcome: None,
                     };
                     if route.enforce {
@@ -248,8 +230,7 @@ impl Proxy {
             None
         };
         // 3. forward
-        self.forward(route, key, object, req, client, guard, token)
-            .await
+        self.forward(route, key, object, req, client, guard, token).await
     }
 
     /// Decides a mutation: `Some(guard)` to forward it registered, `None`
@@ -262,30 +243,19 @@ impl Proxy {
         client: ClientInfo,
     ) -> Result<Option<InflightGuard>, Refused> {
         if let Err(e) = validate_key(key) {
-            return Err(Refused {
-                error: e,
-                outcome: None,
-            });
+            return Err(Refused { error: e, outcome: None });
         }
         let Some(token) = token else {
-            let refused = Refused {
-                error: Error::FencingTokenRequired {
-                    key: key.to_string(),
-                },
-                outcome: Some("missing_token"),
-            };
-            return self
-                .refuse_or_shadow(route, key, None, refused, client)
-                .map(|()| None);
+            let refused =
+                Refused { error: Error::FencingTokenRequired { key: key.to_string() }, outcome: Some("missing_token") };
+            return self.refuse_or_shadow(route, key, None, refused, client).map(|()| None);
         };
         match self.fences.check(key, token, route.policy) {
             Ok(Admission::Admitted(guard)) => {
                 if route.policy.external {
                     // Another request may be advancing to this very token:
                     // wait, as it does, for older in-flight mutations.
-                    self.fences
-                        .barrier(key, token, route.upstream_timeout)
-                        .await;
+                    self.fences.barrier(key, token, route.upstream_timeout).await;
                 }
                 Ok(Some(guard))
             }
@@ -295,13 +265,8 @@ impl Proxy {
                         wait_durable(rx).await?;
                         self.metrics.fence_advances.inc();
                     }
-                    let outcome = self
-                        .fences
-                        .barrier(key, token, route.upstream_timeout)
-                        .await;
-                    self.metrics
-                        .activation_wait
-                        .observe(outcome.waited.as_secs_f64());
+                    let outcome = self.fences.barrier(key, token, route.upstream_timeout).await;
+                    self.metrics.activation_wait.observe(outcome.waited.as_secs_f64());
                     if outcome.overrun {
                         self.metrics.activation_overruns.inc();
                     }
@@ -322,18 +287,11 @@ impl Proxy {
         client: ClientInfo,
     ) -> Result<Option<InflightGuard>, Refused> {
         if let Refusal::Stale { superseded_for, .. } = &refusal {
-            self.metrics
-                .stale_write_age
-                .with_label_values(&[&route.name])
-                .observe(superseded_for.as_secs_f64());
+            self.metrics.stale_write_age.with_label_values(&[&route.name]).observe(superseded_for.as_secs_f64());
         }
         let outcome = outcome_of(&refusal);
-        let refused = Refused {
-            error: refusal.into_error(key),
-            outcome: Some(outcome),
-        };
-        self.refuse_or_shadow(route, key, Some(token), refused, client)
-            .map(|()| None)
+        let refused = Refused { error: refusal.into_error(key), outcome: Some(outcome) };
+        self.refuse_or_shadow(route, key, Some(token), refused, client).map(|()| None)
     }
 
     /// Logs a would-be refusal; returns it when the route enforces, or
@@ -347,12 +305,14 @@ impl Proxy {
         client: ClientInfo,
     ) -> Result<(), Refused> {
         let fence = self.fences.fence(key);
+        let holder = self.authority.status(key).ok().and_then(|s| s.holder).unwrap_or_default();
         tracing::warn!(
             target: "fencegate::audit",
             route = %route.name,
             resource = %key,
             token = ?token,
             fence,
+            holder = %holder,
             client = %client.addr,
             refusal = refused.error.code(),
             enforced = route.enforce,
@@ -362,10 +322,7 @@ impl Proxy {
             return Err(refused);
         }
         if let Some(outcome) = refused.outcome {
-            self.metrics
-                .mutations
-                .with_label_values(&[&route.name, outcome])
-                .inc();
+            self.metrics.mutations.with_label_values(&[&route.name, outcome]).inc();
         }
         Ok(())
     }
@@ -383,95 +340,52 @@ impl Proxy {
     ) -> Result<Response<BoxBody>, Refused> {
         let mutation = route.mutating.contains(req.method());
         let outcome_word = |w: &'static str| mutation.then_some(w);
-        let declared = req
-            .headers()
-            .get(header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<u64>().ok());
+        let declared = content_length(req.headers());
         if declared.is_some_and(|len| len > route.max_body_bytes) {
-            return Err(Error::PayloadTooLarge {
-                limit_bytes: route.max_body_bytes,
-            }
-            .into());
+            return Err(Error::PayloadTooLarge { limit_bytes: route.max_body_bytes }.into());
         }
         let (parts, body) = req.into_parts();
         let ctl = guard.as_ref().map(|g| g.ctl().clone());
         let (body, body_outcome) = FencedBody::new(body, ctl, route.max_body_bytes);
         let mut up = Request::from_parts(parts, body);
-        headers::prepare_request(
-            &mut up,
-            client,
-            route.host_header,
-            route.upstream.host(),
-            route.forward_token,
-        );
+        headers::prepare_request(&mut up, client, route.host_header, route.upstream.host(), route.forward_token);
         let started = Instant::now();
-        let sent = tokio::time::timeout(
-            route.upstream_timeout,
-            route.upstream.send(up, object, token),
-        )
-        .await;
-        self.metrics
-            .upstream_duration
-            .with_label_values(&[&route.name])
-            .observe(started.elapsed().as_secs_f64());
+        let sent = tokio::time::timeout(route.upstream_timeout, route.upstream.send(up, object, token)).await;
+        self.metrics.upstream_duration.with_label_values(&[&route.name]).observe(started.elapsed().as_secs_f64());
         // 4. the upstream has answered (or failed): no longer in flight.
         drop(guard);
         let cut_short = |fallback: Error| -> Refused {
             if body_outcome.aborted() {
-                self.metrics
-                    .aborted_uploads
-                    .with_label_values(&[&route.name])
-                    .inc();
+                self.metrics.aborted_uploads.with_label_values(&[&route.name]).inc();
                 // The fence moved past this token while its body streamed:
                 // the upstream got a truncated request and cannot apply it.
                 let fence = self.fences.fence(key);
-                let error = Error::StaleFencingToken {
-                    key: key.to_string(),
-                    token: token.unwrap_or(0),
-                    fence,
-                };
-                return Refused {
-                    error,
-                    outcome: outcome_word("stale"),
-                };
+                let error = Error::StaleFencingToken { key: key.to_string(), token: token.unwrap_or(0), fence };
+                return Refused { error, outcome: outcome_word("stale") };
             }
             if body_outcome.too_large() {
-                return Error::PayloadTooLarge {
-                    limit_bytes: route.max_body_bytes,
-                }
-                .into();
+                return Error::PayloadTooLarge { limit_bytes: route.max_body_bytes }.into();
             }
-            Refused {
-                error: fallback,
-                outcome: outcome_word("upstream_error"),
-            }
+            Refused { error: fallback, outcome: outcome_word("upstream_error") }
         };
         match sent {
             Err(_) => Err(Refused {
                 error: Error::UpstreamTimeout {
-                    timeout_ms: u64::try_from(route.upstream_timeout.as_millis())
-                        .unwrap_or(u64::MAX),
+                    timeout_ms: u64::try_from(route.upstream_timeout.as_millis()).unwrap_or(u64::MAX),
                 },
                 outcome: outcome_word("upstream_error"),
             }),
             Ok(Err(SendError::Connect(e))) => {
                 tracing::warn!(route = %route.name, error = %e, "upstream connect failed");
-                Err(cut_short(Error::UpstreamUnavailable(
-                    "could not connect to the upstream".into(),
-                )))
+                Err(cut_short(Error::UpstreamUnavailable("could not connect to the upstream".into())))
             }
             Ok(Err(SendError::Other(e))) => {
                 tracing::warn!(route = %route.name, error = %e, "upstream exchange failed");
-                Err(cut_short(Error::UpstreamUnavailable(
-                    "the upstream exchange failed".into(),
-                )))
+                Err(cut_short(Error::UpstreamUnavailable("the upstream exchange failed".into())))
             }
             Ok(Err(SendError::Refused(e))) => {
                 let mut refused = cut_short(e);
-                if refused.outcome == Some("upstream_error")
-                    && refused.error.status().is_client_error()
-                {
+                if refused.outcome == Some("upstream_error") && refused.error.status().is_client_error() {
                     // The store answered the client's request (404, 412):
                     // it was forwarded, just not applied.
                     refused.outcome = outcome_word("forwarded");
@@ -481,10 +395,7 @@ impl Proxy {
             Ok(Ok(mut resp)) => {
                 headers::prepare_response(&mut resp);
                 if mutation {
-                    self.metrics
-                        .mutations
-                        .with_label_values(&[&route.name, "forwarded"])
-                        .inc();
+                    self.metrics.mutations.with_label_values(&[&route.name, "forwarded"]).inc();
                 }
                 Ok(resp)
             }

@@ -87,10 +87,7 @@ mod tests {
     fn plain_paths_decode() {
         assert_eq!(check_path("/orders/42").unwrap().decoded, "orders/42");
         assert_eq!(check_path("/a%20b").unwrap().decoded, "a b");
-        assert_eq!(
-            check_path("/%41").unwrap().decoded,
-            check_path("/A").unwrap().decoded
-        );
+        assert_eq!(check_path("/%41").unwrap().decoded, check_path("/A").unwrap().decoded);
         assert_eq!(check_path("/").unwrap().decoded, "");
         assert_eq!(check_path("/dir/").unwrap().segments(), vec!["dir", ""]);
     }

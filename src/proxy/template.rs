@@ -43,16 +43,11 @@ impl Template {
         let Some(rest) = text.strip_prefix('/') else {
             return Err("must start with \"/\"".into());
         };
-        let segments: Vec<&str> = if rest.is_empty() {
-            Vec::new()
-        } else {
-            rest.split('/').collect()
-        };
+        let segments: Vec<&str> = if rest.is_empty() { Vec::new() } else { rest.split('/').collect() };
         let mut parts = Vec::new();
         let mut names = std::collections::HashSet::new();
         for (i, seg) in segments.iter().enumerate() {
-            let part = if let Some(inner) = seg.strip_prefix('{').and_then(|s| s.strip_suffix('}'))
-            {
+            let part = if let Some(inner) = seg.strip_prefix('{').and_then(|s| s.strip_suffix('}')) {
                 if let Some(name) = inner.strip_prefix('*') {
                     if i + 1 != segments.len() {
                         return Err(format!("{{*{name}}} must be the last segment"));
@@ -70,9 +65,7 @@ impl Template {
             };
             if let Part::Param(n) | Part::Rest(n) = &part {
                 if !valid_name(n) {
-                    return Err(format!(
-                        "{n:?} is not a valid name ([A-Za-z_][A-Za-z0-9_]*)"
-                    ));
+                    return Err(format!("{n:?} is not a valid name ([A-Za-z_][A-Za-z0-9_]*)"));
                 }
                 if !names.insert(n.clone()) {
                     return Err(format!("name {n:?} is used twice"));
@@ -80,10 +73,7 @@ impl Template {
             }
             parts.push(part);
         }
-        Ok(Template {
-            parts,
-            pieces: Vec::new(),
-        })
+        Ok(Template { parts, pieces: Vec::new() })
     }
 
     /// Parses a `resource` template against the names of `matcher`.
@@ -121,10 +111,7 @@ impl Template {
         if pieces.is_empty() {
             return Err("must not be empty".into());
         }
-        Ok(Template {
-            parts: Vec::new(),
-            pieces,
-        })
+        Ok(Template { parts: Vec::new(), pieces })
     }
 
     fn names(&self) -> impl Iterator<Item = &str> {

@@ -21,10 +21,7 @@ use crate::error::Error;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum UpstreamUrl {
     /// `http://authority[/prefix]`.
-    Http {
-        authority: Authority,
-        prefix: String,
-    },
+    Http { authority: Authority, prefix: String },
     /// `file://DIR`.
     File { dir: PathBuf },
 }
@@ -36,15 +33,15 @@ impl UpstreamUrl {
             if dir.is_empty() {
                 return Err("file:// needs a directory".into());
             }
-            return Ok(UpstreamUrl::File {
-                dir: PathBuf::from(dir),
-            });
+            return Ok(UpstreamUrl::File { dir: PathBuf::from(dir) });
         }
         let uri: Uri = text.parse().map_err(|e| format!("not a URL: {e}"))?;
         match uri.scheme() {
             Some(s) if *s == Scheme::HTTP => {}
             Some(s) if *s == Scheme::HTTPS => {
-                return Err("https:// upstreams are not built yet (TLS to upstreams is planned); use http:// or file://".into())
+                return Err(
+                    "https:// upstreams are not built yet (TLS to upstreams is planned); use http:// or file://".into(),
+                )
             }
             _ => return Err("scheme must be http:// or file://".into()),
         }
@@ -67,11 +64,7 @@ pub type UpstreamRequest = Request<FencedBody>;
 #[derive(Clone)]
 pub enum Upstream {
     /// A pooled HTTP/1.1 client.
-    Http {
-        client: Client<HttpConnector, FencedBody>,
-        authority: Authority,
-        prefix: String,
-    },
+    Http { client: Client<HttpConnector, FencedBody>, authority: Authority, prefix: String },
     /// The built-in object store.
     File(FileStore),
 }
@@ -79,9 +72,7 @@ pub enum Upstream {
 impl std::fmt::Debug for Upstream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Upstream::Http {
-                authority, prefix, ..
-            } => write!(f, "http://{authority}{prefix}"),
+            Upstream::Http { authority, prefix, .. } => write!(f, "http://{authority}{prefix}"),
             Upstream::File(s) => write!(f, "{s:?}"),
         }
     }
@@ -100,11 +91,7 @@ impl Upstream {
                     .pool_idle_timeout(Duration::from_secs(60))
                     .pool_max_idle_per_host(256)
                     .build(connector);
-                Ok(Upstream::Http {
-                    client,
-                    authority: authority.clone(),
-                    prefix: prefix.clone(),
-                })
+                Ok(Upstream::Http { client, authority: authority.clone(), prefix: prefix.clone() })
             }
             UpstreamUrl::File { dir } => Ok(Upstream::File(FileStore::open(dir)?)),
         }
@@ -128,11 +115,7 @@ impl Upstream {
         token: Option<u64>,
     ) -> Result<Response<crate::body::BoxBody>, SendError> {
         match self {
-            Upstream::Http {
-                client,
-                authority,
-                prefix,
-            } => {
+            Upstream::Http { client, authority, prefix } => {
                 let pq = req.uri().path_and_query().map_or("/", |pq| pq.as_str());
                 let uri = Uri::builder()
                     .scheme(Scheme::HTTP)
@@ -152,10 +135,7 @@ impl Upstream {
                 use http_body_util::BodyExt;
                 Ok(resp.map(|b| b.map_err(Into::into).boxed_unsync()))
             }
-            Upstream::File(store) => store
-                .handle(req, key_path, token)
-                .await
-                .map_err(SendError::Refused),
+            Upstream::File(store) => store.handle(req, key_path, token).await.map_err(SendError::Refused),
         }
     }
 }
@@ -190,23 +170,10 @@ mod tests {
     fn upstream_urls_parse() {
         assert_eq!(
             UpstreamUrl::parse("http://127.0.0.1:9000/base/").unwrap(),
-            UpstreamUrl::Http {
-                authority: "127.0.0.1:9000".parse().unwrap(),
-                prefix: "/base".into()
-            }
+            UpstreamUrl::Http { authority: "127.0.0.1:9000".parse().unwrap(), prefix: "/base".into() }
         );
-        assert!(matches!(
-            UpstreamUrl::parse("file:///tmp/x").unwrap(),
-            UpstreamUrl::File { .. }
-        ));
-        for bad in [
-            "ftp://x",
-            "127.0.0.1:80",
-            "http://u:p@h/",
-            "http://h/?q=1",
-            "file://",
-            "https://h",
-        ] {
+        assert!(matches!(UpstreamUrl::parse("file:///tmp/x").unwrap(), UpstreamUrl::File { .. }));
+        for bad in ["ftp://x", "127.0.0.1:80", "http://u:p@h/", "http://h/?q=1", "file://", "https://h"] {
             assert!(UpstreamUrl::parse(bad).is_err(), "{bad}");
         }
     }

@@ -18,11 +18,7 @@ use serde_json::Value;
 
 /// A free loopback port (bound, then released).
 pub fn free_port() -> u16 {
-    StdListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    StdListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 /// The real binary, running as a child process.
@@ -46,12 +42,8 @@ pub struct Opts {
 impl Gateway {
     /// Starts `fencegate serve` on `data_dir` and waits for `/readyz`.
     pub fn start(data_dir: &Path, opts: Opts) -> Gateway {
-        let proxy: SocketAddr = format!("127.0.0.1:{}", opts.proxy_port.unwrap_or_else(free_port))
-            .parse()
-            .unwrap();
-        let api: SocketAddr = format!("127.0.0.1:{}", opts.api_port.unwrap_or_else(free_port))
-            .parse()
-            .unwrap();
+        let proxy: SocketAddr = format!("127.0.0.1:{}", opts.proxy_port.unwrap_or_else(free_port)).parse().unwrap();
+        let api: SocketAddr = format!("127.0.0.1:{}", opts.api_port.unwrap_or_else(free_port)).parse().unwrap();
         let log = data_dir.with_extension(format!("{}.log", api.port()));
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_fencegate"));
         cmd.arg("serve")
@@ -70,17 +62,9 @@ impl Gateway {
             cmd.arg("--config").arg(path);
         }
         let logfile = std::fs::File::create(&log).unwrap();
-        cmd.stdout(Stdio::null())
-            .stderr(logfile)
-            .env("RUST_LOG", "info");
+        cmd.stdout(Stdio::null()).stderr(logfile).env("RUST_LOG", "info");
         let child = cmd.spawn().expect("spawning fencegate");
-        let gw = Gateway {
-            child,
-            proxy,
-            api,
-            data_dir: data_dir.to_path_buf(),
-            log,
-        };
+        let gw = Gateway { child, proxy, api, data_dir: data_dir.to_path_buf(), log };
         gw.wait_ready(Duration::from_secs(60));
         gw
     }
@@ -88,16 +72,10 @@ impl Gateway {
     fn wait_ready(&self, limit: Duration) {
         let started = Instant::now();
         loop {
-            if std::net::TcpStream::connect(self.api).is_ok()
-                && std::net::TcpStream::connect(self.proxy).is_ok()
-            {
+            if std::net::TcpStream::connect(self.api).is_ok() && std::net::TcpStream::connect(self.proxy).is_ok() {
                 return;
             }
-            assert!(
-                started.elapsed() < limit,
-                "gateway did not come up; log:\n{}",
-                self.log_text()
-            );
+            assert!(started.elapsed() < limit, "gateway did not come up; log:\n{}", self.log_text());
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -128,10 +106,7 @@ impl Gateway {
             if let Some(status) = self.child.try_wait().unwrap() {
                 return status;
             }
-            assert!(
-                started.elapsed() < Duration::from_secs(30),
-                "gateway did not stop on SIGTERM"
-            );
+            assert!(started.elapsed() < Duration::from_secs(30), "gateway did not stop on SIGTERM");
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -146,12 +121,7 @@ impl Drop for Gateway {
 
 /// Sends a signal by name to a PID.
 pub fn signal(pid: u32, name: &str) {
-    let ok = Command::new("kill")
-        .arg(format!("-{name}"))
-        .arg(pid.to_string())
-        .status()
-        .unwrap()
-        .success();
+    let ok = Command::new("kill").arg(format!("-{name}")).arg(pid.to_string()).status().unwrap().success();
     assert!(ok, "kill -{name} {pid}");
 }
 
@@ -184,16 +154,8 @@ impl Default for Http {
 }
 
 impl Http {
-    pub async fn send(
-        &self,
-        method: Method,
-        url: &str,
-        headers: &[(&str, &str)],
-        body: impl Into<Bytes>,
-    ) -> Reply {
-        self.try_send(method, url, headers, body)
-            .await
-            .expect("request failed")
+    pub async fn send(&self, method: Method, url: &str, headers: &[(&str, &str)], body: impl Into<Bytes>) -> Reply {
+        self.try_send(method, url, headers, body).await.expect("request failed")
     }
 
     /// Like `send`, but a transport failure is an `Err`, not a panic.
@@ -208,38 +170,18 @@ impl Http {
         for (k, v) in headers {
             b = b.header(*k, *v);
         }
-        let resp = self
-            .0
-            .request(b.body(Full::new(body.into())).unwrap())
-            .await
-            .map_err(|e| e.to_string())?;
+        let resp = self.0.request(b.body(Full::new(body.into())).unwrap()).await.map_err(|e| e.to_string())?;
         let (parts, body) = resp.into_parts();
         let body = body.collect().await.map_err(|e| e.to_string())?.to_bytes();
-        Ok(Reply {
-            status: parts.status,
-            headers: parts.headers,
-            body,
-        })
+        Ok(Reply { status: parts.status, headers: parts.headers, body })
     }
 
     pub async fn try_post_json(&self, url: &str, body: Value) -> Result<Reply, String> {
-        self.try_send(
-            Method::POST,
-            url,
-            &[("content-type", "application/json")],
-            body.to_string(),
-        )
-        .await
+        self.try_send(Method::POST, url, &[("content-type", "application/json")], body.to_string()).await
     }
 
     pub async fn post_json(&self, url: &str, body: Value) -> Reply {
-        self.send(
-            Method::POST,
-            url,
-            &[("content-type", "application/json")],
-            body.to_string(),
-        )
-        .await
+        self.send(Method::POST, url, &[("content-type", "application/json")], body.to_string()).await
     }
 
     pub async fn get(&self, url: &str) -> Reply {
@@ -254,11 +196,7 @@ where
 {
     let (parts, body) = resp.into_parts();
     let body = body.collect().await.expect("reading body").to_bytes();
-    Reply {
-        status: parts.status,
-        headers: parts.headers,
-        body,
-    }
+    Reply { status: parts.status, headers: parts.headers, body }
 }
 
 /// A grant as the API returns it.
@@ -269,13 +207,7 @@ pub struct Grant {
     pub lease_id: String,
 }
 
-pub async fn acquire(
-    http: &Http,
-    gw_api: &str,
-    key: &str,
-    ttl_ms: u64,
-    wait_ms: u64,
-) -> Result<Grant, Reply> {
+pub async fn acquire(http: &Http, gw_api: &str, key: &str, ttl_ms: u64, wait_ms: u64) -> Result<Grant, Reply> {
     let r = http
         .post_json(
             &format!("{gw_api}/v1/locks/acquire"),
@@ -294,11 +226,8 @@ pub async fn acquire(
 }
 
 pub async fn release(http: &Http, gw_api: &str, g: &Grant) -> Reply {
-    http.post_json(
-        &format!("{gw_api}/v1/locks/release"),
-        serde_json::json!({"key": g.key, "lease_id": g.lease_id}),
-    )
-    .await
+    http.post_json(&format!("{gw_api}/v1/locks/release"), serde_json::json!({"key": g.key, "lease_id": g.lease_id}))
+        .await
 }
 
 /// One request as the recording upstream received it.
@@ -326,11 +255,7 @@ impl Recorder {
         let addr = listener.local_addr().unwrap();
         let seen: Arc<Mutex<Vec<Seen>>> = Arc::default();
         let delay_ms: Arc<Mutex<HashMap<String, u64>>> = Arc::default();
-        let rec = Recorder {
-            addr,
-            seen: seen.clone(),
-            delay_ms: delay_ms.clone(),
-        };
+        let rec = Recorder { addr, seen: seen.clone(), delay_ms: delay_ms.clone() };
         tokio::spawn(async move {
             loop {
                 let Ok((stream, _)) = listener.accept().await else {
@@ -339,36 +264,32 @@ impl Recorder {
                 let seen = seen.clone();
                 let delay_ms = delay_ms.clone();
                 tokio::spawn(async move {
-                    let svc =
-                        hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
-                            let seen = seen.clone();
-                            let delay_ms = delay_ms.clone();
-                            async move {
-                                let (parts, body) = req.into_parts();
-                                let path = parts.uri.path().to_string();
-                                let (body, complete) = match body.collect().await {
-                                    Ok(c) => (c.to_bytes(), true),
-                                    Err(_) => (Bytes::new(), false),
-                                };
-                                let delay = delay_ms.lock().unwrap().get(&path).copied();
-                                if let Some(ms) = delay {
-                                    tokio::time::sleep(Duration::from_millis(ms)).await;
-                                }
-                                seen.lock().unwrap().push(Seen {
-                                    method: parts.method,
-                                    path,
-                                    headers: parts.headers,
-                                    body,
-                                    complete,
-                                });
-                                Ok::<_, std::convert::Infallible>(Response::new(Full::new(
-                                    Bytes::from_static(b"stored"),
-                                )))
+                    let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+                        let seen = seen.clone();
+                        let delay_ms = delay_ms.clone();
+                        async move {
+                            let (parts, body) = req.into_parts();
+                            let path = parts.uri.path().to_string();
+                            let (body, complete) = match body.collect().await {
+                                Ok(c) => (c.to_bytes(), true),
+                                Err(_) => (Bytes::new(), false),
+                            };
+                            let delay = delay_ms.lock().unwrap().get(&path).copied();
+                            if let Some(ms) = delay {
+                                tokio::time::sleep(Duration::from_millis(ms)).await;
                             }
-                        });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), svc)
-                        .await;
+                            seen.lock().unwrap().push(Seen {
+                                method: parts.method,
+                                path,
+                                headers: parts.headers,
+                                body,
+                                complete,
+                            });
+                            Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::from_static(b"stored"))))
+                        }
+                    });
+                    let _ =
+                        hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), svc).await;
                 });
             }
         });
