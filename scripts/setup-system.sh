@@ -8,6 +8,7 @@ packages=(libclang-dev)            # RocksDB's bindings are generated with bindg
 if [ "$mode" = "test" ]; then
   packages+=(procps)               # kill(1) for the crash and restart tests
   packages+=(prometheus)           # real Prometheus + promtool check the dashboard and alert rules
+  packages+=(curl python3)         # unmodified programs fenced by `fencegate lock --inject`
 fi
 
 missing=()

@@ -17,6 +17,8 @@
 //! | [`store`] | RocksDB: fences, grants, counters; group commit of fsyncs |
 //! | [`api`] | lease API handlers, `/metrics`, `/healthz`, `/readyz` |
 //! | [`metrics`] | every Prometheus handle |
+//! | [`inject`] | the token-injecting loopback proxy of `fencegate lock --inject` |
+//! | [`client`] | the Rust client: auto-renewing leases, leader election, the token header |
 //! | [`error`] | the error enum: the one place statuses and JSON bodies are chosen |
 //! | [`app`] | wiring a `Config` into a running [`app::Gateway`] |
 //! | [`shutdown`] | the one shutdown signal |
@@ -25,9 +27,11 @@ pub mod api;
 pub mod app;
 pub mod authority;
 pub mod body;
+pub mod client;
 pub mod config;
 pub mod error;
 pub mod fence;
+pub mod inject;
 pub mod metrics;
 pub mod proxy;
 pub mod server;

@@ -4,9 +4,14 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use std::time::Duration;
+
 use clap::{Parser, Subcommand};
+use fencegate::client::Client;
 use fencegate::config::{Config, Overrides};
 use fencegate::Gateway;
+
+mod cmd;
 
 #[derive(Parser)]
 #[command(
@@ -28,6 +33,108 @@ enum Command {
         /// The TOML file to check.
         file: PathBuf,
     },
+    /// Acquire a lock once and print the grant as JSON (no renewal).
+    Acquire {
+        key: String,
+        /// Lease length (500ms, 30s, 2m).
+        #[arg(long, default_value = "30s", value_parser = cmd::parse_duration)]
+        ttl: Duration,
+        /// How long to wait in the queue.
+        #[arg(long, default_value = "0s", value_parser = cmd::parse_duration)]
+        wait: Duration,
+        #[arg(long, default_value = "")]
+        holder: String,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Renew a lease.
+    Renew {
+        key: String,
+        lease_id: String,
+        /// A new lease length.
+        #[arg(long, value_parser = cmd::parse_duration)]
+        ttl: Option<Duration>,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Release a lease.
+    Release {
+        key: String,
+        lease_id: String,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Print a key's fence and holder.
+    Status {
+        key: String,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Wait until a key's holder changes from token AFTER (0: nobody).
+    Watch {
+        key: String,
+        #[arg(long, default_value_t = 0)]
+        after: u64,
+        #[arg(long, default_value = "30s", value_parser = cmd::parse_duration)]
+        timeout: Duration,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Run a command while holding a lock: FENCING_TOKEN, FENCEGATE_KEY and
+    /// FENCEGATE_URL in its environment; renewed while it runs; stopped
+    /// (SIGTERM, then SIGKILL after --grace) if the lock is lost.
+    Lock {
+        key: String,
+        #[arg(long, default_value = "30s", value_parser = cmd::parse_duration)]
+        ttl: Duration,
+        #[arg(long, default_value = "1m", value_parser = cmd::parse_duration)]
+        wait: Duration,
+        #[arg(long, default_value = "")]
+        holder: String,
+        #[command(flatten)]
+        run: RunArgs,
+        #[command(flatten)]
+        conn: Conn,
+        /// The command and its arguments, after `--`.
+        #[arg(last = true, required = true)]
+        command: Vec<String>,
+    },
+    /// Wait to become leader of NAME, then run a command as `lock` does.
+    Elect {
+        name: String,
+        #[arg(long)]
+        candidate: String,
+        #[arg(long, default_value = "10s", value_parser = cmd::parse_duration)]
+        ttl: Duration,
+        #[command(flatten)]
+        run: RunArgs,
+        #[command(flatten)]
+        conn: Conn,
+        #[arg(last = true, required = true)]
+        command: Vec<String>,
+    },
+}
+
+#[derive(clap::Args)]
+struct Conn {
+    /// The gateway's api listener.
+    #[arg(long, env = "FENCEGATE_URL", default_value = "http://127.0.0.1:7070")]
+    url: String,
+}
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// Time between SIGTERM and SIGKILL when the lock is lost.
+    #[arg(long, default_value = "10s", value_parser = cmd::parse_duration)]
+    grace: Duration,
+    /// Start a loopback proxy that adds X-Fencing-Token to every request of
+    /// the command (HTTP_PROXY, http_proxy, AWS_ENDPOINT_URL and
+    /// FENCEGATE_PROXY_URL point at it).
+    #[arg(long)]
+    inject: bool,
+    /// The gateway's proxy listener, where injected requests go.
+    #[arg(long, env = "FENCEGATE_PROXY", default_value = "http://127.0.0.1:8080")]
+    proxy: String,
 }
 
 #[derive(clap::Args)]
@@ -57,7 +164,57 @@ fn main() -> ExitCode {
     match cli.command {
         Command::CheckConfig { file } => check_config(&file),
         Command::Serve(args) => serve(args),
+        other => client_command(other),
     }
+}
+
+fn client_command(command: Command) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("fencegate: starting the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(async move {
+        let conn = match &command {
+            Command::Acquire { conn, .. }
+            | Command::Renew { conn, .. }
+            | Command::Release { conn, .. }
+            | Command::Status { conn, .. }
+            | Command::Watch { conn, .. }
+            | Command::Lock { conn, .. }
+            | Command::Elect { conn, .. } => conn,
+            Command::Serve(_) | Command::CheckConfig { .. } => return ExitCode::from(cmd::EXIT_USAGE),
+        };
+        let c = match Client::new(&conn.url) {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("fencegate: {e}");
+                return ExitCode::from(cmd::EXIT_USAGE);
+            }
+        };
+        let opts = |run: &RunArgs, command: &[String]| cmd::RunOpts {
+            grace: run.grace,
+            inject: run.inject,
+            gateway_proxy: run.proxy.clone(),
+            command: command.to_vec(),
+        };
+        match &command {
+            Command::Acquire { key, ttl, wait, holder, .. } => cmd::acquire(&c, key, *ttl, *wait, holder).await,
+            Command::Renew { key, lease_id, ttl, .. } => cmd::renew(&c, key, lease_id, *ttl).await,
+            Command::Release { key, lease_id, .. } => cmd::release(&c, key, lease_id).await,
+            Command::Status { key, .. } => cmd::status(&c, key).await,
+            Command::Watch { key, after, timeout, .. } => cmd::watch(&c, key, *after, *timeout).await,
+            Command::Lock { key, ttl, wait, holder, run, command, .. } => {
+                cmd::lock(&c, key, *ttl, *wait, holder, opts(run, command)).await
+            }
+            Command::Elect { name, candidate, ttl, run, command, .. } => {
+                cmd::elect(&c, name, candidate, *ttl, opts(run, command)).await
+            }
+            Command::Serve(_) | Command::CheckConfig { .. } => ExitCode::from(cmd::EXIT_USAGE),
+        }
+    })
 }
 
 fn check_config(file: &std::path::Path) -> ExitCode {

@@ -23,3 +23,32 @@ fn gc_pause_example_refuses_the_zombie_write() {
     assert!(stdout.contains("HTTP 409"), "{stdout}");
     assert!(stdout.contains("stale_fencing_token"), "{stdout}");
 }
+
+#[test]
+fn leader_election_example_fails_over_and_refuses_the_deposed_leader() {
+    let path = example("leader_election");
+    let out = Command::new(path).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("elected, term 2"), "{stdout}");
+    assert!(stdout.contains("HTTP 409"), "{stdout}");
+}
+
+#[test]
+fn job_queue_example_refuses_the_late_result() {
+    let out = Command::new(example("job_queue")).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("late result -> HTTP 409"), "{stdout}");
+}
+
+#[test]
+fn python_legacy_writer_example_handles_409() {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/python/legacy_writer.py");
+    let out =
+        Command::new("python3").arg(script).env("FENCEGATE_BIN", env!("CARGO_BIN_EXE_fencegate")).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("HTTP 409"), "{stdout}");
+    assert!(stdout.contains("the ledger holds: balance=20"), "{stdout}");
+}

@@ -1,0 +1,229 @@
+//! The Rust client and the command line against the real binary: one-shot
+//! commands and their exit codes, `lock -- CMD` (environment, exit status,
+//! child stopped on loss), `--inject` fencing an unmodified program,
+//! election failover, and a `Lease` noticing loss.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{Gateway, Opts};
+use fencegate::client::Client;
+
+fn fencegate(gw: &Gateway) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_fencegate"));
+    c.env("FENCEGATE_URL", gw.api_url("")).env("FENCEGATE_PROXY", gw.proxy_url(""));
+    c
+}
+
+fn run(cmd: &mut Command) -> Output {
+    cmd.output().unwrap()
+}
+
+fn start() -> (tempfile::TempDir, Gateway) {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start(&dir.path().join("data"), Opts::default());
+    (dir, gw)
+}
+
+#[test]
+fn one_shot_commands_print_json_and_exit_codes() {
+    let (_d, gw) = start();
+    let out = run(fencegate(&gw).args(["acquire", "jobs/1", "--ttl", "30s", "--holder", "cli"]));
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let grant: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(grant["fencing_token"], 1);
+    let lease_id = grant["lease_id"].as_str().unwrap().to_string();
+
+    let out = run(fencegate(&gw).args(["acquire", "jobs/1", "--ttl", "5s"]));
+    assert_eq!(out.status.code(), Some(3), "locked");
+    let err: serde_json::Value = serde_json::from_slice(&out.stderr).unwrap();
+    assert_eq!(err["error"], "locked");
+
+    let out = run(fencegate(&gw).args(["renew", "jobs/1", &lease_id, "--ttl", "1m"]));
+    assert_eq!(out.status.code(), Some(0));
+    let out = run(fencegate(&gw).args(["renew", "jobs/1", "nope"]));
+    assert_eq!(out.status.code(), Some(4), "lease lost");
+    let out = run(fencegate(&gw).args(["release", "jobs/1", "nope"]));
+    assert_eq!(out.status.code(), Some(5), "not owner");
+    let out = run(fencegate(&gw).args(["status", "jobs/1"]));
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(status["holder"], "cli");
+    assert!(status.get("lease_id").is_none());
+    let out = run(fencegate(&gw).args(["watch", "jobs/1", "--after", "1", "--timeout", "200ms"]));
+    assert_eq!(out.status.code(), Some(0));
+    let out = run(fencegate(&gw).args(["release", "jobs/1", &lease_id]));
+    assert_eq!(out.status.code(), Some(0));
+    let out = run(fencegate(&gw).args(["acquire", "jobs/1", "--ttl", "banana"]));
+    assert_eq!(out.status.code(), Some(2), "bad duration is a usage error");
+    let port = common::free_port();
+    let out = run(fencegate(&gw).args(["status", "k", "--url", &format!("http://127.0.0.1:{port}")]));
+    assert_eq!(out.status.code(), Some(6), "unreachable");
+}
+
+#[test]
+fn lock_runs_the_command_with_its_token_and_propagates_its_status() {
+    let (_d, gw) = start();
+    let out = run(fencegate(&gw).args([
+        "lock",
+        "jobs/env",
+        "--ttl",
+        "5s",
+        "--",
+        "sh",
+        "-c",
+        "echo $FENCING_TOKEN $FENCEGATE_KEY $FENCEGATE_URL; exit 42",
+    ]));
+    assert_eq!(out.status.code(), Some(42));
+    let line = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(line.trim(), format!("1 jobs/env {}", gw.api_url("")));
+    // Released when the command exited: the next token is 2, at once.
+    let out = run(fencegate(&gw).args(["lock", "jobs/env", "--wait", "0s", "--", "sh", "-c", "echo $FENCING_TOKEN"]));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "2");
+}
+
+#[test]
+fn lock_stops_the_command_when_the_lease_is_lost() {
+    let (_d, gw) = start();
+    let started = Instant::now();
+    let mut child = fencegate(&gw)
+        .args(["lock", "jobs/long", "--ttl", "1s", "--grace", "1s", "--", "sleep", "30"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    // The gateway freezes: renewals go unanswered; the local deadline passes.
+    common::signal(gw.child.id(), "STOP");
+    let status = child.wait().unwrap();
+    common::signal(gw.child.id(), "CONT");
+    assert_eq!(status.code(), Some(7), "documented code for a lost lock");
+    assert!(started.elapsed() < Duration::from_secs(5), "the command must be stopped promptly, not after 30 s");
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(err.contains("lock_lost"), "{err}");
+}
+
+#[test]
+fn inject_fences_an_unmodified_program() {
+    let (_d, gw) = start();
+    let target = gw.proxy_url("/ledger/legacy");
+    let upload = format!(
+        "import urllib.request as u; r = u.urlopen(u.Request('{target}', data=b'from python', method='PUT')); print(r.status)"
+    );
+    // Without --inject the plain program carries no token: refused (428).
+    let out = run(fencegate(&gw).args(["lock", "ledger/legacy", "--", "python3", "-c", &upload]));
+    assert_ne!(out.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("428"), "{}", String::from_utf8_lossy(&out.stderr));
+    // With --inject the same program is fenced with the lock's token.
+    let out = run(fencegate(&gw).args(["lock", "ledger/legacy", "--inject", "--", "python3", "-c", &upload]));
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).trim().starts_with("20"));
+    // curl, unmodified, the same way.
+    if Command::new("curl").arg("--version").output().is_ok() {
+        let out = run(fencegate(&gw).args([
+            "lock",
+            "ledger/legacy",
+            "--inject",
+            "--",
+            "curl",
+            "-sf",
+            "-X",
+            "PUT",
+            "--data",
+            "from curl",
+            &target,
+        ]));
+        assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    } else {
+        panic!("curl is not installed: scripts/setup-system.sh test installs it");
+    }
+    let data = gw.data_dir.join("objects/ledger/legacy");
+    assert_eq!(std::fs::read(&data).unwrap(), b"from curl");
+}
+
+#[test]
+fn elect_fails_over_within_one_ttl_plus_a_renew_period() {
+    let (dir, gw) = start();
+    let spawn = |candidate: &str| {
+        let marker = dir.path().join(format!("{candidate}.pid"));
+        let script = format!("echo $$ > {}; exec sleep 60", marker.display());
+        let child = fencegate(&gw)
+            .args(["elect", "leader/x", "--candidate", candidate, "--ttl", "1s", "--", "sh", "-c", &script])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        (child, marker)
+    };
+    let (mut first, first_marker) = spawn("c1");
+    let wait_for = |p: &std::path::Path| {
+        let t = Instant::now();
+        while !p.exists() {
+            assert!(t.elapsed() < Duration::from_secs(10), "{} never started", p.display());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    };
+    wait_for(&first_marker);
+    let (mut second, second_marker) = spawn("c2");
+    let (mut third, third_marker) = spawn("c3");
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!second_marker.exists() && !third_marker.exists(), "only one leader at a time");
+    // The leader dies with its command.
+    let leader_cmd: u32 = std::fs::read_to_string(&first_marker).unwrap().trim().parse().unwrap();
+    let died = Instant::now();
+    first.kill().unwrap();
+    let _ = first.wait();
+    common::signal(leader_cmd, "KILL");
+    let t = Instant::now();
+    while !second_marker.exists() && !third_marker.exists() {
+        assert!(t.elapsed() < Duration::from_secs(5), "no standby took over");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let failover = died.elapsed();
+    println!("failover in {} ms", failover.as_millis());
+    assert!(failover < Duration::from_millis(1000 + 333 + 200), "failover took {failover:?}");
+    assert!(!(second_marker.exists() && third_marker.exists()), "two leaders");
+    for c in [&mut second, &mut third] {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    for m in [&second_marker, &third_marker] {
+        if let Ok(pid) = std::fs::read_to_string(m) {
+            common::signal(pid.trim().parse().unwrap(), "KILL");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn lease_renews_itself_and_notices_a_refused_renewal() {
+    let (_d, gw) = start();
+    let client = Client::new(&gw.api_url("")).unwrap();
+    let lease = client.acquire("k", Duration::from_millis(600), Duration::ZERO).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(!lease.is_lost(), "renewals every ttl/3 keep it");
+    assert!(client.status("k").await.unwrap().held);
+    // Someone with the secret releases it: the next renewal is refused.
+    client.release("k", lease.lease_id()).await.unwrap();
+    let t = Instant::now();
+    tokio::time::timeout(Duration::from_secs(2), lease.lost()).await.unwrap();
+    assert!(t.elapsed() < Duration::from_millis(600));
+    assert!(matches!(client.acquire("k", Duration::from_secs(1), Duration::ZERO).await.map(|l| l.token()), Ok(2)));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn lease_is_lost_by_its_local_deadline_when_the_gateway_freezes() {
+    let (_d, gw) = start();
+    let client = Client::new(&gw.api_url("")).unwrap();
+    let lease = client.acquire("k", Duration::from_millis(900), Duration::ZERO).await.unwrap();
+    let frozen = Instant::now();
+    common::signal(gw.child.id(), "STOP");
+    tokio::time::timeout(Duration::from_secs(3), lease.lost()).await.unwrap();
+    let after = frozen.elapsed();
+    common::signal(gw.child.id(), "CONT");
+    assert!(after <= Duration::from_millis(900), "lost() must fire by the local deadline: {after:?}");
+    // The gateway, thawed, still counts the grant live for a moment: the
+    // client's view is the more pessimistic one, as it must be.
+}
