@@ -20,6 +20,32 @@ use crate::proxy::Proxy;
 use crate::server::{self, Handler, Limits};
 use crate::shutdown::{self, Trigger};
 use crate::store::{Store, SyncObserver, WriterOptions};
+use crate::tls::Reloadable;
+
+/// Re-reads certificate files on SIGHUP; open connections are untouched.
+async fn reload_on_sighup(tls: Vec<Arc<Reloadable>>, stop: crate::shutdown::Shutdown) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let Ok(mut hup) = signal(SignalKind::hangup()) else {
+        tracing::warn!("cannot listen for SIGHUP; certificates will not be reloaded");
+        return;
+    };
+    loop {
+        tokio::select! {
+            got = hup.recv() => {
+                if got.is_none() {
+                    return;
+                }
+                for t in &tls {
+                    match t.reload() {
+                        Ok(()) => tracing::info!("TLS certificates reloaded"),
+                        Err(e) => tracing::error!(error = %e, "TLS reload failed; keeping the old certificates"),
+                    }
+                }
+            }
+            () = stop.wait() => return,
+        }
+    }
+}
 
 /// A running gateway.
 #[derive(Debug)]
@@ -89,9 +115,15 @@ impl Gateway {
             Box::pin(async move { proxy.handle(req, client).await })
         });
 
+        let proxy_tls = cfg.server.proxy_tls.clone().map(Reloadable::load).transpose()?;
+        let api_tls = cfg.server.api_tls.clone().map(Reloadable::load).transpose()?;
         let mut tasks = JoinSet::new();
-        tasks.spawn(server::serve("proxy", proxy_listener, proxy_handler, limits, stop.clone()));
-        tasks.spawn(server::serve("api", api_listener, api_handler, limits, stop.clone()));
+        let reloadables: Vec<_> = proxy_tls.iter().chain(api_tls.iter()).cloned().collect();
+        if !reloadables.is_empty() {
+            tasks.spawn(reload_on_sighup(reloadables, stop.clone()));
+        }
+        tasks.spawn(server::serve("proxy", proxy_listener, proxy_handler, limits, proxy_tls, stop.clone()));
+        tasks.spawn(server::serve("api", api_listener, api_handler, limits, api_tls, stop.clone()));
         tasks.spawn(authority.clone().run_expiry(stop));
         tracing::info!(proxy = %proxy_addr, api = %api_addr, data_dir = %cfg.data_dir.display(), "fencegate serving");
         Ok(Gateway { proxy_addr, api_addr, authority, metrics, trigger, tasks })

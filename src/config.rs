@@ -84,6 +84,10 @@ pub struct ServerConfig {
     pub shutdown_grace_ms: u64,
     /// Most connections open at once per listener.
     pub max_connections: usize,
+    /// TLS on the proxy listener (plain text when absent).
+    pub proxy_tls: Option<crate::tls::TlsSettings>,
+    /// TLS on the api listener (plain text when absent).
+    pub api_tls: Option<crate::tls::TlsSettings>,
 }
 
 /// How a route's tokens come to be.
@@ -149,6 +153,15 @@ pub struct RouteConfig {
     /// `preserve` (default) or `rewrite`.
     #[serde(default = "default_host")]
     pub host_header: HostHeader,
+    /// `https://` upstreams: PEM CA bundle to trust (default: system roots).
+    #[serde(default)]
+    pub ca_file: Option<PathBuf>,
+    /// `https://` upstreams that want mTLS: client certificate chain (PEM).
+    #[serde(default)]
+    pub client_cert_file: Option<PathBuf>,
+    /// … and its private key (PEM).
+    #[serde(default)]
+    pub client_key_file: Option<PathBuf>,
 }
 
 fn default_mutating_methods() -> Vec<String> {
@@ -217,6 +230,8 @@ impl Default for ServerConfig {
             header_read_timeout_ms: 10_000,
             shutdown_grace_ms: 10_000,
             max_connections: 10_000,
+            proxy_tls: None,
+            api_tls: None,
         }
     }
 }
@@ -295,6 +310,11 @@ impl Config {
         if self.server.max_header_bytes < 1024 {
             return Err("server.max_header_bytes: must be at least 1024".into());
         }
+        for (name, tls) in [("server.proxy_tls", &self.server.proxy_tls), ("server.api_tls", &self.server.api_tls)] {
+            if let Some(t) = tls {
+                crate::tls::server_config(t).map_err(|e| format!("{name}: {e}"))?;
+            }
+        }
         if self.listen == self.api_listen && self.listen.port() != 0 {
             return Err(format!("listen and api_listen are both {}", self.listen));
         }
@@ -327,6 +347,9 @@ impl RouteConfig {
             max_body_bytes: default_max_body_bytes(),
             forward_fencing_token: true,
             host_header: HostHeader::Preserve,
+            ca_file: None,
+            client_cert_file: None,
+            client_key_file: None,
         }
     }
 

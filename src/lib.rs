@@ -10,7 +10,8 @@
 //! | module | owns |
 //! |---|---|
 //! | [`config`] | the one `Config`: defaults, TOML, `serve` flags, `validate()` |
-//! | [`server`] | listeners: accept, HTTP/1.1 + h2c, connection limits, graceful drain |
+//! | [`server`] | listeners: accept, TLS/mTLS, HTTP/1.1 + h2, connection limits, graceful drain |
+//! | [`tls`] | rustls configs from PEM, SIGHUP reload, client certificate names |
 //! | [`proxy`] | routes, path checks and key mapping, the fence check, forwarding, upstreams (http, file) |
 //! | [`fence`] | token parsing, the in-memory fence table, in-flight tracking, the activation barrier |
 //! | [`authority`] | grants, FIFO waiters, expiry, watch |
@@ -37,6 +38,7 @@ pub mod proxy;
 pub mod server;
 pub mod shutdown;
 pub mod store;
+pub mod tls;
 
 pub use app::Gateway;
 pub use config::Config;

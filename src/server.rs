@@ -1,4 +1,5 @@
-//! Listeners: accept, serve HTTP/1.1 and HTTP/2 (h2c prior knowledge) with
+//! Listeners: accept, TLS handshake (rustls, ALPN h2/http1.1, optional
+//! mTLS), serve HTTP/1.1 and HTTP/2 (h2c prior knowledge in plain text) with
 //! hyper-util's auto builder, bound the number of connections, and drain
 //! gracefully on shutdown. This module knows nothing of leases or fences:
 //! it hands each request to a handler.
@@ -22,6 +23,8 @@ use tokio::sync::Semaphore;
 use crate::body::BoxBody;
 use crate::proxy::ClientInfo;
 use crate::shutdown::Shutdown;
+use crate::tls::{subject_cn, Reloadable};
+use tokio_rustls::TlsAcceptor;
 
 /// A boxed response future.
 pub type ResponseFuture = Pin<Box<dyn Future<Output = Response<BoxBody>> + Send>>;
@@ -38,9 +41,38 @@ pub struct Limits {
     pub shutdown_grace: Duration,
 }
 
+async fn serve_conn<I>(
+    name: &'static str,
+    builder: &auto::Builder<TokioExecutor>,
+    watcher: hyper_util::server::graceful::Watcher,
+    io: I,
+    client: ClientInfo,
+    handler: Handler,
+) where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    let addr = client.addr;
+    let service = service_fn(move |req: Request<Incoming>| {
+        let req = req.map(|b| b.map_err(Into::into).boxed_unsync());
+        let fut = handler(req, client.clone());
+        async move { Ok::<_, Infallible>(fut.await) }
+    });
+    let conn = builder.serve_connection(io, service);
+    if let Err(e) = watcher.watch(conn).await {
+        tracing::debug!(listener = name, client = %addr, error = %e, "connection ended with an error");
+    }
+}
+
 /// Serves `listener` until `shutdown`, then drains open connections for
 /// up to `limits.shutdown_grace`.
-pub async fn serve(name: &'static str, listener: TcpListener, handler: Handler, limits: Limits, shutdown: Shutdown) {
+pub async fn serve(
+    name: &'static str,
+    listener: TcpListener,
+    handler: Handler,
+    limits: Limits,
+    tls: Option<Arc<Reloadable>>,
+    shutdown: Shutdown,
+) {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
@@ -72,19 +104,37 @@ pub async fn serve(name: &'static str, listener: TcpListener, handler: Handler, 
             () = shutdown.wait() => break,
         };
         let _ = stream.set_nodelay(true);
-        let client = ClientInfo { addr, tls: false };
         let handler = handler.clone();
-        let service = service_fn(move |req: Request<Incoming>| {
-            let req = req.map(|b| b.map_err(Into::into).boxed_unsync());
-            let fut = handler(req, client);
-            async move { Ok::<_, Infallible>(fut.await) }
-        });
         let builder = builder.clone();
         let watcher = graceful.watcher();
+        let tls = tls.clone();
+        let handshake_timeout = limits.header_read_timeout;
         tokio::spawn(async move {
-            let conn = builder.serve_connection(TokioIo::new(stream), service);
-            if let Err(e) = watcher.watch(conn).await {
-                tracing::debug!(listener = name, client = %addr, error = %e, "connection ended with an error");
+            match tls.and_then(|t| t.current()) {
+                None => {
+                    let client = ClientInfo { addr, tls: false, peer_cn: None };
+                    serve_conn(name, &builder, watcher, TokioIo::new(stream), client, handler).await;
+                }
+                Some(config) => {
+                    let accept = TlsAcceptor::from(config).accept(stream);
+                    match tokio::time::timeout(handshake_timeout, accept).await {
+                        Ok(Ok(tls_stream)) => {
+                            let peer_cn = tls_stream
+                                .get_ref()
+                                .1
+                                .peer_certificates()
+                                .and_then(|certs| certs.first())
+                                .and_then(|c| subject_cn(c))
+                                .map(Arc::from);
+                            let client = ClientInfo { addr, tls: true, peer_cn };
+                            serve_conn(name, &builder, watcher, TokioIo::new(tls_stream), client, handler).await;
+                        }
+                        Ok(Err(e)) => {
+                            tracing::debug!(listener = name, client = %addr, error = %e, "TLS handshake failed")
+                        }
+                        Err(_) => tracing::debug!(listener = name, client = %addr, "TLS handshake timed out"),
+                    }
+                }
             }
             drop(permit);
         });

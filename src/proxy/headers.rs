@@ -25,10 +25,12 @@ const HOP_BY_HOP: [&str; 9] = [
 ];
 
 /// Who sent the request, as the listener saw it.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct ClientInfo {
     pub addr: SocketAddr,
     pub tls: bool,
+    /// Common name of the verified client certificate (mTLS).
+    pub peer_cn: Option<std::sync::Arc<str>>,
 }
 
 /// The fencing token header.
@@ -72,7 +74,7 @@ fn append_list(h: &mut HeaderMap, name: HeaderName, item: &str) {
 /// Prepares a request for the upstream.
 pub fn prepare_request<B>(
     req: &mut Request<B>,
-    client: ClientInfo,
+    client: &ClientInfo,
     host_mode: HostHeader,
     upstream_host: Option<HeaderValue>,
     forward_token: bool,
@@ -124,7 +126,7 @@ mod tests {
     use super::*;
 
     fn client() -> ClientInfo {
-        ClientInfo { addr: "10.1.2.3:5555".parse().unwrap(), tls: false }
+        ClientInfo { addr: "10.1.2.3:5555".parse().unwrap(), tls: false, peer_cn: None }
     }
 
     #[test]
@@ -140,7 +142,7 @@ mod tests {
             .header("host", "front")
             .body(())
             .unwrap();
-        prepare_request(&mut req, client(), HostHeader::Preserve, None, true);
+        prepare_request(&mut req, &client(), HostHeader::Preserve, None, true);
         let h = req.headers();
         for gone in ["connection", "x-secret", "keep-alive", "te", "upgrade", "proxy-authorization"] {
             assert!(!h.contains_key(gone), "{gone}");
@@ -156,7 +158,7 @@ mod tests {
     #[test]
     fn forwarded_for_is_appended() {
         let mut req = Request::builder().header("x-forwarded-for", "1.1.1.1").body(()).unwrap();
-        prepare_request(&mut req, client(), HostHeader::Preserve, None, true);
+        prepare_request(&mut req, &client(), HostHeader::Preserve, None, true);
         assert_eq!(req.headers()["x-forwarded-for"], "1.1.1.1, 10.1.2.3");
     }
 
@@ -164,7 +166,7 @@ mod tests {
     fn host_rewrite_and_token_removal() {
         let mut req = Request::builder().header("host", "front").header("x-fencing-token", "5").body(()).unwrap();
         let up = HeaderValue::from_static("127.0.0.1:9000");
-        prepare_request(&mut req, client(), HostHeader::Rewrite, Some(up), false);
+        prepare_request(&mut req, &client(), HostHeader::Rewrite, Some(up), false);
         assert_eq!(req.headers()["host"], "127.0.0.1:9000");
         assert!(!req.headers().contains_key("x-fencing-token"));
     }

@@ -107,7 +107,12 @@ impl Proxy {
             let resource =
                 rc.resource.as_deref().map(|r| Template::parse_resource(r, &matcher)).transpose().map_err(bad)?;
             let url = UpstreamUrl::parse(&rc.upstream).map_err(bad)?;
-            let upstream = Upstream::connect(&url, Duration::from_millis(rc.connect_timeout_ms))?;
+            let tls = upstream::UpstreamTls {
+                ca_file: rc.ca_file.clone(),
+                client_cert_file: rc.client_cert_file.clone(),
+                client_key_file: rc.client_key_file.clone(),
+            };
+            let upstream = Upstream::connect(&url, Duration::from_millis(rc.connect_timeout_ms), &tls)?;
             let mutating = rc.mutating_methods.iter().filter_map(|m| Method::from_bytes(m.as_bytes()).ok()).collect();
             let name = rc.route_name(i);
             metrics.register_route(&name);
@@ -136,7 +141,7 @@ impl Proxy {
         let path = req.uri().path().to_string();
         let req_bytes = content_length(req.headers());
         let mut seen = Seen::default();
-        let result = self.handle_inner(req, client, &mut seen).await;
+        let result = self.handle_inner(req, &client, &mut seen).await;
         let (response, code) = match result {
             Ok(resp) => (resp, "ok"),
             Err(refused) => {
@@ -170,7 +175,7 @@ impl Proxy {
     async fn handle_inner<'a>(
         &'a self,
         req: Request<BoxBody>,
-        client: ClientInfo,
+        client: &ClientInfo,
         seen: &mut Seen<'a>,
     ) -> Result<Response<BoxBody>, Refused> {
         // 1. route
@@ -197,7 +202,7 @@ impl Proxy {
         key: &str,
         object: &str,
         req: Request<BoxBody>,
-        client: ClientInfo,
+        client: &ClientInfo,
     ) -> Result<Response<BoxBody>, Refused> {
         let mutation = route.mutating.contains(req.method());
         // 2. admit
@@ -240,7 +245,7 @@ impl Proxy {
         route: &Route,
         key: &str,
         token: Option<u64>,
-        client: ClientInfo,
+        client: &ClientInfo,
     ) -> Result<Option<InflightGuard>, Refused> {
         if let Err(e) = validate_key(key) {
             return Err(Refused { error: e, outcome: None });
@@ -284,7 +289,7 @@ impl Proxy {
         key: &str,
         token: u64,
         refusal: Refusal,
-        client: ClientInfo,
+        client: &ClientInfo,
     ) -> Result<Option<InflightGuard>, Refused> {
         if let Refusal::Stale { superseded_for, .. } = &refusal {
             self.metrics.stale_write_age.with_label_values(&[&route.name]).observe(superseded_for.as_secs_f64());
@@ -302,7 +307,7 @@ impl Proxy {
         key: &str,
         token: Option<u64>,
         refused: Refused,
-        client: ClientInfo,
+        client: &ClientInfo,
     ) -> Result<(), Refused> {
         let fence = self.fences.fence(key);
         let holder = self.authority.status(key).ok().and_then(|s| s.holder).unwrap_or_default();
@@ -334,7 +339,7 @@ impl Proxy {
         key: &str,
         object: &str,
         req: Request<BoxBody>,
-        client: ClientInfo,
+        client: &ClientInfo,
         guard: Option<InflightGuard>,
         token: Option<u64>,
     ) -> Result<Response<BoxBody>, Refused> {

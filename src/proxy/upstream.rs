@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use http::uri::{Authority, Scheme};
 use http::{HeaderValue, Request, Response, Uri};
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
@@ -20,8 +21,8 @@ use crate::error::Error;
 /// A parsed `upstream` setting.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum UpstreamUrl {
-    /// `http://authority[/prefix]`.
-    Http { authority: Authority, prefix: String },
+    /// `http://authority[/prefix]` or `https://…` (`tls`).
+    Http { tls: bool, authority: Authority, prefix: String },
     /// `file://DIR`.
     File { dir: PathBuf },
 }
@@ -36,15 +37,11 @@ impl UpstreamUrl {
             return Ok(UpstreamUrl::File { dir: PathBuf::from(dir) });
         }
         let uri: Uri = text.parse().map_err(|e| format!("not a URL: {e}"))?;
-        match uri.scheme() {
-            Some(s) if *s == Scheme::HTTP => {}
-            Some(s) if *s == Scheme::HTTPS => {
-                return Err(
-                    "https:// upstreams are not built yet (TLS to upstreams is planned); use http:// or file://".into(),
-                )
-            }
-            _ => return Err("scheme must be http:// or file://".into()),
-        }
+        let tls = match uri.scheme() {
+            Some(s) if *s == Scheme::HTTP => false,
+            Some(s) if *s == Scheme::HTTPS => true,
+            _ => return Err("scheme must be http://, https:// or file://".into()),
+        };
         let authority = uri.authority().cloned().ok_or("missing host")?;
         if authority.as_str().contains('@') {
             return Err("credentials in the URL are not allowed".into());
@@ -53,8 +50,61 @@ impl UpstreamUrl {
             return Err("a query is not allowed".into());
         }
         let prefix = uri.path().trim_end_matches('/').to_string();
-        Ok(UpstreamUrl::Http { authority, prefix })
+        Ok(UpstreamUrl::Http { tls, authority, prefix })
     }
+}
+
+/// TLS settings for `https://` upstreams of one route.
+#[derive(Debug, Clone, Default)]
+pub struct UpstreamTls {
+    /// PEM CA bundle to trust instead of the system roots.
+    pub ca_file: Option<std::path::PathBuf>,
+    /// PEM client certificate chain and key, for upstreams that want mTLS.
+    pub client_cert_file: Option<std::path::PathBuf>,
+    pub client_key_file: Option<std::path::PathBuf>,
+}
+
+fn client_tls_config(tls: &UpstreamTls) -> Result<rustls::ClientConfig, Error> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let mut roots = rustls::RootCertStore::empty();
+    match &tls.ca_file {
+        Some(ca) => {
+            let certs = CertificateDer::pem_file_iter(ca)
+                .map_err(|e| Error::BadRequest(format!("reading {}: {e}", ca.display())))?;
+            for cert in certs {
+                let cert = cert.map_err(|e| Error::BadRequest(format!("parsing {}: {e}", ca.display())))?;
+                roots.add(cert).map_err(|e| Error::BadRequest(format!("CA in {}: {e}", ca.display())))?;
+            }
+        }
+        None => {
+            let native = rustls_native_certs::load_native_certs();
+            for cert in native.certs {
+                let _ = roots.add(cert);
+            }
+        }
+    }
+    let builder =
+        rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(rustls::crypto::ring::default_provider()))
+            .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
+            .map_err(|e| Error::Internal(format!("TLS versions: {e}")))?
+            .with_root_certificates(roots);
+    // ALPN is set by the connector (http/1.1).
+    let config = match (&tls.client_cert_file, &tls.client_key_file) {
+        (Some(cert), Some(key)) => {
+            let chain = CertificateDer::pem_file_iter(cert)
+                .and_then(|it| it.collect::<Result<Vec<_>, _>>())
+                .map_err(|e| Error::BadRequest(format!("reading {}: {e}", cert.display())))?;
+            let key = PrivateKeyDer::from_pem_file(key)
+                .map_err(|e| Error::BadRequest(format!("reading {}: {e}", key.display())))?;
+            builder
+                .with_client_auth_cert(chain, key)
+                .map_err(|e| Error::BadRequest(format!("client certificate: {e}")))?
+        }
+        (None, None) => builder.with_no_client_auth(),
+        _ => return Err(Error::BadRequest("client_cert_file and client_key_file go together".into())),
+    };
+    Ok(config)
 }
 
 /// The request body type every upstream receives.
@@ -64,7 +114,12 @@ pub type UpstreamRequest = Request<FencedBody>;
 #[derive(Clone)]
 pub enum Upstream {
     /// A pooled HTTP/1.1 client.
-    Http { client: Client<HttpConnector, FencedBody>, authority: Authority, prefix: String },
+    Http {
+        client: Client<HttpsConnector<HttpConnector>, FencedBody>,
+        scheme: Scheme,
+        authority: Authority,
+        prefix: String,
+    },
     /// The built-in object store.
     File(FileStore),
 }
@@ -72,7 +127,7 @@ pub enum Upstream {
 impl std::fmt::Debug for Upstream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Upstream::Http { authority, prefix, .. } => write!(f, "http://{authority}{prefix}"),
+            Upstream::Http { scheme, authority, prefix, .. } => write!(f, "{scheme}://{authority}{prefix}"),
             Upstream::File(s) => write!(f, "{s:?}"),
         }
     }
@@ -80,18 +135,24 @@ impl std::fmt::Debug for Upstream {
 
 impl Upstream {
     /// Builds the client (or opens the store) of one route.
-    pub fn connect(url: &UpstreamUrl, connect_timeout: Duration) -> Result<Upstream, Error> {
+    pub fn connect(url: &UpstreamUrl, connect_timeout: Duration, tls: &UpstreamTls) -> Result<Upstream, Error> {
         match url {
-            UpstreamUrl::Http { authority, prefix } => {
+            UpstreamUrl::Http { tls: use_tls, authority, prefix } => {
                 let mut connector = HttpConnector::new();
                 connector.set_connect_timeout(Some(connect_timeout));
                 connector.set_nodelay(true);
-                connector.enforce_http(true);
+                connector.enforce_http(false);
+                let https = hyper_rustls::HttpsConnectorBuilder::new()
+                    .with_tls_config(client_tls_config(tls)?)
+                    .https_or_http()
+                    .enable_http1()
+                    .wrap_connector(connector);
                 let client = Client::builder(TokioExecutor::new())
                     .pool_idle_timeout(Duration::from_secs(60))
                     .pool_max_idle_per_host(256)
-                    .build(connector);
-                Ok(Upstream::Http { client, authority: authority.clone(), prefix: prefix.clone() })
+                    .build(https);
+                let scheme = if *use_tls { Scheme::HTTPS } else { Scheme::HTTP };
+                Ok(Upstream::Http { client, scheme, authority: authority.clone(), prefix: prefix.clone() })
             }
             UpstreamUrl::File { dir } => Ok(Upstream::File(FileStore::open(dir)?)),
         }
@@ -115,10 +176,10 @@ impl Upstream {
         token: Option<u64>,
     ) -> Result<Response<crate::body::BoxBody>, SendError> {
         match self {
-            Upstream::Http { client, authority, prefix } => {
+            Upstream::Http { client, scheme, authority, prefix } => {
                 let pq = req.uri().path_and_query().map_or("/", |pq| pq.as_str());
                 let uri = Uri::builder()
-                    .scheme(Scheme::HTTP)
+                    .scheme(scheme.clone())
                     .authority(authority.clone())
                     .path_and_query(format!("{prefix}{pq}"))
                     .build()
@@ -170,10 +231,11 @@ mod tests {
     fn upstream_urls_parse() {
         assert_eq!(
             UpstreamUrl::parse("http://127.0.0.1:9000/base/").unwrap(),
-            UpstreamUrl::Http { authority: "127.0.0.1:9000".parse().unwrap(), prefix: "/base".into() }
+            UpstreamUrl::Http { tls: false, authority: "127.0.0.1:9000".parse().unwrap(), prefix: "/base".into() }
         );
         assert!(matches!(UpstreamUrl::parse("file:///tmp/x").unwrap(), UpstreamUrl::File { .. }));
-        for bad in ["ftp://x", "127.0.0.1:80", "http://u:p@h/", "http://h/?q=1", "file://", "https://h"] {
+        assert!(matches!(UpstreamUrl::parse("https://h:8443").unwrap(), UpstreamUrl::Http { tls: true, .. }));
+        for bad in ["ftp://x", "127.0.0.1:80", "http://u:p@h/", "http://h/?q=1", "file://"] {
             assert!(UpstreamUrl::parse(bad).is_err(), "{bad}");
         }
     }
