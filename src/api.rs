@@ -13,6 +13,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio::time::Instant;
 
+use crate::auth::{Auth, Principal};
 use crate::authority::{AcquireRequest, Authority, ReleaseRequest, RenewRequest};
 use crate::body::{full, BoxBody};
 use crate::error::Error;
@@ -27,6 +28,7 @@ pub struct Api {
     pub metrics: Arc<Metrics>,
     pub max_body_bytes: u64,
     pub shutdown: Shutdown,
+    pub auth: Arc<Auth>,
 }
 
 impl Api {
@@ -36,7 +38,7 @@ impl Api {
         let method = req.method().clone();
         let req_bytes =
             req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok());
-        let (endpoint, result) = self.route(req).await;
+        let (endpoint, result) = self.route(req, &client).await;
         let elapsed = started.elapsed();
         self.metrics.request_duration.with_label_values(&["api", endpoint]).observe(elapsed.as_secs_f64());
         let (response, outcome) = match result {
@@ -60,7 +62,11 @@ impl Api {
         response
     }
 
-    async fn route(&self, req: Request<BoxBody>) -> (&'static str, Result<Response<BoxBody>, Error>) {
+    async fn route(
+        &self,
+        req: Request<BoxBody>,
+        client: &ClientInfo,
+    ) -> (&'static str, Result<Response<BoxBody>, Error>) {
         let path = req.uri().path().to_string();
         let method = req.method().clone();
         let (name, expected) = match path.as_str() {
@@ -78,15 +84,30 @@ impl Api {
         if !allowed {
             return (name, Err(Error::MethodNotAllowed(method.to_string())));
         }
+        // Who is asking: 401 without credentials where they are needed.
+        let principal = match name {
+            "metrics" | "healthz" | "readyz" => {
+                if let Err(e) = self.auth.check_metrics(req.headers(), client) {
+                    return (name, Err(e));
+                }
+                None
+            }
+            _ if self.auth.api_required() => match self.auth.require(req.headers(), "authorization", client) {
+                Ok(p) => Some(p.clone()),
+                Err(e) => return (name, Err(e)),
+            },
+            _ => None,
+        };
+        let p = principal.as_ref();
         let result = match name {
-            "acquire" => self.acquire(req).await,
-            "renew" => self.renew(req).await,
-            "release" => self.release(req).await,
-            "status" => self.status(req.uri().query()),
+            "acquire" => self.acquire(req, p).await,
+            "renew" => self.renew(req, p).await,
+            "release" => self.release(req, p).await,
+            "status" => self.status(req.uri().query(), p),
             "watch" => {
                 let query = req.uri().query().map(str::to_string);
                 drop(req);
-                self.watch(query.as_deref()).await
+                self.watch(query.as_deref(), p).await
             }
             "metrics" => self.metrics(),
             "healthz" => Ok(json_response(StatusCode::OK, &serde_json::json!({"status": "ok"}))),
@@ -95,40 +116,45 @@ impl Api {
         (name, result)
     }
 
-    async fn acquire(&self, req: Request<BoxBody>) -> Result<Response<BoxBody>, Error> {
+    async fn acquire(&self, req: Request<BoxBody>, p: Option<&Principal>) -> Result<Response<BoxBody>, Error> {
         let body: AcquireRequest = read_json(req, self.max_body_bytes).await.inspect_err(|_| {
             self.metrics.lock_request("acquire", "invalid");
         })?;
+        authorize(p, &body.key)?;
         let grant = self.authority.acquire(body).await?;
         Ok(json_response(StatusCode::OK, &grant))
     }
 
-    async fn renew(&self, req: Request<BoxBody>) -> Result<Response<BoxBody>, Error> {
+    async fn renew(&self, req: Request<BoxBody>, p: Option<&Principal>) -> Result<Response<BoxBody>, Error> {
         let body: RenewRequest = read_json(req, self.max_body_bytes).await.inspect_err(|_| {
             self.metrics.lock_request("renew", "invalid");
         })?;
+        authorize(p, &body.key)?;
         let view = self.authority.renew(body)?;
         Ok(json_response(StatusCode::OK, &view))
     }
 
-    async fn release(&self, req: Request<BoxBody>) -> Result<Response<BoxBody>, Error> {
+    async fn release(&self, req: Request<BoxBody>, p: Option<&Principal>) -> Result<Response<BoxBody>, Error> {
         let body: ReleaseRequest = read_json(req, self.max_body_bytes).await.inspect_err(|_| {
             self.metrics.lock_request("release", "invalid");
         })?;
+        authorize(p, &body.key)?;
         let key = body.key.clone();
         self.authority.release(body)?;
         Ok(json_response(StatusCode::OK, &serde_json::json!({"key": key, "released": true})))
     }
 
-    fn status(&self, query: Option<&str>) -> Result<Response<BoxBody>, Error> {
+    fn status(&self, query: Option<&str>, p: Option<&Principal>) -> Result<Response<BoxBody>, Error> {
         let q = Query::parse(query)?;
         let key = q.required("key")?;
+        authorize(p, &key)?;
         Ok(json_response(StatusCode::OK, &self.authority.status(&key)?))
     }
 
-    async fn watch(&self, query: Option<&str>) -> Result<Response<BoxBody>, Error> {
+    async fn watch(&self, query: Option<&str>, p: Option<&Principal>) -> Result<Response<BoxBody>, Error> {
         let q = Query::parse(query)?;
         let key = q.required("key")?;
+        authorize(p, &key)?;
         let after = q.number("after")?.unwrap_or(0);
         let timeout_ms = q.number("timeout_ms")?.unwrap_or(30_000);
         let view = tokio::select! {
@@ -152,6 +178,11 @@ impl Api {
         }
         Ok(json_response(StatusCode::OK, &serde_json::json!({"status": "ready"})))
     }
+}
+
+/// `Ok` without authentication; else the principal must own the key.
+fn authorize(p: Option<&Principal>, key: &str) -> Result<(), Error> {
+    p.map_or(Ok(()), |p| p.authorize(key))
 }
 
 /// A JSON response with the given status.

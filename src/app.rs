@@ -11,6 +11,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 
 use crate::api::Api;
+use crate::auth::Auth;
 use crate::authority::Authority;
 use crate::config::Config;
 use crate::error::Error;
@@ -83,7 +84,8 @@ impl Gateway {
             elapsed_ms = started.elapsed().as_millis() as u64,
             "fence table rebuilt from the store"
         );
-        let proxy = Arc::new(Proxy::new(&cfg, authority.clone(), store, metrics.clone())?);
+        let auth = Arc::new(Auth::load(&cfg.auth)?);
+        let proxy = Arc::new(Proxy::new(&cfg, authority.clone(), store, metrics.clone(), auth.clone())?);
 
         let bind = |addr: SocketAddr| async move {
             TcpListener::bind(addr).await.map_err(|e| Error::Internal(format!("binding {addr}: {e}")))
@@ -105,6 +107,7 @@ impl Gateway {
             metrics: metrics.clone(),
             max_body_bytes: cfg.server.api_max_body_bytes,
             shutdown: stop.clone(),
+            auth: auth.clone(),
         });
         let api_handler: Handler = Arc::new(move |req, client| {
             let api = api.clone();

@@ -116,6 +116,7 @@ pub struct RunOpts {
     pub grace: Duration,
     pub inject: bool,
     pub gateway_proxy: String,
+    pub bearer: Option<String>,
     pub command: Vec<String>,
 }
 
@@ -157,7 +158,7 @@ async fn run_while_held(client: &Client, lease: Lease, opts: RunOpts) -> ExitCod
         .env("FENCEGATE_KEY", lease.key())
         .env("FENCEGATE_URL", client.url());
     let _injector = if opts.inject {
-        match fencegate::inject::start(&opts.gateway_proxy, lease.token()).await {
+        match fencegate::inject::start(&opts.gateway_proxy, lease.token(), opts.bearer.as_deref()).await {
             Ok(inj) => {
                 let url = format!("http://{}", inj.addr);
                 for var in ["HTTP_PROXY", "http_proxy", "AWS_ENDPOINT_URL", "FENCEGATE_PROXY_URL"] {

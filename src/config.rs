@@ -33,6 +33,8 @@ pub struct Config {
     pub store: StoreConfig,
     /// Listener limits and shutdown.
     pub server: ServerConfig,
+    /// Principals and where they are required.
+    pub auth: crate::auth::AuthConfig,
     /// Proxy routes, first match wins. Empty: one catch-all route to the
     /// built-in object store in `<data_dir>/objects`.
     pub routes: Vec<RouteConfig>,
@@ -162,6 +164,10 @@ pub struct RouteConfig {
     /// … and its private key (PEM).
     #[serde(default)]
     pub client_key_file: Option<PathBuf>,
+    /// Require a principal (`Proxy-Authorization: Bearer …` or an mTLS
+    /// client certificate) whose prefixes cover the resource key.
+    #[serde(default)]
+    pub auth: bool,
 }
 
 fn default_mutating_methods() -> Vec<String> {
@@ -197,6 +203,7 @@ impl Default for Config {
             locks: LocksConfig::default(),
             store: StoreConfig::default(),
             server: ServerConfig::default(),
+            auth: crate::auth::AuthConfig::default(),
             routes: Vec::new(),
         }
     }
@@ -315,6 +322,10 @@ impl Config {
                 crate::tls::server_config(t).map_err(|e| format!("{name}: {e}"))?;
             }
         }
+        crate::auth::Auth::load(&self.auth).map_err(|e| format!("auth.principals_file: {e}"))?;
+        if self.routes.iter().any(|r| r.auth) && self.auth.principals_file.is_none() {
+            return Err("routes[].auth = true needs auth.principals_file".into());
+        }
         if self.listen == self.api_listen && self.listen.port() != 0 {
             return Err(format!("listen and api_listen are both {}", self.listen));
         }
@@ -350,6 +361,7 @@ impl RouteConfig {
             ca_file: None,
             client_cert_file: None,
             client_key_file: None,
+            auth: false,
         }
     }
 

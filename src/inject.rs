@@ -45,11 +45,14 @@ struct State {
     client: Client<HttpConnector, BoxBody>,
     default_authority: Authority,
     token: HeaderValue,
+    proxy_auth: Option<HeaderValue>,
 }
 
 /// Starts an injector on a free loopback port. `gateway`: the gateway's
 /// proxy listener (`http://host:port`), where origin-form requests go.
-pub async fn start(gateway: &str, token: u64) -> Result<Injector, Error> {
+/// `bearer`: sent as `Proxy-Authorization` for routes that require a
+/// principal.
+pub async fn start(gateway: &str, token: u64, bearer: Option<&str>) -> Result<Injector, Error> {
     let uri: Uri = gateway.parse().map_err(|e| Error::BadRequest(format!("gateway proxy URL {gateway:?}: {e}")))?;
     let default_authority =
         uri.authority().cloned().ok_or_else(|| Error::BadRequest("gateway proxy URL needs a host".into()))?;
@@ -60,6 +63,7 @@ pub async fn start(gateway: &str, token: u64) -> Result<Injector, Error> {
         client: Client::builder(TokioExecutor::new()).build_http(),
         default_authority,
         token: HeaderValue::from(token),
+        proxy_auth: bearer.and_then(|b| HeaderValue::from_str(&format!("Bearer {b}")).ok()),
     });
     let task = tokio::spawn(async move {
         loop {
@@ -91,6 +95,9 @@ async fn forward(state: &State, req: Request<Incoming>) -> Response<BoxBody> {
     };
     strip_hop_by_hop(&mut parts.headers);
     parts.headers.insert(crate::client::FENCING_TOKEN_HEADER, state.token.clone());
+    if let Some(auth) = &state.proxy_auth {
+        parts.headers.insert(http::header::PROXY_AUTHORIZATION, auth.clone());
+    }
     if !parts.headers.contains_key(http::header::HOST) {
         if let Ok(h) = HeaderValue::from_str(authority.as_str()) {
             parts.headers.insert(http::header::HOST, h);

@@ -16,6 +16,7 @@
 //! | [`fence`] | token parsing, the in-memory fence table, in-flight tracking, the activation barrier |
 //! | [`authority`] | grants, FIFO waiters, expiry, watch |
 //! | [`store`] | RocksDB: fences, grants, counters; group commit of fsyncs |
+//! | [`auth`] | principals: bearer tokens (hashed) or client certificates, key-prefix rules |
 //! | [`api`] | lease API handlers, `/metrics`, `/healthz`, `/readyz` |
 //! | [`metrics`] | every Prometheus handle |
 //! | [`inject`] | the token-injecting loopback proxy of `fencegate lock --inject` |
@@ -26,6 +27,7 @@
 
 pub mod api;
 pub mod app;
+pub mod auth;
 pub mod authority;
 pub mod body;
 pub mod client;

@@ -28,6 +28,9 @@ struct Cli {
 enum Command {
     /// Run the gateway (no arguments: the embedded defaults).
     Serve(ServeArgs),
+    /// Print the SHA-256 of a bearer token, for `token_sha256` in a
+    /// principals file (reads the token from stdin when none is given).
+    HashToken { token: Option<String> },
     /// Validate a config file and say precisely what is wrong with it.
     CheckConfig {
         /// The TOML file to check.
@@ -120,6 +123,9 @@ struct Conn {
     /// The gateway's api listener.
     #[arg(long, env = "FENCEGATE_URL", default_value = "http://127.0.0.1:7070")]
     url: String,
+    /// Bearer token of your principal (prefer the environment variable).
+    #[arg(long, env = "FENCEGATE_TOKEN", hide_env_values = true)]
+    token: Option<String>,
 }
 
 #[derive(clap::Args)]
@@ -164,8 +170,24 @@ fn main() -> ExitCode {
     match cli.command {
         Command::CheckConfig { file } => check_config(&file),
         Command::Serve(args) => serve(args),
+        Command::HashToken { token } => hash_token(token),
         other => client_command(other),
     }
+}
+
+fn hash_token(token: Option<String>) -> ExitCode {
+    let token = match token {
+        Some(t) => t,
+        None => {
+            let mut line = String::new();
+            if std::io::stdin().read_line(&mut line).is_err() {
+                return ExitCode::from(cmd::EXIT_USAGE);
+            }
+            line.trim_end_matches(['\r', '\n']).to_string()
+        }
+    };
+    println!("{}", fencegate::auth::hash_token(&token));
+    ExitCode::SUCCESS
 }
 
 fn client_command(command: Command) -> ExitCode {
@@ -185,10 +207,15 @@ fn client_command(command: Command) -> ExitCode {
             | Command::Watch { conn, .. }
             | Command::Lock { conn, .. }
             | Command::Elect { conn, .. } => conn,
-            Command::Serve(_) | Command::CheckConfig { .. } => return ExitCode::from(cmd::EXIT_USAGE),
+            Command::Serve(_) | Command::CheckConfig { .. } | Command::HashToken { .. } => {
+                return ExitCode::from(cmd::EXIT_USAGE)
+            }
         };
         let c = match Client::new(&conn.url) {
-            Ok(c) => c,
+            Ok(c) => match &conn.token {
+                Some(t) => c.with_bearer(t.clone()),
+                None => c,
+            },
             Err(e) => {
                 eprintln!("fencegate: {e}");
                 return ExitCode::from(cmd::EXIT_USAGE);
@@ -198,6 +225,7 @@ fn client_command(command: Command) -> ExitCode {
             grace: run.grace,
             inject: run.inject,
             gateway_proxy: run.proxy.clone(),
+            bearer: conn.token.clone(),
             command: command.to_vec(),
         };
         match &command {
@@ -212,7 +240,9 @@ fn client_command(command: Command) -> ExitCode {
             Command::Elect { name, candidate, ttl, run, command, .. } => {
                 cmd::elect(&c, name, candidate, *ttl, opts(run, command)).await
             }
-            Command::Serve(_) | Command::CheckConfig { .. } => ExitCode::from(cmd::EXIT_USAGE),
+            Command::Serve(_) | Command::CheckConfig { .. } | Command::HashToken { .. } => {
+                ExitCode::from(cmd::EXIT_USAGE)
+            }
         }
     })
 }

@@ -21,6 +21,7 @@ use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 
 use crate::body::BoxBody;
+use crate::error::Error;
 use crate::proxy::ClientInfo;
 use crate::shutdown::Shutdown;
 use crate::tls::{subject_cn, Reloadable};
@@ -48,13 +49,20 @@ async fn serve_conn<I>(
     io: I,
     client: ClientInfo,
     handler: Handler,
+    limits: Limits,
 ) where
     I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
 {
     let addr = client.addr;
     let service = service_fn(move |req: Request<Incoming>| {
-        let req = req.map(|b| b.map_err(Into::into).boxed_unsync());
-        let fut = handler(req, client.clone());
+        let header_bytes: usize = req.headers().iter().map(|(k, v)| k.as_str().len() + v.len() + 4).sum();
+        let fut = if header_bytes > limits.max_header_bytes {
+            let limit_bytes = limits.max_header_bytes as u64;
+            Box::pin(async move { Error::HeadersTooLarge { limit_bytes }.into_response() })
+        } else {
+            let req = req.map(|b| b.map_err(Into::into).boxed_unsync());
+            handler(req, client.clone())
+        };
         async move { Ok::<_, Infallible>(fut.await) }
     });
     let conn = builder.serve_connection(io, service);
@@ -78,11 +86,13 @@ pub async fn serve(
         .http1()
         .timer(TokioTimer::new())
         .header_read_timeout(limits.header_read_timeout)
-        .max_buf_size(limits.max_header_bytes.max(8192));
+        // hyper's own hard limit sits above ours, so that most oversized
+        // headers get our JSON 431 rather than hyper's bare one.
+        .max_buf_size(limits.max_header_bytes.saturating_mul(2).max(64 * 1024));
     builder
         .http2()
         .timer(TokioTimer::new())
-        .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX))
+        .max_header_list_size(u32::try_from(limits.max_header_bytes.saturating_mul(2)).unwrap_or(u32::MAX))
         .max_concurrent_streams(256);
     let graceful = GracefulShutdown::new();
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
@@ -113,7 +123,7 @@ pub async fn serve(
             match tls.and_then(|t| t.current()) {
                 None => {
                     let client = ClientInfo { addr, tls: false, peer_cn: None };
-                    serve_conn(name, &builder, watcher, TokioIo::new(stream), client, handler).await;
+                    serve_conn(name, &builder, watcher, TokioIo::new(stream), client, handler, limits).await;
                 }
                 Some(config) => {
                     let accept = TlsAcceptor::from(config).accept(stream);
@@ -127,7 +137,8 @@ pub async fn serve(
                                 .and_then(|c| subject_cn(c))
                                 .map(Arc::from);
                             let client = ClientInfo { addr, tls: true, peer_cn };
-                            serve_conn(name, &builder, watcher, TokioIo::new(tls_stream), client, handler).await;
+                            serve_conn(name, &builder, watcher, TokioIo::new(tls_stream), client, handler, limits)
+                                .await;
                         }
                         Ok(Err(e)) => {
                             tracing::debug!(listener = name, client = %addr, error = %e, "TLS handshake failed")

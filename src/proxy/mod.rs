@@ -25,6 +25,7 @@ use std::time::Duration;
 use http::{header, Method, Request, Response};
 use tokio::time::Instant;
 
+use crate::auth::Auth;
 use crate::authority::{validate_key, Authority};
 use crate::body::BoxBody;
 use crate::config::{Config, FenceAuthority, HostHeader};
@@ -52,12 +53,14 @@ pub struct Route {
     max_body_bytes: u64,
     forward_token: bool,
     host_header: HostHeader,
+    auth: bool,
 }
 
 /// The data plane.
 #[derive(Debug)]
 pub struct Proxy {
     routes: Vec<Route>,
+    auth: Arc<Auth>,
     authority: Arc<Authority>,
     fences: Arc<FenceTable>,
     store: Store,
@@ -98,7 +101,13 @@ fn outcome_of(r: &Refusal) -> &'static str {
 impl Proxy {
     /// Builds every route of `cfg` (effective routes: the configured ones
     /// or the embedded default).
-    pub fn new(cfg: &Config, authority: Arc<Authority>, store: Store, metrics: Arc<Metrics>) -> Result<Proxy, Error> {
+    pub fn new(
+        cfg: &Config,
+        authority: Arc<Authority>,
+        store: Store,
+        metrics: Arc<Metrics>,
+        auth: Arc<Auth>,
+    ) -> Result<Proxy, Error> {
         let fences = authority.fences().clone();
         let mut routes = Vec::new();
         for (i, rc) in cfg.effective_routes().iter().enumerate() {
@@ -128,9 +137,13 @@ impl Proxy {
                 max_body_bytes: rc.max_body_bytes,
                 forward_token: rc.forward_fencing_token,
                 host_header: rc.host_header,
+                auth: rc.auth,
             });
         }
-        Ok(Proxy { routes, authority, fences, store, metrics })
+        if routes.iter().any(|r: &Route| r.auth) && !auth.enabled() {
+            return Err(Error::BadRequest("a route has auth = true but auth.principals_file is not set".into()));
+        }
+        Ok(Proxy { routes, authority, fences, store, metrics, auth })
     }
 
     /// Serves one proxied request. Never panics on client input; every
@@ -193,6 +206,11 @@ impl Proxy {
         };
         seen.route = Some(route.name.as_str());
         seen.key = Some(key.clone());
+        if route.auth {
+            // Proxy-Authorization is hop-by-hop: it never reaches the upstream.
+            let principal = self.auth.require(req.headers(), "proxy-authorization", client)?;
+            principal.authorize(&key)?;
+        }
         self.admit_and_forward(route, &key, &checked.decoded, req, client).await
     }
 

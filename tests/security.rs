@@ -1,0 +1,149 @@
+//! Principals and key-prefix rules on both listeners, and the lease id as a
+//! secret: never logged, never in metrics, never in status or watch.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use common::{Gateway, Http, Opts, Recorder};
+use http::{Method, StatusCode};
+use serde_json::json;
+
+fn principals(dir: &std::path::Path) -> std::path::PathBuf {
+    let path = dir.join("principals.toml");
+    let text = format!(
+        "[[principals]]\nname = \"billing\"\ntoken_sha256 = \"{}\"\nprefixes = [\"invoices/\"]\n\
+         [[principals]]\nname = \"ops\"\ntoken_sha256 = \"{}\"\nprefixes = [\"\"]\n",
+        fencegate::auth::hash_token("billing-secret"),
+        fencegate::auth::hash_token("ops-secret")
+    );
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+async fn start(upstream: &str) -> (tempfile::TempDir, Gateway) {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = format!(
+        "[auth]\nprincipals_file = \"{}\"\nmetrics_principal = \"ops\"\n\
+         [[routes]]\nname = \"invoices\"\nmatch = \"/{{*path}}\"\nupstream = \"{upstream}\"\nauth = true\n",
+        principals(dir.path()).display()
+    );
+    let gw = Gateway::start(&dir.path().join("data"), Opts { config: Some(cfg), ..Opts::default() });
+    (dir, gw)
+}
+
+async fn acquire_as(http: &Http, gw: &Gateway, token: Option<&str>, key: &str) -> common::Reply {
+    let auth = token.map(|t| format!("Bearer {t}"));
+    let mut headers = vec![("content-type", "application/json")];
+    if let Some(a) = &auth {
+        headers.push(("authorization", a));
+    }
+    let body = json!({"key": key, "ttl_ms": 30000}).to_string();
+    http.send(Method::POST, &gw.api_url("/v1/locks/acquire"), &headers, body).await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn api_needs_a_principal_whose_prefixes_cover_the_key() {
+    let rec = Recorder::start().await;
+    let (_d, gw) = start(&rec.url()).await;
+    let http = Http::default();
+    let r = acquire_as(&http, &gw, None, "invoices/1").await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(r.error_code(), "unauthorized");
+    let r = acquire_as(&http, &gw, Some("wrong"), "invoices/1").await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    let r = acquire_as(&http, &gw, Some("billing-secret"), "ledger/1").await;
+    assert_eq!(r.status, StatusCode::FORBIDDEN);
+    assert_eq!(r.error_code(), "forbidden");
+    let r = acquire_as(&http, &gw, Some("billing-secret"), "invoices/1").await;
+    assert_eq!(r.status, StatusCode::OK);
+    // status and watch follow the same rule.
+    let st = http
+        .send(
+            Method::GET,
+            &gw.api_url("/v1/locks/status?key=ledger/1"),
+            &[("authorization", "Bearer billing-secret")],
+            "",
+        )
+        .await;
+    assert_eq!(st.status, StatusCode::FORBIDDEN);
+    let st = http.get(&gw.api_url("/v1/locks/status?key=invoices/1")).await;
+    assert_eq!(st.status, StatusCode::UNAUTHORIZED);
+    // /metrics and the health endpoints are behind their own principal here.
+    assert_eq!(http.get(&gw.api_url("/metrics")).await.status, StatusCode::UNAUTHORIZED);
+    let m = http.send(Method::GET, &gw.api_url("/metrics"), &[("authorization", "Bearer billing-secret")], "").await;
+    assert_eq!(m.status, StatusCode::FORBIDDEN);
+    let m = http.send(Method::GET, &gw.api_url("/healthz"), &[("authorization", "Bearer ops-secret")], "").await;
+    assert_eq!(m.status, StatusCode::OK);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn proxy_routes_with_auth_apply_the_prefix_rule_to_the_resource() {
+    let rec = Recorder::start().await;
+    let (_d, gw) = start(&rec.url()).await;
+    let http = Http::default();
+    let g = acquire_as(&http, &gw, Some("ops-secret"), "ledger/1").await.json();
+    let t = g["fencing_token"].to_string();
+    // A valid token is not enough: the writer must be someone.
+    let r = http.send(Method::PUT, &gw.proxy_url("/ledger/1"), &[("x-fencing-token", &t)], "x").await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    let r = http
+        .send(
+            Method::PUT,
+            &gw.proxy_url("/ledger/1"),
+            &[("x-fencing-token", &t), ("proxy-authorization", "Bearer billing-secret")],
+            "x",
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::FORBIDDEN);
+    assert_eq!(rec.count(), 0);
+    let r = http
+        .send(
+            Method::PUT,
+            &gw.proxy_url("/ledger/1"),
+            &[
+                ("x-fencing-token", &t),
+                ("proxy-authorization", "Bearer ops-secret"),
+                ("authorization", "AWS4-HMAC-SHA256 sig"),
+            ],
+            "x",
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    let seen = rec.requests();
+    assert_eq!(seen.len(), 1);
+    assert!(!seen[0].headers.contains_key("proxy-authorization"), "the gateway's credentials never reach the upstream");
+    assert_eq!(
+        seen[0].headers["authorization"], "AWS4-HMAC-SHA256 sig",
+        "the client's own Authorization passes untouched"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn lease_id_is_never_logged_shown_or_exported() {
+    let dir = tempfile::tempdir().unwrap();
+    let rec = Recorder::start().await;
+    let gw = Gateway::start(&dir.path().join("data"), Opts { upstream: Some(rec.url()), ..Opts::default() });
+    let http = Http::default();
+    let api = gw.api_url("");
+    let g = common::acquire(&http, &api, "secret/key", 30_000, 0).await.unwrap();
+    // Exercise everything that logs or reports.
+    http.post_json(&format!("{api}/v1/locks/renew"), json!({"key": "secret/key", "lease_id": g.lease_id})).await;
+    http.post_json(&format!("{api}/v1/locks/release"), json!({"key": "secret/key", "lease_id": "0".repeat(32)})).await;
+    let status = http.get(&format!("{api}/v1/locks/status?key=secret/key")).await;
+    let watch = http.get(&format!("{api}/v1/locks/watch?key=secret/key&after=0&timeout_ms=10")).await;
+    http.send(Method::PUT, &gw.proxy_url("/secret/key"), &[("x-fencing-token", "999")], "x").await;
+    let metrics = http.get(&gw.api_url("/metrics")).await;
+    for (what, text) in [
+        ("status", String::from_utf8_lossy(&status.body).into_owned()),
+        ("watch", String::from_utf8_lossy(&watch.body).into_owned()),
+        ("metrics", String::from_utf8_lossy(&metrics.body).into_owned()),
+    ] {
+        assert!(!text.contains(&g.lease_id), "lease id leaked in {what}");
+        assert!(!text.contains("lease_id"), "{what} mentions lease_id");
+    }
+    let log_path = gw.log.clone();
+    assert!(gw.terminate().success());
+    let log = std::fs::read_to_string(log_path).unwrap();
+    assert!(!log.is_empty(), "the gateway logged nothing to check");
+    assert!(!log.contains(&g.lease_id), "lease id leaked in the log");
+}
