@@ -1,21 +1,6 @@
-//! The durable store: RocksDB with three column families, and the one
-//! group-commit writer through which every fsynced write goes.
-//!
-//! - `fences`   key → highest token granted or accepted (u64, big-endian).
-//!   The fence doubles as the per-key token counter: the next embedded
-//!   grant is `fence + 1`, so a token is never reused.
-//! - `grants`   key → the live grant (JSON [`GrantRecord`]); deleted on
-//!   release and expiry.
-//! - `counters` global counters (`boots`: how many times this data
-//!   directory was opened).
-//!
-//! Contract: a write submitted with [`Store::submit`] is acknowledged only
-//! after the WAL holding it was fsynced. Writes are applied in submission
-//! order, so a caller that submits while holding a per-key lock gets a
-//! per-key durable order equal to its in-memory order. The writer thread
-//! folds everything queued into one `WriteBatch` with one fsync (group
-//! commit); it never blocks a tokio worker. This module knows nothing of
-//! HTTP, leases or waiters.
+//! The RocksDB backend of the store (feature `rocksdb`, on by default):
+//! three column families and the one group-commit writer thread. See the
+//! parent module for the contract.
 
 use std::path::Path;
 use std::sync::mpsc;
@@ -23,62 +8,18 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use rocksdb::{ColumnFamilyDescriptor, IteratorMode, Options, WriteBatch, WriteOptions, DB};
-use serde::{Deserialize, Serialize};
-use tokio::sync::oneshot;
 
+use super::{decode_u64, Commit, GrantRecord, Op, SyncObserver, WriterOptions};
 use crate::error::Error;
 
 const CF_FENCES: &str = "fences";
 const CF_GRANTS: &str = "grants";
 const CF_COUNTERS: &str = "counters";
 
-/// A live grant as it is kept on disk. The TTL, not an absolute time, is
-/// stored: after a restart the grant comes back with its full TTL.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct GrantRecord {
-    pub token: u64,
-    pub lease_id: String,
-    pub holder: String,
-    pub ttl_ms: u64,
-}
-
-/// One write to the store.
-#[derive(Debug, Clone)]
-pub enum Op {
-    /// Set `key`'s fence to `token`. Callers only ever raise a fence.
-    Fence { key: Arc<str>, token: u64 },
-    /// Record `key`'s live grant.
-    Grant { key: Arc<str>, record: GrantRecord },
-    /// Forget `key`'s grant (released or expired).
-    DropGrant { key: Arc<str> },
-}
-
-struct Commit {
-    ops: Vec<Op>,
-    done: Option<oneshot::Sender<Result<(), Error>>>,
-}
-
-/// What the writer reports of each fsync, for metrics.
-pub type SyncObserver = Arc<dyn Fn(std::time::Duration, usize) + Send + Sync>;
-
-/// Handle to the open database and its writer thread. Cheap to clone.
-#[derive(Clone)]
-pub struct Store {
-    inner: Inner,
-}
-
-#[derive(Clone)]
-enum Inner {
-    Rocks(Arc<Rocks>),
-    /// Not durable: for tests of the state machine under paused time,
-    /// where a real fsync would let the paused clock jump ahead.
-    Memory(Arc<std::sync::Mutex<MemoryStore>>),
-}
-
 /// The open database and its writer. Dropping the last handle closes the
 /// queue, lets the writer finish what was queued, and joins it, so the
 /// database is closed (and its lock released) when the drop returns.
-struct Rocks {
+pub(super) struct Rocks {
     db: Arc<DB>,
     tx: Option<mpsc::Sender<Commit>>,
     writer: Option<std::thread::JoinHandle<()>>,
@@ -93,49 +34,9 @@ impl Drop for Rocks {
     }
 }
 
-#[derive(Default)]
-struct MemoryStore {
-    fences: std::collections::BTreeMap<String, u64>,
-    grants: std::collections::BTreeMap<String, GrantRecord>,
-}
-
-impl MemoryStore {
-    fn apply(&mut self, ops: Vec<Op>) {
-        for op in ops {
-            match op {
-                Op::Fence { key, token } => {
-                    self.fences.insert(key.to_string(), token);
-                }
-                Op::Grant { key, record } => {
-                    self.grants.insert(key.to_string(), record);
-                }
-                Op::DropGrant { key } => {
-                    self.grants.remove(&*key);
-                }
-            }
-        }
-    }
-}
-
-impl std::fmt::Debug for Store {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Store").finish_non_exhaustive()
-    }
-}
-
-/// Tuning of the writer.
-#[derive(Debug, Clone, Copy)]
-pub struct WriterOptions {
-    /// Fold queued writes into one fsync.
-    pub group_commit: bool,
-    /// Most commits folded into one batch.
-    pub max_batch: usize,
-}
-
-impl Store {
-    /// Opens (or creates) the database under `dir` and starts the writer.
-    /// Counts one more boot, durably, before returning.
-    pub fn open(dir: &Path, writer: WriterOptions, observe: SyncObserver) -> Result<Store, Error> {
+impl Rocks {
+    /// Opens (or creates) the database, counts a boot, starts the writer.
+    pub(super) fn open(dir: &Path, writer: WriterOptions, observe: SyncObserver) -> Result<Rocks, Error> {
         std::fs::create_dir_all(dir).map_err(|e| Error::Store(format!("creating {}: {e}", dir.display())))?;
         let mut opts = Options::default();
         opts.create_if_missing(true);
@@ -155,72 +56,19 @@ impl Store {
             .name("fencegate-store-writer".into())
             .spawn(move || writer_loop(&writer_db, &rx, writer, &observe))
             .map_err(|e| Error::Store(format!("starting the store writer: {e}")))?;
-        let rocks = Rocks { db, tx: Some(tx), writer: Some(handle) };
-        Ok(Store { inner: Inner::Rocks(Arc::new(rocks)) })
+        Ok(Rocks { db, tx: Some(tx), writer: Some(handle) })
     }
 
-    /// A store that keeps everything in memory and acknowledges at once.
-    /// Not durable; for tests only.
-    pub fn memory() -> Store {
-        Store { inner: Inner::Memory(Arc::default()) }
-    }
-
-    /// Queues `ops` for the next group commit and returns at once. The
-    /// receiver resolves once they are fsynced. Non-blocking, so it may be
-    /// called while holding a per-key lock (which is what keeps per-key
-    /// durable order equal to in-memory order).
-    pub fn submit(&self, ops: Vec<Op>) -> oneshot::Receiver<Result<(), Error>> {
-        let (done, rx) = oneshot::channel();
-        match &self.inner {
-            // A send error means the writer thread is gone; the dropped
-            // sender then resolves the receiver with an error.
-            Inner::Rocks(r) => {
-                if let Some(tx) = &r.tx {
-                    let _ = tx.send(Commit { ops, done: Some(done) });
-                }
-            }
-            Inner::Memory(m) => {
-                if let Ok(mut m) = m.lock() {
-                    m.apply(ops);
-                    let _ = done.send(Ok(()));
-                }
-            }
-        }
-        rx
-    }
-
-    /// Queues `ops` without waiting for them: they ride along with the next
-    /// fsync. For writes whose loss a restart tolerates (a release).
-    pub fn submit_lazy(&self, ops: Vec<Op>) {
-        match &self.inner {
-            Inner::Rocks(r) => {
-                if let Some(tx) = &r.tx {
-                    let _ = tx.send(Commit { ops, done: None });
-                }
-            }
-            Inner::Memory(m) => {
-                if let Ok(mut m) = m.lock() {
-                    m.apply(ops);
-                }
-            }
+    /// Hands a commit to the writer. A send error means the writer is
+    /// gone; the dropped sender then resolves the caller with an error.
+    pub(super) fn send(&self, commit: Commit) {
+        if let Some(tx) = &self.tx {
+            let _ = tx.send(commit);
         }
     }
 
-    /// Submits and waits for durability.
-    pub async fn commit(&self, ops: Vec<Op>) -> Result<(), Error> {
-        wait_durable(self.submit(ops)).await
-    }
-
-    /// Calls `f` for every stored fence, in key order.
-    pub fn for_each_fence(&self, mut f: impl FnMut(&str, u64)) -> Result<(), Error> {
-        let db = match &self.inner {
-            Inner::Rocks(r) => &r.db,
-            Inner::Memory(m) => {
-                let m = m.lock().map_err(|_| Error::Store("memory store poisoned".into()))?;
-                m.fences.iter().for_each(|(k, t)| f(k, *t));
-                return Ok(());
-            }
-        };
+    pub(super) fn for_each_fence(&self, f: &mut dyn FnMut(&str, u64)) -> Result<(), Error> {
+        let db = &self.db;
         let cf = cf(db, CF_FENCES)?;
         for item in db.iterator_cf(cf, IteratorMode::Start) {
             let (k, v) = item.map_err(|e| Error::Store(format!("reading fences: {e}")))?;
@@ -231,29 +79,19 @@ impl Store {
         Ok(())
     }
 
-    /// RocksDB's estimate of the number of fences (to size the table).
-    pub fn estimated_fences(&self) -> usize {
-        let Inner::Rocks(r) = &self.inner else {
+    pub(super) fn estimated_fences(&self) -> usize {
+        let Ok(cf) = cf(&self.db, CF_FENCES) else {
             return 0;
         };
-        let Ok(cf) = cf(&r.db, CF_FENCES) else {
-            return 0;
-        };
-        r.db.property_int_value_cf(cf, "rocksdb.estimate-num-keys")
+        self.db
+            .property_int_value_cf(cf, "rocksdb.estimate-num-keys")
             .ok()
             .flatten()
             .map_or(0, |n| usize::try_from(n).unwrap_or(0))
     }
 
-    /// Every stored grant.
-    pub fn grants(&self) -> Result<Vec<(String, GrantRecord)>, Error> {
-        let db = match &self.inner {
-            Inner::Rocks(r) => &r.db,
-            Inner::Memory(m) => {
-                let m = m.lock().map_err(|_| Error::Store("memory store poisoned".into()))?;
-                return Ok(m.grants.iter().map(|(k, g)| (k.clone(), g.clone())).collect());
-            }
-        };
+    pub(super) fn grants(&self) -> Result<Vec<(String, GrantRecord)>, Error> {
+        let db = &self.db;
         let cf = cf(db, CF_GRANTS)?;
         let mut out = Vec::new();
         for item in db.iterator_cf(cf, IteratorMode::Start) {
@@ -267,12 +105,8 @@ impl Store {
         Ok(out)
     }
 
-    /// How many times this data directory has been opened, this time included.
-    pub fn boots(&self) -> Result<u64, Error> {
-        let Inner::Rocks(r) = &self.inner else {
-            return Ok(1);
-        };
-        let db = &r.db;
+    pub(super) fn boots(&self) -> Result<u64, Error> {
+        let db = &self.db;
         let cf = cf(db, CF_COUNTERS)?;
         let v = db.get_cf(cf, b"boots").map_err(|e| Error::Store(format!("reading boots: {e}")))?;
         Ok(v.as_deref().and_then(decode_u64).unwrap_or(0))
@@ -281,14 +115,6 @@ impl Store {
 
 fn cf<'a>(db: &'a DB, name: &str) -> Result<&'a rocksdb::ColumnFamily, Error> {
     db.cf_handle(name).ok_or_else(|| Error::Store(format!("column family {name} missing")))
-}
-
-/// Waits for a receiver from [`Store::submit`].
-pub async fn wait_durable(rx: oneshot::Receiver<Result<(), Error>>) -> Result<(), Error> {
-    match rx.await {
-        Ok(result) => result,
-        Err(_) => Err(Error::Store("the store writer stopped".into())),
-    }
 }
 
 fn bump_boots(db: &DB) -> Result<(), Error> {
@@ -300,10 +126,6 @@ fn bump_boots(db: &DB) -> Result<(), Error> {
     let mut batch = WriteBatch::default();
     batch.put_cf(cf, b"boots", boots.to_be_bytes());
     db.write_opt(batch, &wo).map_err(|e| Error::Store(format!("writing boots: {e}")))
-}
-
-fn decode_u64(v: &[u8]) -> Option<u64> {
-    Some(u64::from_be_bytes(v.try_into().ok()?))
 }
 
 /// The single writer: waits for work, drains what is queued (up to
@@ -357,7 +179,9 @@ fn write_group(db: &DB, group: &[Commit], wo: &WriteOptions, observe: &SyncObser
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use super::super::{GrantRecord, Op, Store, SyncObserver, WriterOptions};
+    use std::path::Path;
+    use std::sync::Arc;
 
     fn open(dir: &Path) -> Store {
         let noop: SyncObserver = Arc::new(|_, _| {});
