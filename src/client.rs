@@ -24,6 +24,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::authority::{GrantView, RenewView, StatusView};
+pub use crate::tls::TlsFiles;
 
 /// The header every fenced mutation carries.
 pub const FENCING_TOKEN_HEADER: &str = "x-fencing-token";
@@ -52,7 +53,7 @@ pub enum ClientError {
 #[derive(Clone)]
 pub struct Client {
     base: String,
-    http: hyper_util::client::legacy::Client<HttpConnector, Full<Bytes>>,
+    http: hyper_util::client::legacy::Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>,
     bearer: Option<String>,
     timeout: Duration,
 }
@@ -70,19 +71,28 @@ pub fn with_token<B>(req: &mut Request<B>, token: u64) {
 
 impl Client {
     /// A client for `url`, e.g. `http://127.0.0.1:7070`.
+    /// `https://` URLs use the system roots; see [`Client::with_tls`].
     pub fn new(url: &str) -> Result<Client, ClientError> {
+        Client::with_tls(url, &TlsFiles::default())
+    }
+
+    /// A client with its own CA bundle and/or a client certificate (mTLS).
+    pub fn with_tls(url: &str, tls: &TlsFiles) -> Result<Client, ClientError> {
         let uri: Uri = url.parse().map_err(|e| ClientError::Unreachable(format!("bad URL {url:?}: {e}")))?;
-        match uri.scheme_str() {
-            Some("http") => {}
-            Some("https") => {
-                return Err(ClientError::Unreachable("https is not built into the client yet; use http".into()))
-            }
-            _ => return Err(ClientError::Unreachable(format!("URL {url:?} needs http://"))),
+        if !matches!(uri.scheme_str(), Some("http" | "https")) {
+            return Err(ClientError::Unreachable(format!("URL {url:?} needs http:// or https://")));
         }
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(Duration::from_secs(5)));
-        let http = hyper_util::client::legacy::Client::builder(TokioExecutor::new()).build(connector);
+        connector.enforce_http(false);
+        let config = crate::tls::client_config(tls).map_err(|e| ClientError::Unreachable(e.to_string()))?;
+        let https = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(config)
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(connector);
+        let http = hyper_util::client::legacy::Client::builder(TokioExecutor::new()).build(https);
         Ok(Client { base: url.trim_end_matches('/').to_string(), http, bearer: None, timeout: Duration::from_secs(10) })
     }
 

@@ -251,6 +251,7 @@ pub struct Overrides {
     pub api_listen: Option<SocketAddr>,
     pub upstream: Option<String>,
     pub log_level: Option<String>,
+    pub log_format: Option<String>,
 }
 
 impl Config {
@@ -278,6 +279,9 @@ impl Config {
         }
         if let Some(l) = o.log_level {
             self.log_level = l;
+        }
+        if let Some(f) = o.log_format {
+            self.log_format = f;
         }
         if let Some(u) = o.upstream {
             self.routes = vec![RouteConfig::catch_all(u)];

@@ -126,6 +126,15 @@ struct Conn {
     /// Bearer token of your principal (prefer the environment variable).
     #[arg(long, env = "FENCEGATE_TOKEN", hide_env_values = true)]
     token: Option<String>,
+    /// CA bundle (PEM) to trust for an https:// --url (default: system roots).
+    #[arg(long, env = "FENCEGATE_CA_FILE")]
+    ca_file: Option<PathBuf>,
+    /// Client certificate chain (PEM) for mTLS.
+    #[arg(long, env = "FENCEGATE_CLIENT_CERT", requires = "client_key")]
+    client_cert: Option<PathBuf>,
+    /// Client private key (PEM) for mTLS.
+    #[arg(long, env = "FENCEGATE_CLIENT_KEY", requires = "client_cert")]
+    client_key: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -163,6 +172,9 @@ struct ServeArgs {
     /// Log filter when RUST_LOG is unset (e.g. info, debug, fencegate=trace).
     #[arg(long)]
     log_level: Option<String>,
+    /// Log format: text or json (one JSON object per line).
+    #[arg(long, value_parser = ["text", "json"])]
+    log_format: Option<String>,
 }
 
 fn main() -> ExitCode {
@@ -211,7 +223,12 @@ fn client_command(command: Command) -> ExitCode {
                 return ExitCode::from(cmd::EXIT_USAGE)
             }
         };
-        let c = match Client::new(&conn.url) {
+        let files = fencegate::client::TlsFiles {
+            ca_file: conn.ca_file.clone(),
+            client_cert_file: conn.client_cert.clone(),
+            client_key_file: conn.client_key.clone(),
+        };
+        let c = match Client::with_tls(&conn.url, &files) {
             Ok(c) => match &conn.token {
                 Some(t) => c.with_bearer(t.clone()),
                 None => c,
@@ -296,6 +313,7 @@ fn serve(args: ServeArgs) -> ExitCode {
         api_listen: args.api_listen,
         upstream: args.upstream,
         log_level: args.log_level,
+        log_format: args.log_format,
     });
     if let Err(e) = cfg.validate() {
         eprintln!("fencegate: invalid configuration: {e}");

@@ -234,3 +234,41 @@ async fn https_upstream_is_verified_against_the_configured_ca() {
     let r = http.get(&gw.proxy_url("/untrusted/a")).await;
     assert_eq!(r.status, StatusCode::BAD_GATEWAY);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn rust_client_and_cli_speak_mtls_to_the_api() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::new(dir.path());
+    let server = pki.issue("server", "fencegate", &["localhost", "127.0.0.1"]);
+    let client = pki.issue("client", "worker", &[]);
+    let gw =
+        Gateway::start(&dir.path().join("data"), Opts { config: Some(tls_config(&pki, &server)), ..Opts::default() });
+    let url = format!("https://localhost:{}", gw.api.port());
+    let files = fencegate::client::TlsFiles {
+        ca_file: Some(pki.dir.join("ca.pem")),
+        client_cert_file: Some(client.0.clone()),
+        client_key_file: Some(client.1.clone()),
+    };
+    let c = fencegate::client::Client::with_tls(&url, &files).unwrap();
+    let lease = c.acquire("tls/key", std::time::Duration::from_secs(5), std::time::Duration::ZERO).await.unwrap();
+    assert_eq!(lease.token(), 1);
+    lease.release().await.unwrap();
+    // Without a client certificate the api refuses the client.
+    let no_cert = fencegate::client::TlsFiles { ca_file: Some(pki.dir.join("ca.pem")), ..Default::default() };
+    let c = fencegate::client::Client::with_tls(&url, &no_cert).unwrap();
+    assert!(matches!(c.status("tls/key").await, Err(fencegate::client::ClientError::Unreachable(_))));
+    // The command line, with the same files.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fencegate"))
+        .args(["status", "tls/key", "--url", &url])
+        .arg("--ca-file")
+        .arg(pki.dir.join("ca.pem"))
+        .arg("--client-cert")
+        .arg(&client.0)
+        .arg("--client-key")
+        .arg(&client.1)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["fence"], 1);
+}

@@ -116,7 +116,7 @@ impl Proxy {
             let resource =
                 rc.resource.as_deref().map(|r| Template::parse_resource(r, &matcher)).transpose().map_err(bad)?;
             let url = UpstreamUrl::parse(&rc.upstream).map_err(bad)?;
-            let tls = upstream::UpstreamTls {
+            let tls = crate::tls::TlsFiles {
                 ca_file: rc.ca_file.clone(),
                 client_cert_file: rc.client_cert_file.clone(),
                 client_key_file: rc.client_key_file.clone(),
