@@ -29,6 +29,44 @@ pub struct Api {
     pub max_body_bytes: u64,
     pub shutdown: Shutdown,
     pub auth: Arc<Auth>,
+    pub waiting: Arc<WaitingPerPrincipal>,
+}
+
+/// Counts the acquires with a wait per principal, against a bound.
+#[derive(Debug, Default)]
+pub struct WaitingPerPrincipal {
+    counts: dashmap::DashMap<String, usize>,
+    limit: usize,
+}
+
+/// One counted waiter; leaving (answer or hang-up) uncounts it.
+pub struct WaitingSlot<'a> {
+    owner: &'a WaitingPerPrincipal,
+    name: String,
+}
+
+impl WaitingPerPrincipal {
+    /// At most `limit` waiting acquires per principal.
+    pub fn new(limit: usize) -> WaitingPerPrincipal {
+        WaitingPerPrincipal { counts: dashmap::DashMap::new(), limit }
+    }
+
+    fn enter(&self, name: &str, key: &str) -> Result<WaitingSlot<'_>, Error> {
+        let mut n = self.counts.entry(name.to_string()).or_insert(0);
+        if *n >= self.limit {
+            return Err(Error::Locked { key: key.to_string(), retry_after_ms: 1000 });
+        }
+        *n += 1;
+        Ok(WaitingSlot { owner: self, name: name.to_string() })
+    }
+}
+
+impl Drop for WaitingSlot<'_> {
+    fn drop(&mut self) {
+        if let Some(mut n) = self.owner.counts.get_mut(&self.name) {
+            *n = n.saturating_sub(1);
+        }
+    }
 }
 
 impl Api {
@@ -121,6 +159,11 @@ impl Api {
             self.metrics.lock_request("acquire", "invalid");
         })?;
         authorize(p, &body.key)?;
+        // A principal may hold only so many clients waiting at once.
+        let _slot = match p {
+            Some(p) if body.wait_ms > 0 => Some(self.waiting.enter(&p.name, &body.key)?),
+            _ => None,
+        };
         let grant = self.authority.acquire(body).await?;
         Ok(json_response(StatusCode::OK, &grant))
     }

@@ -108,6 +108,7 @@ impl Gateway {
             max_body_bytes: cfg.server.api_max_body_bytes,
             shutdown: stop.clone(),
             auth: auth.clone(),
+            waiting: Arc::new(crate::api::WaitingPerPrincipal::new(cfg.locks.max_waiters_per_principal)),
         });
         let api_handler: Handler = Arc::new(move |req, client| {
             let api = api.clone();

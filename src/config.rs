@@ -56,6 +56,8 @@ pub struct LocksConfig {
     pub max_holder_bytes: usize,
     /// Most clients queued on one key at once (429-free: more get `locked`).
     pub max_waiters_per_key: usize,
+    /// Most acquires with a wait one principal may have queued at once.
+    pub max_waiters_per_principal: usize,
     /// Longest a grant waits at activation for older in-flight mutations
     /// before it is returned anyway (they are then counted as overrun).
     pub activation_timeout_ms: u64,
@@ -218,6 +220,7 @@ impl Default for LocksConfig {
             max_watch_timeout_ms: 300_000,
             max_holder_bytes: 256,
             max_waiters_per_key: 1024,
+            max_waiters_per_principal: 256,
             activation_timeout_ms: 60_000,
         }
     }

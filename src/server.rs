@@ -93,7 +93,12 @@ pub async fn serve(
         .http2()
         .timer(TokioTimer::new())
         .max_header_list_size(u32::try_from(limits.max_header_bytes.saturating_mul(2)).unwrap_or(u32::MAX))
-        .max_concurrent_streams(256);
+        .max_concurrent_streams(256)
+        // Dead h2 peers are found by PING; idle HTTP/1.1 connections are
+        // closed by the header read timeout, which also runs between
+        // keep-alive requests.
+        .keep_alive_interval(Some(Duration::from_secs(30)))
+        .keep_alive_timeout(Duration::from_secs(10));
     let graceful = GracefulShutdown::new();
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     loop {

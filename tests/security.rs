@@ -147,3 +147,42 @@ async fn lease_id_is_never_logged_shown_or_exported() {
     assert!(!log.is_empty(), "the gateway logged nothing to check");
     assert!(!log.contains(&g.lease_id), "lease id leaked in the log");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_principal_may_queue_only_so_many_waiters() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = format!(
+        "[locks]\nmax_waiters_per_principal = 2\n[auth]\nprincipals_file = \"{}\"\n",
+        principals(dir.path()).display()
+    );
+    let gw = Gateway::start(&dir.path().join("data"), Opts { config: Some(cfg), ..Opts::default() });
+    let http = Http::default();
+    assert_eq!(acquire_as(&http, &gw, Some("billing-secret"), "invoices/1").await.status, StatusCode::OK);
+    let wait = |_| {
+        let (http, url) = (http.clone(), gw.api_url("/v1/locks/acquire"));
+        tokio::spawn(async move {
+            let body = json!({"key": "invoices/1", "ttl_ms": 1000, "wait_ms": 2000}).to_string();
+            let headers = [("authorization", "Bearer billing-secret")];
+            http.send(Method::POST, &url, &headers, body).await
+        })
+    };
+    let waiters: Vec<_> = (0..2).map(wait).collect();
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let asked = std::time::Instant::now();
+    let third = wait(2).await.unwrap();
+    assert_eq!(third.status, StatusCode::CONFLICT);
+    assert!(asked.elapsed() < std::time::Duration::from_millis(1000), "the third waiter is turned away at once");
+    // Another principal is not affected.
+    let ops = http
+        .send(
+            Method::POST,
+            &gw.api_url("/v1/locks/acquire"),
+            &[("authorization", "Bearer ops-secret")],
+            json!({"key": "invoices/1", "ttl_ms": 1000, "wait_ms": 100}).to_string(),
+        )
+        .await;
+    assert_eq!(ops.error_code(), "locked");
+    for w in waiters {
+        assert_eq!(w.await.unwrap().error_code(), "locked");
+    }
+}
