@@ -37,10 +37,12 @@ async fn put(
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let dir = std::env::temp_dir().join(format!("fencegate-jobs-{}", std::process::id()));
-    let mut cfg = Config::default();
-    cfg.data_dir = dir.clone();
-    cfg.listen = "127.0.0.1:0".parse()?;
-    cfg.api_listen = "127.0.0.1:0".parse()?;
+    let cfg = Config {
+        data_dir: dir.clone(),
+        listen: "127.0.0.1:0".parse()?,
+        api_listen: "127.0.0.1:0".parse()?,
+        ..Config::default()
+    };
     let gw = Gateway::start(cfg).await?;
     let api = format!("http://{}", gw.api_addr);
     let proxy = format!("http://{}", gw.proxy_addr);

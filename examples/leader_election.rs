@@ -33,10 +33,12 @@ async fn write(http: &Http, url: &str, term: u64, body: &str) -> Result<(u16, St
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dir = std::env::temp_dir().join(format!("fencegate-election-{}", std::process::id()));
-    let mut cfg = Config::default();
-    cfg.data_dir = dir.clone();
-    cfg.listen = "127.0.0.1:0".parse()?;
-    cfg.api_listen = "127.0.0.1:0".parse()?;
+    let cfg = Config {
+        data_dir: dir.clone(),
+        listen: "127.0.0.1:0".parse()?,
+        api_listen: "127.0.0.1:0".parse()?,
+        ..Config::default()
+    };
     let gw = Gateway::start(cfg).await?;
     let api = format!("http://{}", gw.api_addr);
     let report = format!("http://{}/leader/reports", gw.proxy_addr);

@@ -42,10 +42,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("wrote {n} fences in {:.2} s", started.elapsed().as_secs_f64());
     }
     let before = rss_kib();
-    let mut cfg = Config::default();
-    cfg.data_dir = dir.clone();
-    cfg.listen = "127.0.0.1:0".parse()?;
-    cfg.api_listen = "127.0.0.1:0".parse()?;
+    let cfg = Config {
+        data_dir: dir.clone(),
+        listen: "127.0.0.1:0".parse()?,
+        api_listen: "127.0.0.1:0".parse()?,
+        ..Config::default()
+    };
     let started = Instant::now();
     let gw = Gateway::start(cfg).await?;
     let elapsed = started.elapsed();

@@ -11,6 +11,7 @@ started=$(date +%s)
 # One profile for everything, so RocksDB's C++ is compiled once per run.
 cargo build --locked --all-targets
 echo "build: $(( $(date +%s) - started )) s"
+cargo clippy --locked --all-targets --no-deps -- -D warnings
 cargo test --locked --lib --bins --tests --examples -- --test-threads="${FENCEGATE_TEST_THREADS:-4}"
 # Criterion benches, once each in test mode (cargo test passes no --bench).
 cargo test --locked --benches

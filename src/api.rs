@@ -257,7 +257,13 @@ async fn read_json<T: DeserializeOwned>(req: Request<BoxBody>, limit: u64) -> Re
             bytes.extend_from_slice(&data);
         }
     }
-    serde_json::from_slice(&bytes).map_err(|e| Error::BadRequest(format!("invalid JSON body: {e}")))
+    // Only a JSON object: serde would also take an array of the fields.
+    let value: serde_json::Value =
+        serde_json::from_slice(&bytes).map_err(|e| Error::BadRequest(format!("invalid JSON body: {e}")))?;
+    if !value.is_object() {
+        return Err(Error::BadRequest("the body must be a JSON object".into()));
+    }
+    serde_json::from_value(value).map_err(|e| Error::BadRequest(format!("invalid JSON body: {e}")))
 }
 
 /// A parsed query string.

@@ -155,6 +155,7 @@ async fn bad_input_gets_400_with_json_error() {
         json!({"key": "k", "ttl_ms": 1000, "unknown": 1}),
         json!({"key": "k", "ttl_ms": 1000, "holder": "x".repeat(300)}),
         json!([1, 2]),
+        json!(["k", 1000]),
     ];
     for body in cases {
         let r = http.post_json(&url, body.clone()).await;

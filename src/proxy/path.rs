@@ -76,7 +76,7 @@ pub fn check_path(raw: &str) -> Result<CheckedPath, String> {
 
 fn decode_hex(hex: &[u8]) -> Option<u8> {
     let d = |c: u8| (c as char).to_digit(16);
-    Some(u8::try_from(d(hex[0])? * 16 + d(hex[1])?).ok()?)
+    u8::try_from(d(hex[0])? * 16 + d(hex[1])?).ok()
 }
 
 #[cfg(test)]

@@ -59,6 +59,7 @@ pub type UpstreamRequest = Request<FencedBody>;
 
 /// A connected upstream of one route.
 #[derive(Clone)]
+#[allow(clippy::large_enum_variant)] // one per route, built once
 pub enum Upstream {
     /// A pooled HTTP/1.1 client.
     Http {
