@@ -58,8 +58,10 @@ pub struct Gateway {
     /// Shared handles, for in-process tests.
     pub authority: Arc<Authority>,
     pub metrics: Arc<Metrics>,
+    store: Store,
     trigger: Trigger,
-    tasks: JoinSet<()>,
+    /// Each task ends with true if it stopped cleanly (listeners: drained).
+    tasks: JoinSet<bool>,
 }
 
 impl Gateway {
@@ -77,6 +79,7 @@ impl Gateway {
         let fences = FenceTable::with_capacity(store.estimated_fences());
         store.for_each_fence(|key, token| fences.load(key, token))?;
         let authority = Authority::restore(fences.clone(), store.clone(), metrics.clone(), cfg.locks.clone())?;
+        let fences_for_quarantine = fences.clone();
         tracing::info!(
             fences = fences.len(),
             live_grants = authority.live_grants(),
@@ -85,11 +88,30 @@ impl Gateway {
             "fence table rebuilt from the store"
         );
         let auth = Arc::new(Auth::load(&cfg.auth)?);
-        let proxy = Arc::new(Proxy::new(&cfg, authority.clone(), store, metrics.clone(), auth.clone())?);
+        let proxy = Arc::new(Proxy::new(&cfg, authority.clone(), store.clone(), metrics.clone(), auth.clone())?);
 
         let bind = |addr: SocketAddr| async move {
             TcpListener::bind(addr).await.map_err(|e| Error::Internal(format!("binding {addr}: {e}")))
         };
+        if !store.was_clean() {
+            // The previous process died: requests it forwarded to an HTTP
+            // upstream may be applied for up to that route's timeout.
+            let longest = cfg
+                .effective_routes()
+                .iter()
+                .filter(|r| r.upstream.starts_with("http://") || r.upstream.starts_with("https://"))
+                .map(|r| r.upstream_timeout_ms)
+                .max()
+                .unwrap_or(0);
+            if longest > 0 {
+                fences_for_quarantine.set_quarantine(tokio::time::Instant::now() + Duration::from_millis(longest));
+                tracing::warn!(
+                    quarantine_ms = longest,
+                    "the previous process did not stop cleanly: new grants and fence advances wait until its \
+                     forwarded requests can no longer be applied"
+                );
+            }
+        }
         let proxy_listener = bind(cfg.listen).await?;
         let api_listener = bind(cfg.api_listen).await?;
         let proxy_addr = proxy_listener.local_addr().map_err(|e| Error::Internal(e.to_string()))?;
@@ -124,13 +146,21 @@ impl Gateway {
         let mut tasks = JoinSet::new();
         let reloadables: Vec<_> = proxy_tls.iter().chain(api_tls.iter()).cloned().collect();
         if !reloadables.is_empty() {
-            tasks.spawn(reload_on_sighup(reloadables, stop.clone()));
+            let stop = stop.clone();
+            tasks.spawn(async move {
+                reload_on_sighup(reloadables, stop).await;
+                true
+            });
         }
         tasks.spawn(server::serve("proxy", proxy_listener, proxy_handler, limits, proxy_tls, stop.clone()));
         tasks.spawn(server::serve("api", api_listener, api_handler, limits, api_tls, stop.clone()));
-        tasks.spawn(authority.clone().run_expiry(stop));
+        let expiry = authority.clone().run_expiry(stop);
+        tasks.spawn(async move {
+            expiry.await;
+            true
+        });
         tracing::info!(proxy = %proxy_addr, api = %api_addr, data_dir = %cfg.data_dir.display(), "fencegate serving");
-        Ok(Gateway { proxy_addr, api_addr, authority, metrics, trigger, tasks })
+        Ok(Gateway { proxy_addr, api_addr, authority, metrics, store, trigger, tasks })
     }
 
     /// Starts graceful shutdown.
@@ -138,8 +168,17 @@ impl Gateway {
         self.trigger.trigger();
     }
 
-    /// Waits until every listener has drained and every task has ended.
+    /// Waits until every listener has drained and every task has ended,
+    /// then records the clean stop (a next start needs no quarantine).
     pub async fn wait(mut self) {
-        while self.tasks.join_next().await.is_some() {}
+        let mut clean = true;
+        while let Some(done) = self.tasks.join_next().await {
+            clean &= done.unwrap_or(false);
+        }
+        if !clean {
+            tracing::warn!("not every request drained: the next start will wait out the upstream timeout");
+        } else if let Err(e) = self.store.mark_clean() {
+            tracing::error!(error = %e, "could not record the clean stop");
+        }
     }
 }

@@ -72,7 +72,7 @@ async fn serve_conn<I>(
 }
 
 /// Serves `listener` until `shutdown`, then drains open connections for
-/// up to `limits.shutdown_grace`.
+/// up to `limits.shutdown_grace`. True if every connection drained.
 pub async fn serve(
     name: &'static str,
     listener: TcpListener,
@@ -80,7 +80,7 @@ pub async fn serve(
     limits: Limits,
     tls: Option<Arc<Reloadable>>,
     shutdown: Shutdown,
-) {
+) -> bool {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
@@ -158,9 +158,13 @@ pub async fn serve(
     drop(listener);
     tracing::info!(listener = name, "draining connections");
     tokio::select! {
-        () = graceful.shutdown() => tracing::info!(listener = name, "all connections drained"),
+        () = graceful.shutdown() => {
+            tracing::info!(listener = name, "all connections drained");
+            true
+        }
         () = tokio::time::sleep(limits.shutdown_grace) => {
             tracing::warn!(listener = name, "shutdown grace passed with connections still open");
+            false
         }
     }
 }

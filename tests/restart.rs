@@ -36,3 +36,45 @@ async fn live_grant_survives_graceful_restart() {
     assert_eq!(s["held"], false);
     assert_eq!(acquire(&http, &api, "released", 1000, 0).await.unwrap().token, other.token + 1);
 }
+
+/// After `kill -9`, requests the dead process forwarded may still be applied
+/// by an HTTP upstream until its route's timeout: a new grant must wait that
+/// out. After a clean stop it need not.
+#[tokio::test(flavor = "multi_thread")]
+async fn grant_after_kill9_waits_out_the_dead_process_requests() {
+    let rec = common::Recorder::start().await;
+    rec.set_delay("/q/1", 1200);
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let cfg = format!("[[routes]]\nmatch = \"/{{*path}}\"\nupstream = \"{}\"\nupstream_timeout_ms = 1500\n", rec.url());
+    let opts = Opts { config: Some(cfg), ..Opts::default() };
+    let http = Http::default();
+    let gw = Gateway::start(&data, opts.clone());
+    let old = acquire(&http, &gw.api_url(""), "q/1", 300, 0).await.unwrap();
+    // A write forwarded into a slow upstream, then the gateway dies.
+    let write = tokio::spawn({
+        let (http, url, t) = (http.clone(), gw.proxy_url("/q/1"), old.token.to_string());
+        async move { http.try_send(http::Method::PUT, &url, &[("x-fencing-token", &t)], "old").await }
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    gw.kill9();
+    let _ = write.await;
+    let gw = Gateway::start(&data, opts.clone());
+    let booted = std::time::Instant::now();
+    let new = acquire(&http, &gw.api_url(""), "q/1", 5000, 5000).await.unwrap();
+    let granted = std::time::Instant::now();
+    assert_eq!(new.token, old.token + 1);
+    assert!(
+        granted.duration_since(booted) >= std::time::Duration::from_millis(1200),
+        "the grant must wait out the quarantine"
+    );
+    // (Without the quarantine the grant would come as soon as the restored
+    // 300 ms lease ran out.)
+    // A clean stop needs no quarantine.
+    assert!(gw.terminate().success());
+    let gw = Gateway::start(&data, opts);
+    let started = std::time::Instant::now();
+    let after_clean = acquire(&http, &gw.api_url(""), "q/2", 1000, 0).await.unwrap();
+    assert!(started.elapsed() < std::time::Duration::from_millis(500));
+    assert_eq!(after_clean.token, 1);
+}

@@ -145,6 +145,10 @@ pub struct BarrierOutcome {
 pub struct FenceTable {
     slots: DashMap<Arc<str>, Slot>,
     next_id: AtomicU64,
+    /// After an unclean restart: requests the dead process forwarded may
+    /// still be applied by an upstream until this instant, and this table
+    /// cannot see them; every barrier lasts at least until then.
+    quarantine: std::sync::OnceLock<Instant>,
 }
 
 impl std::fmt::Debug for FenceTable {
@@ -155,7 +159,7 @@ impl std::fmt::Debug for FenceTable {
 
 impl Default for FenceTable {
     fn default() -> Self {
-        FenceTable { slots: DashMap::new(), next_id: AtomicU64::new(1) }
+        FenceTable { slots: DashMap::new(), next_id: AtomicU64::new(1), quarantine: std::sync::OnceLock::new() }
     }
 }
 
@@ -167,7 +171,17 @@ impl FenceTable {
 
     /// An empty table sized for `n` keys (start-up from the store).
     pub fn with_capacity(n: usize) -> Arc<FenceTable> {
-        Arc::new(FenceTable { slots: DashMap::with_capacity(n), next_id: AtomicU64::new(1) })
+        Arc::new(FenceTable {
+            slots: DashMap::with_capacity(n),
+            next_id: AtomicU64::new(1),
+            quarantine: std::sync::OnceLock::new(),
+        })
+    }
+
+    /// After an unclean restart: every activation barrier lasts at least
+    /// until `until` (set once, at start).
+    pub fn set_quarantine(&self, until: Instant) {
+        let _ = self.quarantine.set(until);
     }
 
     /// Installs a fence read from the store at start (not live).
@@ -286,6 +300,11 @@ impl FenceTable {
     pub async fn barrier(&self, key: &str, token: u64, timeout: Duration) -> BarrierOutcome {
         let started = Instant::now();
         let deadline = started + timeout;
+        if let Some(until) = self.quarantine.get().copied().filter(|u| *u > started) {
+            if tokio::time::timeout_at(deadline, tokio::time::sleep_until(until)).await.is_err() {
+                return BarrierOutcome { waited: started.elapsed(), overrun: true };
+            }
+        }
         loop {
             let notify = {
                 let Some(mut slot) = self.slots.get_mut(key) else {

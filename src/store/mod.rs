@@ -203,6 +203,25 @@ impl Store {
         }
     }
 
+    /// True if the previous process on this data directory stopped
+    /// cleanly (drained), or there was none.
+    pub fn was_clean(&self) -> bool {
+        match &self.inner {
+            #[cfg(feature = "rocksdb")]
+            Inner::Rocks(r) => r.was_clean(),
+            Inner::Memory(_) => true,
+        }
+    }
+
+    /// Records durably that this process drained and stops cleanly.
+    pub fn mark_clean(&self) -> Result<(), Error> {
+        match &self.inner {
+            #[cfg(feature = "rocksdb")]
+            Inner::Rocks(r) => r.mark_clean(),
+            Inner::Memory(_) => Ok(()),
+        }
+    }
+
     /// How many times this data directory has been opened, this time included.
     pub fn boots(&self) -> Result<u64, Error> {
         match &self.inner {

@@ -23,6 +23,7 @@ pub(super) struct Rocks {
     db: Arc<DB>,
     tx: Option<mpsc::Sender<Commit>>,
     writer: Option<std::thread::JoinHandle<()>>,
+    was_clean: bool,
 }
 
 impl Drop for Rocks {
@@ -49,14 +50,29 @@ impl Rocks {
         let db = DB::open_cf_descriptors(&opts, dir.join("db"), cfs)
             .map_err(|e| Error::Store(format!("opening RocksDB in {}: {e}", dir.display())))?;
         let db = Arc::new(db);
-        bump_boots(&db)?;
+        let was_clean = bump_boots(&db)?;
         let (tx, rx) = mpsc::channel::<Commit>();
         let writer_db = db.clone();
         let handle = std::thread::Builder::new()
             .name("fencegate-store-writer".into())
             .spawn(move || writer_loop(&writer_db, &rx, writer, &observe))
             .map_err(|e| Error::Store(format!("starting the store writer: {e}")))?;
-        Ok(Rocks { db, tx: Some(tx), writer: Some(handle) })
+        Ok(Rocks { db, tx: Some(tx), writer: Some(handle), was_clean })
+    }
+
+    /// True if the previous process stopped cleanly (or there was none).
+    pub(super) fn was_clean(&self) -> bool {
+        self.was_clean
+    }
+
+    /// Records, durably, that this process drained and stopped cleanly.
+    pub(super) fn mark_clean(&self) -> Result<(), Error> {
+        let cf = cf(&self.db, CF_COUNTERS)?;
+        let mut wo = WriteOptions::default();
+        wo.set_sync(true);
+        let mut batch = WriteBatch::default();
+        batch.put_cf(cf, b"clean", 1u64.to_be_bytes());
+        self.db.write_opt(batch, &wo).map_err(|e| Error::Store(format!("writing the clean-stop mark: {e}")))
     }
 
     /// Hands a commit to the writer. A send error means the writer is
@@ -117,15 +133,22 @@ fn cf<'a>(db: &'a DB, name: &str) -> Result<&'a rocksdb::ColumnFamily, Error> {
     db.cf_handle(name).ok_or_else(|| Error::Store(format!("column family {name} missing")))
 }
 
-fn bump_boots(db: &DB) -> Result<(), Error> {
+/// Counts a boot and clears the clean-stop mark, in one synced write.
+/// Returns whether the previous process stopped cleanly (or there was
+/// none): its mark was set, or this is the first boot.
+fn bump_boots(db: &DB) -> Result<bool, Error> {
     let cf = cf(db, CF_COUNTERS)?;
     let old = db.get_cf(cf, b"boots").map_err(|e| Error::Store(format!("reading boots: {e}")))?;
-    let boots = old.as_deref().and_then(decode_u64).unwrap_or(0) + 1;
+    let old_boots = old.as_deref().and_then(decode_u64).unwrap_or(0);
+    let clean = db.get_cf(cf, b"clean").map_err(|e| Error::Store(format!("reading the clean mark: {e}")))?;
+    let was_clean = old_boots == 0 || clean.as_deref().and_then(decode_u64) == Some(1);
     let mut wo = WriteOptions::default();
     wo.set_sync(true);
     let mut batch = WriteBatch::default();
-    batch.put_cf(cf, b"boots", boots.to_be_bytes());
-    db.write_opt(batch, &wo).map_err(|e| Error::Store(format!("writing boots: {e}")))
+    batch.put_cf(cf, b"boots", (old_boots + 1).to_be_bytes());
+    batch.put_cf(cf, b"clean", 0u64.to_be_bytes());
+    db.write_opt(batch, &wo).map_err(|e| Error::Store(format!("writing boots: {e}")))?;
+    Ok(was_clean)
 }
 
 /// The single writer: waits for work, drains what is queued (up to

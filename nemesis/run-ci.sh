@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Nemesis run for CI (issue 7): a short fenced run under every default fault,
+# then the self-test against a deliberately unfenced gateway (shadow mode).
+# Fails if the fenced run shows any anomaly, or if the self-test shows none
+# (a checker that cannot catch a broken gateway proves nothing).
+#
+#   bash nemesis/run-ci.sh
+#
+# Environment (all optional):
+#   FENCEGATE_BIN               gateway binary (default: cargo build --bin fencegate, target/debug/fencegate)
+#   NEMESIS_DURATION            seconds of the fenced run (default 75)
+#   NEMESIS_SELFTEST_DURATION   seconds of the unfenced self-test (default 30)
+#   NEMESIS_SEED                seed of the fenced run (default: random, printed)
+#   NEMESIS_OUT                 where histories and logs go (default: a new /tmp directory)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+if [ -z "${FENCEGATE_BIN:-}" ]; then
+    cargo build --bin fencegate || exit 2
+    FENCEGATE_BIN="$PWD/target/debug/fencegate"
+fi
+echo "== nemesis: checker unit tests =="
+python3 -m unittest nemesis/test_checker.py || exit 1
+
+OUT="${NEMESIS_OUT:-$(mktemp -d /tmp/fencegate-nemesis-ci.XXXXXX)}"
+mkdir -p "$OUT"
+started=$(date +%s)
+
+echo "== nemesis: fenced run (${NEMESIS_DURATION:-75} s, every default fault) =="
+timeout --signal=TERM --kill-after=30 $(( ${NEMESIS_DURATION:-75} + 300 )) \
+    python3 nemesis/harness.py --duration "${NEMESIS_DURATION:-75}" --binary "$FENCEGATE_BIN" \
+    --out "$OUT/fenced" ${NEMESIS_SEED:+--seed "$NEMESIS_SEED"}
+fenced=$?
+
+echo
+echo "== nemesis: self-test against an unfenced gateway (shadow mode, ${NEMESIS_SELFTEST_DURATION:-30} s) =="
+# The faults that make zombie writers (paused holders, stepped lease clocks,
+# a client cut off mid-request), one after the other with short gaps.
+timeout --signal=TERM --kill-after=30 $(( ${NEMESIS_SELFTEST_DURATION:-30} + 300 )) \
+    python3 nemesis/harness.py --unfenced --duration "${NEMESIS_SELFTEST_DURATION:-30}" \
+    --binary "$FENCEGATE_BIN" --out "$OUT/unfenced" --faults pause,clock-step,partition --quiet-gap 1
+selftest=$?
+
+echo
+echo "== nemesis: $(( $(date +%s) - started )) s; histories in $OUT =="
+status=0
+if [ "$fenced" -ne 0 ]; then
+    echo "FAIL: the fenced run exited $fenced (1 = anomalies, 2 = harness failure); see $OUT/fenced/summary.txt"
+    status=1
+else
+    echo "ok: fenced run, no anomalies"
+fi
+if [ "$selftest" -ne 0 ]; then
+    echo "FAIL: the self-test exited $selftest (1 = the checker found no anomaly in an unfenced gateway)"
+    status=1
+else
+    echo "ok: self-test, the checker caught the unfenced gateway"
+fi
+exit $status

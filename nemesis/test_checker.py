@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""Unit tests of checker.py on hand-made histories: each check fires on the
+anomaly it names and stays quiet on a clean history.
+
+    python3 -m unittest nemesis/test_checker.py
+"""
+import json
+import os
+import shutil
+import sys
+import tempfile
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import checker  # noqa: E402
+
+
+def value(op, prev, tok):
+    return json.dumps({"op": op, "prev": prev, "n": 0, "by": op.split(":")[0], "tok": tok})
+
+
+class History:
+    """Builds a run directory: grants, writes, reads, applied log, faults."""
+
+    def __init__(self):
+        self.ops, self.log, self.faults = [], [], []
+        self.run = {"liveness_bound_s": 4.0, "stop_at": 1000.0, "mode": "test"}
+
+    def grant(self, c, key, token, t0, t1):
+        self.ops.append({"ev": "acquire", "c": c, "key": key, "token": token, "t0": t0, "t1": t1, "st": 200})
+
+    def write(self, c, key, token, op, prev, t0, t1, st=200, apply_at=None):
+        v = value(op, prev, token)
+        self.ops.append({"ev": "write", "c": c, "key": key, "token": token, "op": op, "prev": prev, "t0": t0,
+                         "t1": t1, "st": st, "value": v})
+        if apply_at is not None:
+            self.apply(key, token, v, apply_at)
+
+    def apply(self, key, token, v, at):
+        self.log.append({"seq": len(self.log) + 1, "resource": key, "token": token, "value": v, "arrival": at,
+                         "applied": at})
+
+    def read(self, c, key, token, op, t0, t1):
+        self.ops.append({"ev": "read", "c": c, "key": key, "token": token, "op": op, "t0": t0, "t1": t1, "st": 200})
+
+    def check(self):
+        d = tempfile.mkdtemp(prefix="checker-test-")
+        try:
+            os.makedirs(os.path.join(d, "clients"))
+            with open(os.path.join(d, "run.json"), "w") as f:
+                json.dump(self.run, f)
+            for name, rows in (("recorder.jsonl", self.log), ("nemesis.jsonl", self.faults),
+                               ("clients/all.jsonl", self.ops)):
+                with open(os.path.join(d, name), "w") as f:
+                    f.writelines(json.dumps(r) + "\n" for r in rows)
+            return checker.check(d)["anomalies_by_kind"]
+        finally:
+            shutil.rmtree(d)
+
+
+def clean():
+    """Two holders of k, one after the other, each reading then writing."""
+    h = History()
+    h.grant("a", "k", 1, 0.0, 0.1)
+    h.write("a", "k", 1, "a:1", None, 0.3, 0.35, apply_at=0.32)
+    h.grant("b", "k", 2, 0.5, 1.0)
+    h.read("b", "k", 2, "a:1", 1.1, 1.12)
+    h.write("b", "k", 2, "b:1", "a:1", 1.2, 1.25, apply_at=1.22)
+    return h
+
+
+class CheckerTest(unittest.TestCase):
+    def test_clean_history_has_no_anomaly(self):
+        self.assertEqual(clean().check(), {})
+
+    def test_decreasing_tokens_are_non_monotonic(self):
+        h = clean()
+        h.write("a", "k", 1, "a:2", "b:1", 1.3, 1.4, apply_at=1.35)  # the zombie comes back
+        got = h.check()
+        self.assertIn("non-monotonic", got)
+        self.assertIn("superseded-applied", got)
+
+    def test_write_applied_after_newer_grant_is_superseded(self):
+        h = History()
+        h.grant("a", "k", 1, 0.0, 0.1)
+        h.grant("b", "k", 2, 0.5, 1.0)
+        h.write("a", "k", 1, "a:1", None, 0.3, 1.2, apply_at=1.1)  # applied after b's grant was answered
+        self.assertEqual(h.check(), {"superseded-applied": 1})
+
+    def test_token_granted_twice(self):
+        h = clean()
+        h.grant("c", "k", 2, 2.0, 2.1)
+        self.assertIn("duplicate-grant", h.check())
+
+    def test_token_lower_than_an_earlier_answered_grant(self):
+        h = clean()
+        h.grant("c", "j", 5, 0.0, 0.1)
+        h.grant("d", "j", 3, 0.2, 0.3)  # asked after token 5 was answered, yet lower
+        self.assertEqual(h.check(), {"grant-order": 1})
+
+    def test_acknowledged_write_missing_from_the_log(self):
+        h = clean()
+        h.write("b", "k", 2, "b:2", "b:1", 1.3, 1.35)  # 200, never applied
+        self.assertEqual(h.check(), {"lost-ack": 1})
+
+    def test_write_not_derived_from_the_latest_value(self):
+        h = clean()
+        h.write("b", "k", 2, "b:2", "a:1", 1.3, 1.35, apply_at=1.32)  # derived from a stale read
+        self.assertEqual(h.check(), {"lost-update": 1})
+
+    def test_applied_token_nobody_was_granted(self):
+        h = clean()
+        h.apply("k", 3, value("x:1", "b:1", 3), 1.5)
+        self.assertEqual(h.check(), {"ungranted-token": 1})
+
+    def test_read_of_a_value_never_applied(self):
+        h = clean()
+        h.read("b", "k", 2, "ghost:1", 1.3, 1.31)
+        self.assertEqual(h.check(), {"phantom-read": 1})
+
+    def test_no_grant_and_write_within_the_bound_after_a_fault(self):
+        h = clean()
+        h.faults.append({"kind": "gateway-kill", "start": 1.5, "end": 2.0})
+        h.grant("a", "k", 3, 6.5, 6.6)  # 4.6 s after the fault ended: bound is 4 s
+        h.write("a", "k", 3, "a:2", "b:1", 6.7, 6.8, apply_at=6.75)
+        self.assertEqual(h.check(), {"liveness": 1})
+
+    def test_recovery_within_the_bound_is_live(self):
+        h = clean()
+        h.faults.append({"kind": "gateway-kill", "start": 1.5, "end": 2.0})
+        h.grant("a", "k", 3, 2.1, 2.6)
+        h.write("a", "k", 3, "a:2", "b:1", 2.7, 2.8, apply_at=2.75)
+        self.assertEqual(h.check(), {})
+
+    def test_fault_cut_short_by_the_next_one_is_not_judged(self):
+        h = clean()
+        h.faults.append({"kind": "pause", "start": 1.5, "end": 2.0})
+        h.faults.append({"kind": "gateway-kill", "start": 3.0, "end": 10.0})  # within 4 s of the first's end
+        h.grant("a", "k", 3, 10.1, 10.2)
+        h.write("a", "k", 3, "a:2", "b:1", 10.3, 10.4, apply_at=10.35)
+        self.assertEqual(h.check(), {})
+
+    def test_process_that_died_on_its_own(self):
+        h = clean()
+        h.run["unexpected_exits"] = [{"process": "gateway", "code": 101, "at": 1.0}]
+        self.assertEqual(h.check(), {"process-crash": 1})
+
+
+if __name__ == "__main__":
+    unittest.main()
