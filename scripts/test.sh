@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Installs what the tests need and runs the whole test suite: unit tests,
-# in-process tests, the real binary against real upstreams, kill -9 crash
-# tests, and every criterion bench once in test mode (so none can rot).
+# Installs what the tests need and runs the whole test suite: clippy, unit
+# tests, in-process tests, the real binary against real upstreams and a real
+# Prometheus, kill -9 crash tests, every criterion bench once in test mode
+# (so none can rot), and the nemesis harness with its self-test.
 # Honours CARGO_TARGET_DIR (a shared one reuses the compiled RocksDB).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,4 +16,8 @@ cargo clippy --locked --all-targets --no-deps -- -D warnings
 cargo test --locked --lib --bins --tests --examples -- --test-threads="${FENCEGATE_TEST_THREADS:-4}"
 # Criterion benches, once each in test mode (cargo test passes no --bench).
 cargo test --locked --benches
+# The nemesis: real processes under pauses, kill -9, dying upstreams and a
+# partition, checked from the upstream's log; then the self-test that the
+# checker catches an unfenced gateway.
+FENCEGATE_BIN="${CARGO_TARGET_DIR:-$PWD/target}/debug/fencegate" bash nemesis/run-ci.sh
 echo "tests: $(( $(date +%s) - started )) s in all"
