@@ -198,11 +198,13 @@ async fn https_upstream_is_verified_against_the_configured_ca() {
     // A TLS upstream that answers every request with its path.
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let up_addr = listener.local_addr().unwrap();
+    // The upstream wants a client certificate from the gateway (mTLS).
+    let gateway_cert = pki.issue("gateway-client", "fencegate-gateway", &[]);
     let settings = fencegate::tls::TlsSettings {
         cert_file: up.0.clone(),
         key_file: up.1.clone(),
-        client_ca_file: None,
-        require_client_cert: false,
+        client_ca_file: Some(pki.dir.join("ca.pem")),
+        require_client_cert: true,
     };
     let acceptor = tokio_rustls::TlsAcceptor::from(fencegate::tls::server_config(&settings).unwrap());
     tokio::spawn(async move {
@@ -221,15 +223,22 @@ async fn https_upstream_is_verified_against_the_configured_ca() {
     });
     let cfg = format!(
         "[[routes]]\nname = \"trusted\"\nmatch = \"/trusted/{{*p}}\"\nupstream = \"https://localhost:{port}\"\nca_file = \"{ca}\"\n\
+         client_cert_file = \"{cc}\"\nclient_key_file = \"{ck}\"\n\
+         [[routes]]\nname = \"nocert\"\nmatch = \"/nocert/{{*p}}\"\nupstream = \"https://localhost:{port}\"\nca_file = \"{ca}\"\n\
          [[routes]]\nname = \"untrusted\"\nmatch = \"/untrusted/{{*p}}\"\nupstream = \"https://localhost:{port}\"\n",
         port = up_addr.port(),
-        ca = pki.dir.join("ca.pem").display()
+        ca = pki.dir.join("ca.pem").display(),
+        cc = gateway_cert.0.display(),
+        ck = gateway_cert.1.display()
     );
     let gw = Gateway::start(&dir.path().join("data"), Opts { config: Some(cfg), ..Opts::default() });
     let http = common::Http::default();
     let r = http.get(&gw.proxy_url("/trusted/a")).await;
     assert_eq!(r.status, StatusCode::OK);
     assert_eq!(&r.body[..], b"/trusted/a");
+    // Without the client certificate the upstream refuses the gateway.
+    let r = http.get(&gw.proxy_url("/nocert/a")).await;
+    assert_eq!(r.status, StatusCode::BAD_GATEWAY);
     // The system roots do not know the test CA: the gateway refuses to talk.
     let r = http.get(&gw.proxy_url("/untrusted/a")).await;
     assert_eq!(r.status, StatusCode::BAD_GATEWAY);
