@@ -244,6 +244,7 @@ async fn read_json<T: DeserializeOwned>(req: Request<BoxBody>, limit: u64) -> Re
     let declared =
         req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limit) {
+        crate::body::drain(req.into_body(), crate::body::DRAIN_MAX_BYTES, Duration::from_secs(2)).await;
         return Err(too_large);
     }
     let mut body = req.into_body();
@@ -258,12 +259,11 @@ async fn read_json<T: DeserializeOwned>(req: Request<BoxBody>, limit: u64) -> Re
         }
     }
     // Only a JSON object: serde would also take an array of the fields.
-    let value: serde_json::Value =
-        serde_json::from_slice(&bytes).map_err(|e| Error::BadRequest(format!("invalid JSON body: {e}")))?;
-    if !value.is_object() {
+    // (Parsed straight into T, so a duplicated field is an error too.)
+    if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
         return Err(Error::BadRequest("the body must be a JSON object".into()));
     }
-    serde_json::from_value(value).map_err(|e| Error::BadRequest(format!("invalid JSON body: {e}")))
+    serde_json::from_slice(&bytes).map_err(|e| Error::BadRequest(format!("invalid JSON body: {e}")))
 }
 
 /// A parsed query string.

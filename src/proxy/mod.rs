@@ -365,6 +365,7 @@ impl Proxy {
         let outcome_word = |w: &'static str| mutation.then_some(w);
         let declared = content_length(req.headers());
         if declared.is_some_and(|len| len > route.max_body_bytes) {
+            crate::body::drain(req.into_body(), crate::body::DRAIN_MAX_BYTES, Duration::from_secs(2)).await;
             return Err(Error::PayloadTooLarge { limit_bytes: route.max_body_bytes }.into());
         }
         let (parts, body) = req.into_parts();
