@@ -1,0 +1,350 @@
+#!/usr/bin/env python3
+"""Turns run.sh's raw measurements (JSON lines) into one Markdown report.
+
+usage: report.py RESULTS.jsonl META.json > REPORT.md
+
+Every figure is a median over the interleaved repetitions, with the
+[min-max] range; ratios are ratios of medians, with the range of the
+per-repetition ratios (runs of one repetition are adjacent in time).
+"""
+import json
+import statistics
+import sys
+from collections import defaultdict
+
+
+def med(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def rng(xs, fmt):
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return "–"
+    return f"{fmt(med(xs))} [{fmt(min(xs))}–{fmt(max(xs))}]" if len(xs) > 1 else fmt(xs[0])
+
+
+def k(x):
+    return "–" if x is None else (f"{x / 1000:.1f} k" if x >= 1000 else f"{x:.0f}")
+
+
+def ms(us):
+    return "–" if us is None else f"{us / 1000:.2f}"
+
+
+def ratio(a, b):
+    return None if a is None or not b else a / b
+
+
+def rx(x):
+    return "–" if x is None else f"{x:.2f}×"
+
+
+def ratio_cell(num, den):
+    """ratio of medians, with the range of per-rep ratios"""
+    r = ratio(med(num.values()), med(den.values()))
+    per = [num[i] / den[i] for i in num if i in den and den[i]]
+    if r is None:
+        return "–", None
+    if len(per) > 1:
+        return f"{rx(r)} [{min(per):.2f}–{max(per):.2f}]", r
+    return rx(r), r
+
+
+def main():
+    rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+    meta = json.load(open(sys.argv[2]))
+    out = []
+    w = out.append
+    problems = []
+
+    def errors_of(r):
+        m = r.get("m", {})
+        if m.get("failed"):
+            return "failed"
+        n = sum(m.get(f, 0) or 0 for f in ("err_connect", "err_read", "err_write", "err_status", "err_timeout"))
+        n += m.get("errors", 0) or 0
+        return n
+
+    for r in rows:
+        e = errors_of(r)
+        if e:
+            problems.append(f"{r.get('part')} {r.get('target', r.get('load', ''))} "
+                            f"conns/clients={r.get('conns', r.get('clients', r.get('n', '')))} rep {r.get('rep')}: "
+                            f"{e} errors {r['m'].get('first_error') or ''}")
+
+    w(f"# fencegate side by side ({meta['mode']} run)")
+    w("")
+    w(f"- command: `{meta['command']}`")
+    w(f"- date: {meta['date']}")
+    w(f"- machine: {meta['machine']}")
+    w(f"- CPU placement: {meta['placement']}")
+    w(f"- versions: {meta['versions']}")
+    w(f"- the rest of the machine: before the run, other processes kept the CPUs busy {meta.get('baseline', '?')}; "
+      f"load average {meta.get('load_start', '?')} at the start, {meta.get('load_end', '?')} at the end")
+    w(f"- method: every measurement repeated {meta['reps']}× (lock service and 64 MiB: "
+      f"{'3' if meta['mode'] == 'full' else meta['reps']}×, restart: 3×), interleaved across targets "
+      f"(A B C D A B C D …); figures are medians [min–max]; ratios are ratios of medians "
+      f"[range of the per-repetition ratios]. Runs: {meta['d_proxy']} s (proxy), {meta['d_big']} s (64 MiB), "
+      f"{meta['d_lock']} s (locks), {meta['d_scale']} s (scale). Build {meta['build_s']} s, measurements {meta['run_s']} s.")
+    w("- all proxies: one worker/thread on one CPU, access logs off (fencegate `--log-level warn`), "
+      "upstream keep-alive; the backend for all is nginx `return 200` with one worker.")
+    w("")
+
+    # ------------------------------------------------------------ part 1
+    proxy = [r for r in rows if r["part"] == "proxy"]
+    targets = ["direct", "nginx", "haproxy", "fencegate"]
+    conns = sorted({r["conns"] for r in proxy})
+    cpu_med = {}
+    by = defaultdict(dict)  # (target, conns) -> rep -> row
+    for r in proxy:
+        by[(r["target"], r["conns"])][r["rep"]] = r
+    w("## 1. Proxy path: PUT, 1 KiB body, live `X-Fencing-Token`, keep-alive (wrk, 1 thread)")
+    w("")
+    w("| conns | target | requests/s | p50 ms | p99 ms | CPU µs per request, target process (user + kernel) | target's share of its core % | busy % load core / target core |")
+    w("|---|---|---|---|---|---|---|---|")
+    for c in conns:
+        for t in targets:
+            reps = by.get((t, c), {})
+            if not reps:
+                continue
+            rps = [x["m"].get("rps") for x in reps.values()]
+            p50 = [x["m"].get("p50_us") for x in reps.values()]
+            p99 = [x["m"].get("p99_us") for x in reps.values()]
+            cpu = [x["cpu"]["sut_cpu_s"] * 1e6 / x["m"]["requests"] for x in reps.values() if x["m"].get("requests")]
+            usr = med([x["cpu"].get("sut_user_s", 0) * 1e6 / x["m"]["requests"] for x in reps.values() if x["m"].get("requests")])
+            sys_ = med([x["cpu"].get("sut_sys_s", 0) * 1e6 / x["m"]["requests"] for x in reps.values() if x["m"].get("requests")])
+            lb = med([x["cpu"].get("load_busy_pct") for x in reps.values()])
+            sb = med([x["cpu"].get("sut_busy_pct") for x in reps.values()])
+            share = med([100 * x["cpu"]["sut_cpu_s"] / (x["m"]["duration_us"] / 1e6)
+                         for x in reps.values() if x["m"].get("duration_us")])
+            cpu_med[(t, c)] = med(cpu)
+            name = "direct to backend" if t == "direct" else t
+            w(f"| {c} | {name} | {rng(rps, k)} | {ms(med(p50))} | {rng(p99, ms)} | "
+              f"{'–' if not cpu else f'{med(cpu):.1f} ({usr:.1f} + {sys_:.1f})'} | {'–' if share is None else f'{share:.0f}'} | "
+              f"{'–' if lb is None else f'{lb:.0f}'} / {'–' if sb is None else f'{sb:.0f}'} |")
+    w("")
+    w("fencegate's ratios (requests/s; p99 as fencegate ÷ other, lower is better):")
+    w("")
+    w("| conns | ÷ direct | ÷ nginx | ÷ HAProxy | p99 ÷ nginx's p99 | p99 ÷ HAProxy's p99 | CPU per request ÷ nginx's | ÷ HAProxy's |")
+    w("|---|---|---|---|---|---|---|---|")
+    target_rows = {}
+    for c in conns:
+        fg = {i: x["m"].get("rps") for i, x in by.get(("fencegate", c), {}).items()}
+        fg99 = {i: x["m"].get("p99_us") for i, x in by.get(("fencegate", c), {}).items()}
+        cells = []
+        for t in ["direct", "nginx", "haproxy"]:
+            other = {i: x["m"].get("rps") for i, x in by.get((t, c), {}).items()}
+            cell, r = ratio_cell(fg, other)
+            cells.append(cell)
+            target_rows[("rps", t, c)] = r
+        for t in ["nginx", "haproxy"]:
+            other = {i: x["m"].get("p99_us") for i, x in by.get((t, c), {}).items()}
+            cell, r = ratio_cell(fg99, other)
+            cells.append(cell)
+            target_rows[("p99", t, c)] = r
+        for t in ["nginx", "haproxy"]:
+            cells.append(rx(ratio(cpu_med.get(("fencegate", c)), cpu_med.get((t, c)))))
+        w(f"| {c} | " + " | ".join(cells) + " |")
+    w("")
+
+    # ------------------------------------------------------------ part 2
+    big = [r for r in rows if r["part"] == "big"]
+    bby = defaultdict(dict)
+    for r in big:
+        bby[(r["target"], r["conns"])][r["rep"]] = r
+    w("## 2. Large bodies: 64 MiB PUTs streamed (loadgen bigput: body generated, never buffered by the client; "
+      "backend: `loadgen sink`, reads every body to its end before answering 200)")
+    w("")
+    w("| conns | target | MiB/s | median s per PUT | peak RSS of the proxy process during the runs | CPU s per GiB (target process) |")
+    w("|---|---|---|---|---|---|")
+    for c in sorted({r["conns"] for r in big}):
+        for t in ["direct-sink", "nginx-stream", "fencegate-big"]:
+            reps = bby.get((t, c), {})
+            if not reps:
+                continue
+            mibs = [x["m"].get("mib_per_s") for x in reps.values()]
+            per = med([x["m"].get("median_request_s") for x in reps.values()])
+            hwm = max(x["peak_rss_kib"] for x in reps.values())
+            base = min(x["rss_before_kib"] for x in reps.values())
+            gib = [x["cpu"]["sut_cpu_s"] / (x["m"]["bytes"] / 2**30) for x in reps.values() if x["m"].get("bytes")]
+            name = {"direct-sink": "direct to the sink backend", "nginx-stream": "nginx (`proxy_request_buffering off`)",
+                    "fencegate-big": "fencegate"}.get(t, t)
+            rss = "–" if t == "direct-sink" else f"{hwm / 1024:.1f} MiB (idle before: {base / 1024:.1f} MiB)"
+            w(f"| {c} | {name} | {rng(mibs, lambda v: f'{v:.0f}')} | {per:.3f} | {rss} | "
+              f"{'–' if not gib else f'{med(gib):.2f}'} |")
+    w("")
+    w("| conns | fencegate ÷ nginx (MiB/s) | fencegate ÷ direct | fencegate peak RSS |")
+    w("|---|---|---|---|")
+    for c in sorted({r["conns"] for r in big}):
+        fg = {i: x["m"].get("mib_per_s") for i, x in bby.get(("fencegate-big", c), {}).items()}
+        ng = {i: x["m"].get("mib_per_s") for i, x in bby.get(("nginx-stream", c), {}).items()}
+        di = {i: x["m"].get("mib_per_s") for i, x in bby.get(("direct-sink", c), {}).items()}
+        cell, r = ratio_cell(fg, ng)
+        cell2, _ = ratio_cell(fg, di)
+        peak = max((x["peak_rss_kib"] for x in bby.get(("fencegate-big", c), {}).values()), default=None)
+        target_rows[("big", c)] = r
+        target_rows[("bigrss", c)] = peak
+        w(f"| {c} | {cell} | {cell2} | {'–' if peak is None else f'{peak / 1024:.1f} MiB'} |")
+    w("")
+
+    # ------------------------------------------------------------ part 3
+    lock = [r for r in rows if r["part"] == "lock"]
+    lby = defaultdict(dict)
+    for r in lock:
+        lby[(r["op"], r["target"], r["clients"])][r["rep"]] = r
+    systems = ["fencegate", "redis-always", "redis-none", "etcd"]
+    names = {
+        "fencegate": "fencegate (durable: fsync, group commit)",
+        "redis-always": "Redis `SET NX PX` + Lua CAD, `appendfsync always`",
+        "redis-none": "Redis, same, `appendonly no` (not durable)",
+        "etcd": "etcd (lease + `If(create_revision==0)` txn + delete)",
+    }
+    w("## 3. Lock service: closed loop, one connection per client, each client its own key (loadgen lock)")
+    w("")
+    w("A cycle is acquire + release. fencegate: `POST /v1/locks/acquire` + `/release` (the grant is fsynced "
+      "before it is answered; the release rides the next fsync). Redis: `SET k v NX PX 30000` + "
+      "`EVALSHA` compare-and-delete. etcd (JSON gateway): one session lease per client granted before the run, "
+      "then txn `If(create_revision(k)==0) Then Put(k, v, lease)` + `deleterange`. A renewal is fencegate "
+      "`/v1/locks/renew` (memory only), Redis Lua compare-and-`PEXPIRE`, etcd `/v3/lease/keepalive`. "
+      "Cells: operations/s, median [min–max]; the median p99 latency; the server process's CPU time per "
+      "operation; how busy the server's core was (100% = CPU-bound; lower = waiting, e.g. on fsync).")
+    w("")
+    for op in ["cycle", "renew"]:
+        cl = sorted({r["clients"] for r in lock if r["op"] == op})
+        if not cl:
+            continue
+        w(f"| {'acquire + release cycles/s' if op == 'cycle' else 'renewals/s'} | "
+          + " | ".join(f"{c} client{'s' if c > 1 else ''}" for c in cl) + " |")
+        w("|---|" + "---|" * len(cl))
+        for s in systems:
+            cells = []
+            for c in cl:
+                reps = lby.get((op, s, c), {})
+                v = [x["m"].get("ops_per_s") for x in reps.values()]
+                p99 = med([x["m"].get("p99_us") for x in reps.values()])
+                cpu = med([x["cpu"]["sut_cpu_s"] * 1e6 / x["m"]["ops"] for x in reps.values() if x["m"].get("ops")])
+                busy = med([x["cpu"].get("sut_busy_pct") for x in reps.values()])
+                cells.append(f"{rng(v, k)} (p99 {ms(p99)} ms; {'–' if cpu is None else f'{cpu:.0f}'} µs CPU/op; "
+                             f"core {'–' if busy is None else f'{busy:.0f}'}% busy)")
+            w(f"| {names[s]} | " + " | ".join(cells) + " |")
+        for other in ["redis-always", "redis-none", "etcd"]:
+            cells = []
+            for c in cl:
+                fg = {i: x["m"].get("ops_per_s") for i, x in lby.get((op, "fencegate", c), {}).items()}
+                ot = {i: x["m"].get("ops_per_s") for i, x in lby.get((op, other, c), {}).items()}
+                cell, r = ratio_cell(fg, ot)
+                target_rows[("lock", op, other, c)] = r
+                cells.append(cell)
+            w(f"| fencegate ÷ {other} | " + " | ".join(cells) + " |")
+        w("")
+
+    # ------------------------------------------------------------ part 4
+    scale = [r for r in rows if r["part"] == "scale"]
+    restart = [r for r in rows if r["part"] == "restart"]
+    prefill = {r["n"]: r["m"] for r in rows if r["part"] == "prefill"}
+    leases = [r for r in rows if r["part"] == "leases"]
+    ns = sorted({r["n"] for r in scale} | {r["n"] for r in restart})
+    sby = defaultdict(dict)
+    for r in scale:
+        sby[(r["load"], r["n"])][r["rep"]] = r
+    rby = defaultdict(list)
+    for r in restart:
+        rby[r["n"]].append(r["m"])
+    w(f"## 4. Scale: fencegate with N random keys in the fence table ({meta['scale_conns']} connections)")
+    w("")
+    w("Hot: fenced PUTs (1 KiB) to one key with a live grant (strict route, as in part 1). Random: PUTs to a "
+      "random key of the N (route with `fence_authority = \"external\"`, token equal to the fence, so "
+      "admitted without a write). The table holds the N keys plus the hot key. Restart: SIGTERM, then "
+      "start to `/readyz` answering 200 (open RocksDB, rebuild the table, bind); RSS read 0.5 s after.")
+    w("")
+    w("| N | hot req/s | ÷ N=1 | hot p99 ms | random req/s | ÷ N=1 | random p99 ms | restart ms | table rebuild ms (log) | RSS after restart |")
+    w("|---|---|---|---|---|---|---|---|---|---|")
+    base_hot = {i: x["m"].get("rps") for i, x in sby.get(("hot", ns[0]), {}).items()} if ns else {}
+    base_rnd = {i: x["m"].get("rps") for i, x in sby.get(("random", ns[0]), {}).items()} if ns else {}
+    rss_med = {}
+    for n in ns:
+        hot = {i: x["m"].get("rps") for i, x in sby.get(("hot", n), {}).items()}
+        rnd = {i: x["m"].get("rps") for i, x in sby.get(("random", n), {}).items()}
+        hc, hr = ratio_cell(hot, base_hot)
+        rc, rr = ratio_cell(rnd, base_rnd)
+        target_rows[("scale", "hot", n)] = hr
+        target_rows[("scale", "random", n)] = rr
+        hp99 = med([x["m"].get("p99_us") for x in sby.get(("hot", n), {}).values()])
+        rp99 = med([x["m"].get("p99_us") for x in sby.get(("random", n), {}).values()])
+        rs = rby.get(n, [])
+        rms = [m["restart_ms"] for m in rs]
+        reb = [m.get("rebuild_ms") for m in rs]
+        rss_med[n] = med([m["rss_kib"] for m in rs])
+        target_rows[("restart", n)] = med(rms)
+        w(f"| {n:,} | {rng(list(hot.values()), k)} | {hc} | {ms(hp99)} | {rng(list(rnd.values()), k)} | {rc} | "
+          f"{ms(rp99)} | {rng(rms, lambda v: f'{v:.0f}')} | {rng(reb, lambda v: f'{v:.0f}')} | "
+          f"{'–' if rss_med[n] is None else f'{rss_med[n] / 1024:.1f} MiB'} |")
+    w("")
+    if len(ns) > 1 and rss_med.get(ns[0]) is not None:
+        for n in ns[1:]:
+            if rss_med.get(n) is not None:
+                per = (rss_med[n] - rss_med[ns[0]]) * 1024 / (n - ns[0])
+                target_rows[("perfence", n)] = per
+                w(f"- memory per fence (RSS after restart, N={n:,} minus N={ns[0]:,}, ÷ the difference; "
+                  f"includes RocksDB's memtable and caches): **{per:.0f} bytes**")
+    for r in leases:
+        m = r["m"]
+        per = (m["rss_after_kib"] - m["rss_before_kib"]) * 1024 / max(m["leases"], 1)
+        target_rows[("perlease",)] = per
+        w(f"- memory per live lease ({m['leases']:,} leases acquired and held on keys that already had a fence, "
+          f"N={r['n']:,}; RSS {m['rss_before_kib'] / 1024:.1f} → {m['rss_after_kib'] / 1024:.1f} MiB; includes the "
+          f"grants' RocksDB memtable): **{per:.0f} bytes**; acquired at {m['hold'].get('per_s', 0):,.0f}/s with 64 clients")
+    for n, m in sorted(prefill.items()):
+        w(f"- prefill N={n:,}: {m.get('ok', 0):,} durable fence advances (external-route PUTs, 256 connections) "
+          f"in {m.get('secs', 0):.1f} s = {m.get('per_s', 0):,.0f}/s")
+    w("")
+
+    # ------------------------------------------------------------ targets
+    w("## Targets (issue 8)")
+    w("")
+    w("| target | measured | verdict |")
+    w("|---|---|---|")
+
+    def verdict(ok):
+        return "–" if ok is None else ("**met**" if ok else "**missed**")
+
+    for c in conns:
+        r = target_rows.get(("rps", "nginx", c))
+        p = target_rows.get(("p99", "nginx", c))
+        w(f"| fenced PUT ≥ 1.0× nginx requests/s at {c} connections | {rx(r)} | {verdict(None if r is None else r >= 1.0)} |")
+        w(f"| … with p99 ≤ nginx's at {c} connections | p99 ratio {rx(p)} | {verdict(None if p is None else p <= 1.0)} |")
+    r = target_rows.get(("lock", "cycle", "redis-always", 64))
+    w(f"| durable lock cycles/s ≥ Redis `appendfsync always` at 64 clients | {rx(r)} | {verdict(None if r is None else r >= 1.0)} |")
+    r = target_rows.get(("lock", "cycle", "etcd", 64))
+    w(f"| durable lock cycles/s ≥ 5× etcd at 64 clients | {rx(r)} | {verdict(None if r is None else r >= 5.0)} |")
+    nmax = ns[-1] if ns else None
+    full_scale = nmax is not None and nmax >= 1_000_000
+    for load in ["hot", "random"]:
+        r = target_rows.get(("scale", load, nmax))
+        note = "" if full_scale else f" (smoke: largest N is {nmax:,})"
+        w(f"| proxy throughput with 1,000,000 fences within 10% of 1 fence ({load} key{'s' if load == 'random' else ''})"
+          f" | {rx(r)} at N={nmax:,}{note} | {verdict(None if r is None or not full_scale else r >= 0.9)} |")
+    rm = target_rows.get(("restart", nmax))
+    w(f"| restart with 1,000,000 fences < 2 s | {'–' if rm is None else f'{rm:.0f} ms'} at N={nmax:,} | "
+      f"{verdict(None if rm is None or not full_scale else rm < 2000)} |")
+    for c in sorted({r['conns'] for r in big}):
+        r = target_rows.get(("big", c))
+        peak = target_rows.get(("bigrss", c))
+        w(f"| 64 MiB PUTs ≥ 0.9× nginx's throughput ({c} connection{'s' if c > 1 else ''}) | {rx(r)} | {verdict(None if r is None else r >= 0.9)} |")
+        w(f"| … fencegate peak RSS < 64 MiB ({c} connection{'s' if c > 1 else ''}) | "
+          f"{'–' if peak is None else f'{peak / 1024:.1f} MiB'} | {verdict(None if peak is None else peak < 64 * 1024)} |")
+    w("")
+    if problems:
+        w("## Problems seen during the run")
+        w("")
+        for p in problems:
+            w(f"- {p}")
+        w("")
+    print("\n".join(out))
+    return 3 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
