@@ -20,4 +20,10 @@ cargo test --locked --benches
 # partition, checked from the upstream's log; then the self-test that the
 # checker catches an unfenced gateway.
 FENCEGATE_BIN="${CARGO_TARGET_DIR:-$PWD/target}/debug/fencegate" bash nemesis/run-ci.sh
+# The side-by-side harness in its short form (every part, ~2 min of load), so
+# it cannot rot: it fails when any target errs or a measurement is missing.
+# Its figures on a shared CI box are not the benchmark; the full run is
+# `bash benches/compare/run.sh`.
+FENCEGATE_BIN="${CARGO_TARGET_DIR:-$PWD/target}/debug/fencegate" FENCEGATE_REV="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" \
+    bash benches/compare/run.sh --smoke --out "${TMPDIR:-/tmp}/fencegate-compare-smoke.md"
 echo "tests: $(( $(date +%s) - started )) s in all"

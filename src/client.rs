@@ -66,7 +66,15 @@ impl std::fmt::Debug for Client {
 
 /// Puts the fencing token on a request (any body type).
 pub fn with_token<B>(req: &mut Request<B>, token: u64) {
-    req.headers_mut().insert(FENCING_TOKEN_HEADER, HeaderValue::from(token));
+    let (name, value) = token_header(token);
+    req.headers_mut().insert(name, value);
+}
+
+/// The `X-Fencing-Token` header as a name/value pair, for HTTP clients that
+/// take `http` types (reqwest's `RequestBuilder::header`, tower, ureq):
+/// `builder.header(name, value)`.
+pub fn token_header(token: u64) -> (http::HeaderName, HeaderValue) {
+    (http::HeaderName::from_static(FENCING_TOKEN_HEADER), HeaderValue::from(token))
 }
 
 impl Client {
@@ -304,6 +312,12 @@ impl Lease {
     /// The fencing token: put it on every write (`X-Fencing-Token`).
     pub fn token(&self) -> u64 {
         self.token
+    }
+
+    /// The `X-Fencing-Token` header carrying this lease's token; see
+    /// [`token_header`].
+    pub fn header(&self) -> (http::HeaderName, HeaderValue) {
+        token_header(self.token)
     }
 
     /// The key held.

@@ -52,3 +52,13 @@ fn python_legacy_writer_example_handles_409() {
     assert!(stdout.contains("HTTP 409"), "{stdout}");
     assert!(stdout.contains("the ledger holds: balance=20"), "{stdout}");
 }
+
+#[test]
+fn reqwest_writer_example_is_fenced() {
+    let out = Command::new(example("reqwest_writer")).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("writer B writes with reqwest: HTTP 20"), "{stdout}");
+    assert!(stdout.contains("writes again: HTTP 409"), "{stdout}");
+    assert!(stdout.contains("\"final by B\""), "{stdout}");
+}

@@ -268,8 +268,11 @@ mkdir -p "$WORK/bin"
 cp "$FG_SRC" "$WORK/bin/fencegate"   # a snapshot: a concurrent rebuild cannot swap it mid-run
 FG=$WORK/bin/fencegate
 log "building the load generator (benches/compare/loadgen, release)"
-(cd "$HERE/loadgen" && CARGO_TARGET_DIR="$HERE/loadgen/target" cargo build --quiet --release)
-LOADGEN=$HERE/loadgen/target/release/loadgen
+# A shared CARGO_TARGET_DIR gets a subdirectory of its own (reused across clones).
+LG_TARGET=${CARGO_TARGET_DIR:+$CARGO_TARGET_DIR/compare-loadgen}
+LG_TARGET=${LG_TARGET:-$HERE/loadgen/target}
+(cd "$HERE/loadgen" && CARGO_TARGET_DIR="$LG_TARGET" cargo build --quiet --release)
+LOADGEN=$LG_TARGET/release/loadgen
 T_BUILT=$(date +%s)
 
 if [ -n "${FENCEGATE_BIN:-}" ]; then
