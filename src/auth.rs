@@ -216,7 +216,7 @@ mod tests {
     }
 
     fn client(cn: Option<&str>) -> ClientInfo {
-        ClientInfo { addr: "127.0.0.1:1".parse().unwrap(), tls: cn.is_some(), peer_cn: cn.map(Into::into) }
+        ClientInfo::new("127.0.0.1:1".parse().unwrap(), cn.is_some(), cn.map(Into::into))
     }
 
     fn bearer(token: &str) -> HeaderMap {

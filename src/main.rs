@@ -320,7 +320,16 @@ fn serve(args: ServeArgs) -> ExitCode {
         return ExitCode::from(2);
     }
     init_tracing(&cfg);
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    // One worker per CPU this process may run on. With a single CPU (a
+    // container limit, or `taskset`), the current-thread scheduler does the
+    // same work without the work-stealing machinery.
+    let cpus = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+    let built = if cpus == 1 {
+        tokio::runtime::Builder::new_current_thread().enable_all().build()
+    } else {
+        tokio::runtime::Builder::new_multi_thread().enable_all().build()
+    };
+    let runtime = match built {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("fencegate: starting the runtime: {e}");

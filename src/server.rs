@@ -127,7 +127,7 @@ pub async fn serve(
         tokio::spawn(async move {
             match tls.and_then(|t| t.current()) {
                 None => {
-                    let client = ClientInfo { addr, tls: false, peer_cn: None };
+                    let client = ClientInfo::new(addr, false, None);
                     serve_conn(name, &builder, watcher, TokioIo::new(stream), client, handler, limits).await;
                 }
                 Some(config) => {
@@ -141,7 +141,7 @@ pub async fn serve(
                                 .and_then(|certs| certs.first())
                                 .and_then(|c| subject_cn(c))
                                 .map(Arc::from);
-                            let client = ClientInfo { addr, tls: true, peer_cn };
+                            let client = ClientInfo::new(addr, true, peer_cn);
                             serve_conn(name, &builder, watcher, TokioIo::new(tls_stream), client, handler, limits)
                                 .await;
                         }

@@ -11,18 +11,24 @@ use http::{Request, Response, Version};
 
 use crate::config::HostHeader;
 
-/// Headers that describe one connection, not the message (RFC 9110 7.6.1).
-const HOP_BY_HOP: [&str; 9] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-];
+static KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
+static PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
+static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+
+/// Headers that describe one connection, not the message (RFC 9110 7.6.1),
+/// besides `Connection` itself.
+fn is_fixed_hop_by_hop(n: &HeaderName) -> bool {
+    *n == header::TE
+        || *n == header::TRANSFER_ENCODING
+        || *n == header::UPGRADE
+        || *n == header::TRAILER
+        || *n == header::PROXY_AUTHORIZATION
+        || *n == header::PROXY_AUTHENTICATE
+        || *n == KEEP_ALIVE
+        || *n == PROXY_CONNECTION
+}
 
 /// Who sent the request, as the listener saw it.
 #[derive(Debug, Clone)]
@@ -31,6 +37,18 @@ pub struct ClientInfo {
     pub tls: bool,
     /// Common name of the verified client certificate (mTLS).
     pub peer_cn: Option<std::sync::Arc<str>>,
+    /// The client's address as an `X-Forwarded-For` item, rendered once
+    /// per connection.
+    pub forwarded_for: HeaderValue,
+}
+
+impl ClientInfo {
+    /// The client of one accepted connection.
+    pub fn new(addr: SocketAddr, tls: bool, peer_cn: Option<std::sync::Arc<str>>) -> ClientInfo {
+        let forwarded_for =
+            HeaderValue::from_str(&addr.ip().to_string()).unwrap_or(HeaderValue::from_static("unknown"));
+        ClientInfo { addr, tls, peer_cn, forwarded_for }
+    }
 }
 
 /// The fencing token header.
@@ -38,17 +56,35 @@ pub static X_FENCING_TOKEN: HeaderName = HeaderName::from_static("x-fencing-toke
 
 /// Removes `Connection`, every header it names, and the fixed hop-by-hop set.
 pub fn strip_hop_by_hop(h: &mut HeaderMap) {
-    let named: Vec<HeaderName> = h
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
-        .collect();
-    for n in named {
-        h.remove(n);
+    // The common case, a message with none of them, costs one pass over
+    // the names and no allocation.
+    let has_connection = h.contains_key(header::CONNECTION);
+    if !has_connection && !h.keys().any(is_fixed_hop_by_hop) {
+        return;
     }
-    for n in HOP_BY_HOP {
+    if has_connection {
+        let named: Vec<HeaderName> = h
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+            .collect();
+        for n in named {
+            h.remove(n);
+        }
+        h.remove(header::CONNECTION);
+    }
+    for n in [
+        &header::TE,
+        &header::TRANSFER_ENCODING,
+        &header::UPGRADE,
+        &header::TRAILER,
+        &header::PROXY_AUTHORIZATION,
+        &header::PROXY_AUTHENTICATE,
+        &KEEP_ALIVE,
+        &PROXY_CONNECTION,
+    ] {
         h.remove(n);
     }
 }
@@ -61,14 +97,23 @@ fn via_value(v: Version) -> HeaderValue {
     })
 }
 
-fn append_list(h: &mut HeaderMap, name: HeaderName, item: &str) {
-    let joined = match h.get(&name).and_then(|v| v.to_str().ok()) {
-        Some(prev) if !prev.is_empty() => format!("{prev}, {item}"),
-        _ => item.to_string(),
+/// Appends `item` to a comma-separated list header (one value, as nginx
+/// and HAProxy send them); sets it when absent.
+fn append_list(h: &mut HeaderMap, name: &HeaderName, item: &HeaderValue) {
+    let joined = match h.get(name) {
+        Some(prev) if !prev.is_empty() => {
+            let mut v = Vec::with_capacity(prev.len() + 2 + item.len());
+            v.extend_from_slice(prev.as_bytes());
+            v.extend_from_slice(b", ");
+            v.extend_from_slice(item.as_bytes());
+            match HeaderValue::from_bytes(&v) {
+                Ok(v) => v,
+                Err(_) => return,
+            }
+        }
+        _ => item.clone(),
     };
-    if let Ok(v) = HeaderValue::from_str(&joined) {
-        h.insert(name, v);
-    }
+    h.insert(name, joined);
 }
 
 /// Prepares a request for the upstream.
@@ -87,16 +132,12 @@ pub fn prepare_request<B>(
         .or_else(|| req.uri().authority().and_then(|a| HeaderValue::from_str(a.as_str()).ok()));
     let h = req.headers_mut();
     strip_hop_by_hop(h);
-    append_list(h, HeaderName::from_static("x-forwarded-for"), &client.addr.ip().to_string());
-    h.insert(
-        HeaderName::from_static("x-forwarded-proto"),
-        HeaderValue::from_static(if client.tls { "https" } else { "http" }),
-    );
+    append_list(h, &X_FORWARDED_FOR, &client.forwarded_for);
+    h.insert(&X_FORWARDED_PROTO, HeaderValue::from_static(if client.tls { "https" } else { "http" }));
     if let Some(host) = &original_host {
-        h.insert(HeaderName::from_static("x-forwarded-host"), host.clone());
+        h.insert(&X_FORWARDED_HOST, host.clone());
     }
-    let via = via_value(version);
-    append_list(h, header::VIA, via.to_str().unwrap_or("1.1 fencegate"));
+    append_list(h, &header::VIA, &via_value(version));
     match (host_mode, upstream_host) {
         (HostHeader::Rewrite, Some(up)) => {
             h.insert(header::HOST, up);
@@ -117,8 +158,7 @@ pub fn prepare_response<B>(resp: &mut Response<B>) {
     let version = resp.version();
     let h = resp.headers_mut();
     strip_hop_by_hop(h);
-    let via = via_value(version);
-    append_list(h, header::VIA, via.to_str().unwrap_or("1.1 fencegate"));
+    append_list(h, &header::VIA, &via_value(version));
 }
 
 #[cfg(test)]
@@ -126,7 +166,7 @@ mod tests {
     use super::*;
 
     fn client() -> ClientInfo {
-        ClientInfo { addr: "10.1.2.3:5555".parse().unwrap(), tls: false, peer_cn: None }
+        ClientInfo::new("10.1.2.3:5555".parse().unwrap(), false, None)
     }
 
     #[test]
@@ -153,6 +193,34 @@ mod tests {
         assert_eq!(h["x-forwarded-for"], "10.1.2.3");
         assert_eq!(h["x-forwarded-proto"], "http");
         assert_eq!(h["via"], "1.1 fencegate");
+    }
+
+    #[test]
+    fn each_fixed_hop_by_hop_header_is_removed_without_a_connection_header() {
+        for name in [
+            "te",
+            "transfer-encoding",
+            "upgrade",
+            "trailer",
+            "proxy-authorization",
+            "proxy-authenticate",
+            "keep-alive",
+            "proxy-connection",
+        ] {
+            let mut h = HeaderMap::new();
+            h.insert(HeaderName::from_static(name), HeaderValue::from_static("x"));
+            h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+            strip_hop_by_hop(&mut h);
+            assert!(!h.contains_key(name), "{name}");
+            assert!(h.contains_key(header::CONTENT_TYPE));
+        }
+    }
+
+    #[test]
+    fn forwarded_for_and_via_are_appended_to_earlier_values() {
+        let mut req = Request::builder().header("via", "1.1 edge").body(()).unwrap();
+        prepare_request(&mut req, &client(), HostHeader::Preserve, None, true);
+        assert_eq!(req.headers()["via"], "1.1 edge, 1.1 fencegate");
     }
 
     #[test]

@@ -16,6 +16,7 @@ pub mod fenced_body;
 pub mod filestore;
 pub mod headers;
 pub mod path;
+pub mod pool;
 pub mod template;
 pub mod upstream;
 
@@ -54,6 +55,12 @@ pub struct Route {
     forward_token: bool,
     host_header: HostHeader,
     auth: bool,
+    /// This route's series, resolved once (not per request).
+    request_duration: prometheus::Histogram,
+    upstream_duration: prometheus::Histogram,
+    forwarded: prometheus::IntCounter,
+    /// The upstream's `Host`, for routes that rewrite it.
+    upstream_host: Option<http::HeaderValue>,
 }
 
 /// The data plane.
@@ -82,7 +89,9 @@ impl From<Error> for Refused {
 /// What the access log learns of a request on its way.
 #[derive(Default)]
 struct Seen<'a> {
-    route: Option<&'a str>,
+    /// The access log is on: keep the key for it.
+    log: bool,
+    route: Option<&'a Route>,
     key: Option<String>,
 }
 
@@ -125,7 +134,12 @@ impl Proxy {
             let mutating = rc.mutating_methods.iter().filter_map(|m| Method::from_bytes(m.as_bytes()).ok()).collect();
             let name = rc.route_name(i);
             metrics.register_route(&name);
+            let upstream_host = upstream.host();
             routes.push(Route {
+                request_duration: metrics.request_duration.with_label_values(&["proxy", &name]),
+                upstream_duration: metrics.upstream_duration.with_label_values(&[&name]),
+                forwarded: metrics.mutations.with_label_values(&[&name, "forwarded"]),
+                upstream_host,
                 name,
                 matcher,
                 resource,
@@ -150,24 +164,30 @@ impl Proxy {
     /// refusal is a JSON error response. Writes one access log line.
     pub async fn handle(&self, req: Request<BoxBody>, client: ClientInfo) -> Response<BoxBody> {
         let started = Instant::now();
-        let method = req.method().clone();
-        let path = req.uri().path().to_string();
-        let req_bytes = content_length(req.headers());
-        let mut seen = Seen::default();
+        // The access log's fields are gathered only when it is on.
+        let log = tracing::enabled!(target: "fencegate::access", tracing::Level::INFO);
+        let logged = log.then(|| (req.method().clone(), req.uri().path().to_string(), content_length(req.headers())));
+        let mut seen = Seen { log, ..Seen::default() };
         let result = self.handle_inner(req, &client, &mut seen).await;
         let (response, code) = match result {
             Ok(resp) => (resp, "ok"),
             Err(refused) => {
                 if let (Some(route), Some(outcome)) = (seen.route, refused.outcome) {
-                    self.metrics.mutations.with_label_values(&[route, outcome]).inc();
+                    self.metrics.mutations.with_label_values(&[&route.name, outcome]).inc();
                 }
                 let code = refused.error.code();
                 (refused.error.into_response(), code)
             }
         };
         let elapsed = started.elapsed();
-        let route = seen.route.unwrap_or("none");
-        self.metrics.request_duration.with_label_values(&["proxy", route]).observe(elapsed.as_secs_f64());
+        match seen.route {
+            Some(route) => route.request_duration.observe(elapsed.as_secs_f64()),
+            None => self.metrics.request_duration.with_label_values(&["proxy", "none"]).observe(elapsed.as_secs_f64()),
+        }
+        let Some((method, path, req_bytes)) = logged else {
+            return response;
+        };
+        let route = seen.route.map_or("none", |r| r.name.as_str());
         tracing::info!(
             target: "fencegate::access",
             listener = "proxy",
@@ -197,15 +217,17 @@ impl Proxy {
             Err(msg) => return Err(Error::BadRequest(format!("path refused: {msg}")).into()),
         };
         let segments = checked.segments();
-        let Some((route, caps)) = self.routes.iter().find_map(|r| r.matcher.matches(&segments).map(|c| (r, c))) else {
+        // Captures are built only for a route with a resource template.
+        let Some((route, key)) = self.routes.iter().find_map(|r| match &r.resource {
+            Some(t) => r.matcher.matches(&segments).map(|caps| (r, t.render(&caps))),
+            None => r.matcher.is_match(&segments).then(|| (r, checked.decoded.clone())),
+        }) else {
             return Err(Error::NotFound(format!("no route for {}", req.uri().path())).into());
         };
-        let key = match &route.resource {
-            Some(t) => t.render(&caps),
-            None => checked.decoded.clone(),
-        };
-        seen.route = Some(route.name.as_str());
-        seen.key = Some(key.clone());
+        seen.route = Some(route);
+        if seen.log {
+            seen.key = Some(key.clone());
+        }
         if route.auth {
             // Proxy-Authorization is hop-by-hop: it never reaches the upstream.
             let principal = self.auth.require(req.headers(), "proxy-authorization", client)?;
@@ -372,10 +394,10 @@ impl Proxy {
         let ctl = guard.as_ref().map(|g| g.ctl().clone());
         let (body, body_outcome) = FencedBody::new(body, ctl, route.max_body_bytes);
         let mut up = Request::from_parts(parts, body);
-        headers::prepare_request(&mut up, client, route.host_header, route.upstream.host(), route.forward_token);
+        headers::prepare_request(&mut up, client, route.host_header, route.upstream_host.clone(), route.forward_token);
         let started = Instant::now();
         let sent = tokio::time::timeout(route.upstream_timeout, route.upstream.send(up, object, token)).await;
-        self.metrics.upstream_duration.with_label_values(&[&route.name]).observe(started.elapsed().as_secs_f64());
+        route.upstream_duration.observe(started.elapsed().as_secs_f64());
         // 4. the upstream has answered (or failed): no longer in flight.
         drop(guard);
         let cut_short = |fallback: Error| -> Refused {
@@ -419,7 +441,7 @@ impl Proxy {
             Ok(Ok(mut resp)) => {
                 headers::prepare_response(&mut resp);
                 if mutation {
-                    self.metrics.mutations.with_label_values(&[&route.name, "forwarded"]).inc();
+                    route.forwarded.inc();
                 }
                 Ok(resp)
             }

@@ -124,30 +124,45 @@ impl Template {
     /// Matches decoded path segments; `None` when the route does not apply.
     pub fn matches(&self, segments: &[&str]) -> Option<Captures> {
         let mut caps = Captures::new();
+        self.walk(segments, Some(&mut caps)).then_some(caps)
+    }
+
+    /// True when the segments match (no captures are built).
+    pub fn is_match(&self, segments: &[&str]) -> bool {
+        self.walk(segments, None)
+    }
+
+    fn walk(&self, segments: &[&str], mut caps: Option<&mut Captures>) -> bool {
         let mut i = 0;
         for part in &self.parts {
             match part {
                 Part::Literal(l) => {
                     if segments.get(i) != Some(&l.as_str()) {
-                        return None;
+                        return false;
                     }
                     i += 1;
                 }
                 Part::Param(n) => {
-                    let seg = segments.get(i)?;
+                    let Some(seg) = segments.get(i) else {
+                        return false;
+                    };
                     if seg.is_empty() {
-                        return None;
+                        return false;
                     }
-                    caps.insert(n.clone(), (*seg).to_string());
+                    if let Some(caps) = caps.as_deref_mut() {
+                        caps.insert(n.clone(), (*seg).to_string());
+                    }
                     i += 1;
                 }
                 Part::Rest(n) => {
-                    caps.insert(n.clone(), segments[i.min(segments.len())..].join("/"));
+                    if let Some(caps) = caps.as_deref_mut() {
+                        caps.insert(n.clone(), segments[i.min(segments.len())..].join("/"));
+                    }
                     i = segments.len();
                 }
             }
         }
-        (i == segments.len()).then_some(caps)
+        i == segments.len()
     }
 
     /// Renders a resource template with the captures of a match.
@@ -191,6 +206,9 @@ mod tests {
         assert!(m.matches(&["a"]).is_none());
         assert!(m.matches(&["a", "1", "2"]).is_none());
         assert!(m.matches(&["a", "1"]).is_some());
+        for segs in [&["a"][..], &["a", "1", "2"], &["a", "1"], &["a", ""], &["b", "1"]] {
+            assert_eq!(m.is_match(segs), m.matches(segs).is_some(), "{segs:?}");
+        }
     }
 
     #[test]

@@ -1,5 +1,6 @@
-//! Upstream kinds behind one forwarding path: `http://` (pooled hyper
-//! client) and `file://` (the built-in object store). Both take the same
+//! Upstream kinds behind one forwarding path: `http://` and `https://` (a
+//! per-route pool of HTTP/1.1 connections, [`super::pool`]) and `file://`
+//! (the built-in object store). Both take the same
 //! checked request with a [`FencedBody`] and answer a response head; the
 //! fence check has already happened in `proxy::handle` and is not repeated
 //! or bypassed here.
@@ -7,15 +8,14 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use http::uri::{Authority, Scheme};
-use http::{HeaderValue, Request, Response, Uri};
-use hyper_rustls::HttpsConnector;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
+use std::sync::Arc;
+
+use http::uri::{Authority, PathAndQuery, Scheme};
+use http::{header, HeaderValue, Request, Response, Uri};
 
 use super::fenced_body::FencedBody;
 use super::filestore::FileStore;
+use super::pool::{Pool, PoolError};
 use crate::error::Error;
 
 /// A parsed `upstream` setting.
@@ -61,13 +61,8 @@ pub type UpstreamRequest = Request<FencedBody>;
 #[derive(Clone)]
 #[allow(clippy::large_enum_variant)] // one per route, built once
 pub enum Upstream {
-    /// A pooled HTTP/1.1 client.
-    Http {
-        client: Client<HttpsConnector<HttpConnector>, FencedBody>,
-        scheme: Scheme,
-        authority: Authority,
-        prefix: String,
-    },
+    /// A pool of HTTP/1.1 connections to one authority.
+    Http { pool: Arc<Pool>, scheme: Scheme, host: Option<HeaderValue>, prefix: String },
     /// The built-in object store.
     File(FileStore),
 }
@@ -75,7 +70,7 @@ pub enum Upstream {
 impl std::fmt::Debug for Upstream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Upstream::Http { scheme, authority, prefix, .. } => write!(f, "{scheme}://{authority}{prefix}"),
+            Upstream::Http { scheme, pool, prefix, .. } => write!(f, "{scheme}://{}{prefix}", pool.authority()),
             Upstream::File(s) => write!(f, "{s:?}"),
         }
     }
@@ -90,21 +85,12 @@ impl Upstream {
     ) -> Result<Upstream, Error> {
         match url {
             UpstreamUrl::Http { tls: use_tls, authority, prefix } => {
-                let mut connector = HttpConnector::new();
-                connector.set_connect_timeout(Some(connect_timeout));
-                connector.set_nodelay(true);
-                connector.enforce_http(false);
-                let https = hyper_rustls::HttpsConnectorBuilder::new()
-                    .with_tls_config(crate::tls::client_config(tls)?)
-                    .https_or_http()
-                    .enable_http1()
-                    .wrap_connector(connector);
-                let client = Client::builder(TokioExecutor::new())
-                    .pool_idle_timeout(Duration::from_secs(60))
-                    .pool_max_idle_per_host(256)
-                    .build(https);
+                let tls_config = if *use_tls { Some(crate::tls::client_config(tls)?) } else { None };
+                let pool = Pool::new(authority.clone(), tls_config, connect_timeout, Duration::from_secs(60), 256)
+                    .map_err(Error::BadRequest)?;
                 let scheme = if *use_tls { Scheme::HTTPS } else { Scheme::HTTP };
-                Ok(Upstream::Http { client, scheme, authority: authority.clone(), prefix: prefix.clone() })
+                let host = HeaderValue::from_str(authority.as_str()).ok();
+                Ok(Upstream::Http { pool, scheme, host, prefix: prefix.clone() })
             }
             UpstreamUrl::File { dir } => Ok(Upstream::File(FileStore::open(dir)?)),
         }
@@ -113,7 +99,7 @@ impl Upstream {
     /// The authority to send as `Host` when the route rewrites it.
     pub fn host(&self) -> Option<HeaderValue> {
         match self {
-            Upstream::Http { authority, .. } => HeaderValue::from_str(authority.as_str()).ok(),
+            Upstream::Http { host, .. } => host.clone(),
             Upstream::File(_) => None,
         }
     }
@@ -128,22 +114,25 @@ impl Upstream {
         token: Option<u64>,
     ) -> Result<Response<crate::body::BoxBody>, SendError> {
         match self {
-            Upstream::Http { client, scheme, authority, prefix } => {
-                let pq = req.uri().path_and_query().map_or("/", |pq| pq.as_str());
-                let uri = Uri::builder()
-                    .scheme(scheme.clone())
-                    .authority(authority.clone())
-                    .path_and_query(format!("{prefix}{pq}"))
-                    .build()
-                    .map_err(|e| SendError::Other(format!("building upstream URI: {e}")))?;
-                *req.uri_mut() = uri;
+            Upstream::Http { pool, host, prefix, .. } => {
+                // Origin-form: the upstream sees `/prefix/path?query`.
+                let pq = req.uri().path_and_query().map_or("/", PathAndQuery::as_str);
+                let pq = if prefix.is_empty() {
+                    PathAndQuery::try_from(pq)
+                } else {
+                    PathAndQuery::try_from(format!("{prefix}{pq}"))
+                }
+                .map_err(|e| SendError::Other(format!("building upstream URI: {e}")))?;
+                *req.uri_mut() = Uri::from(pq);
                 *req.version_mut() = http::Version::HTTP_11;
-                let resp = client.request(req).await.map_err(|e| {
-                    if e.is_connect() {
-                        SendError::Connect(e.to_string())
-                    } else {
-                        SendError::Other(error_chain(&e))
+                if !req.headers().contains_key(header::HOST) {
+                    if let Some(h) = host {
+                        req.headers_mut().insert(header::HOST, h.clone());
                     }
+                }
+                let resp = pool.send(req).await.map_err(|e| match e {
+                    PoolError::Connect(e) => SendError::Connect(e),
+                    PoolError::Exchange(e) => SendError::Other(error_chain(&e)),
                 })?;
                 use http_body_util::BodyExt;
                 Ok(resp.map(|b| b.map_err(Into::into).boxed_unsync()))

@@ -37,6 +37,10 @@ pub struct Opts {
     pub config: Option<String>,
     pub proxy_port: Option<u16>,
     pub api_port: Option<u16>,
+    /// Run the binary confined to this one CPU (`taskset`), as a
+    /// one-CPU container would: the gateway then runs a current-thread
+    /// runtime.
+    pub one_cpu: Option<u32>,
 }
 
 impl Gateway {
@@ -45,7 +49,14 @@ impl Gateway {
         let proxy: SocketAddr = format!("127.0.0.1:{}", opts.proxy_port.unwrap_or_else(free_port)).parse().unwrap();
         let api: SocketAddr = format!("127.0.0.1:{}", opts.api_port.unwrap_or_else(free_port)).parse().unwrap();
         let log = data_dir.with_extension(format!("{}.log", api.port()));
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_fencegate"));
+        let mut cmd = match opts.one_cpu {
+            Some(cpu) => {
+                let mut c = Command::new("taskset");
+                c.arg("-c").arg(cpu.to_string()).arg(env!("CARGO_BIN_EXE_fencegate"));
+                c
+            }
+            None => Command::new(env!("CARGO_BIN_EXE_fencegate")),
+        };
         cmd.arg("serve")
             .arg("--data-dir")
             .arg(data_dir)

@@ -1,0 +1,274 @@
+//! The HTTP/1.1 connection pool of one route. A route has exactly one
+//! upstream authority, so the pool is a plain stack of idle connections:
+//! no keying, no hashing, no per-request channel to a pool task.
+//!
+//! A connection returns to the pool when the response body it carried has
+//! been read to its end (or had none); a response dropped half-read closes
+//! its connection. A request that could not be written on a pooled
+//! connection (the upstream closed it while idle) is retried once on a new
+//! connection; a request whose head was written is never resent.
+
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use http::uri::Authority;
+use http::{Request, Response};
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use hyper::client::conn::http1;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+
+use super::fenced_body::FencedBody;
+
+type Sender = http1::SendRequest<FencedBody>;
+
+struct Idle {
+    sender: Sender,
+    since: Instant,
+}
+
+/// Idle connections to one upstream, most recently used last.
+pub struct Pool {
+    authority: Authority,
+    /// `host:port` to connect to.
+    addr: String,
+    tls: Option<(tokio_rustls::TlsConnector, rustls::pki_types::ServerName<'static>)>,
+    connect_timeout: Duration,
+    idle_timeout: Duration,
+    max_idle: usize,
+    idle: Mutex<Vec<Idle>>,
+}
+
+impl std::fmt::Debug for Pool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pool").field("authority", &self.authority).finish_non_exhaustive()
+    }
+}
+
+/// Why a request could not be exchanged.
+#[derive(Debug)]
+pub enum PoolError {
+    /// No connection could be made (TCP or TLS).
+    Connect(String),
+    /// The exchange failed after a connection was made.
+    Exchange(hyper::Error),
+}
+
+impl Pool {
+    /// A pool for `authority`; `tls` is the client configuration of an
+    /// `https://` upstream.
+    pub fn new(
+        authority: Authority,
+        tls: Option<rustls::ClientConfig>,
+        connect_timeout: Duration,
+        idle_timeout: Duration,
+        max_idle: usize,
+    ) -> Result<Arc<Pool>, String> {
+        let default_port = if tls.is_some() { 443 } else { 80 };
+        let host = authority.host();
+        let addr = format!("{host}:{}", authority.port_u16().unwrap_or(default_port));
+        let tls = match tls {
+            Some(mut config) => {
+                config.alpn_protocols = vec![b"http/1.1".to_vec()];
+                let name = host.trim_start_matches('[').trim_end_matches(']').to_string();
+                let server_name = rustls::pki_types::ServerName::try_from(name)
+                    .map_err(|e| format!("{host} is not a valid TLS server name: {e}"))?;
+                Some((tokio_rustls::TlsConnector::from(Arc::new(config)), server_name))
+            }
+            None => None,
+        };
+        let pool = Arc::new(Pool {
+            authority,
+            addr,
+            tls,
+            connect_timeout,
+            idle_timeout,
+            max_idle,
+            idle: Mutex::new(Vec::new()),
+        });
+        // Close connections idle for longer than the idle timeout even when
+        // the route sees no traffic.
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let weak = Arc::downgrade(&pool);
+            rt.spawn(reap(weak, idle_timeout));
+        }
+        Ok(pool)
+    }
+
+    /// The authority every request of this pool goes to.
+    pub fn authority(&self) -> &Authority {
+        &self.authority
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Idle>> {
+        self.idle.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The most recently used live idle connection, if any.
+    fn checkout(&self) -> Option<Sender> {
+        let mut idle = self.lock();
+        while let Some(entry) = idle.pop() {
+            if !entry.sender.is_closed() && entry.since.elapsed() < self.idle_timeout {
+                return Some(entry.sender);
+            }
+        }
+        None
+    }
+
+    fn checkin(&self, sender: Sender) {
+        if sender.is_closed() {
+            return;
+        }
+        let mut idle = self.lock();
+        if idle.len() < self.max_idle {
+            idle.push(Idle { sender, since: Instant::now() });
+        }
+    }
+
+    fn expire(&self) {
+        let timeout = self.idle_timeout;
+        self.lock().retain(|e| !e.sender.is_closed() && e.since.elapsed() < timeout);
+    }
+
+    async fn connect(&self) -> Result<Sender, PoolError> {
+        let connect = async {
+            let tcp = TcpStream::connect(&self.addr).await.map_err(|e| format!("{}: {e}", self.addr))?;
+            let _ = tcp.set_nodelay(true);
+            let sender = match &self.tls {
+                None => handshake(TokioIo::new(tcp)).await?,
+                Some((connector, name)) => {
+                    let stream = connector
+                        .connect(name.clone(), tcp)
+                        .await
+                        .map_err(|e| format!("TLS handshake with {}: {e}", self.addr))?;
+                    handshake(TokioIo::new(stream)).await?
+                }
+            };
+            Ok::<_, String>(sender)
+        };
+        match tokio::time::timeout(self.connect_timeout, connect).await {
+            Ok(Ok(sender)) => Ok(sender),
+            Ok(Err(e)) => Err(PoolError::Connect(e)),
+            Err(_) => Err(PoolError::Connect(format!(
+                "connecting to {} timed out after {} ms",
+                self.addr,
+                self.connect_timeout.as_millis()
+            ))),
+        }
+    }
+
+    /// Sends `req` (origin-form URI, `Host` set) and returns the response
+    /// head; the body streams, and gives the connection back at its end.
+    pub async fn send(self: &Arc<Self>, req: Request<FencedBody>) -> Result<Response<PooledBody>, PoolError> {
+        let mut req = req;
+        let mut retried = false;
+        loop {
+            let (mut sender, reused) = match self.checkout() {
+                Some(s) => (s, true),
+                None => (self.connect().await?, false),
+            };
+            if sender.ready().await.is_err() {
+                if reused {
+                    continue;
+                }
+                return Err(PoolError::Connect(format!("{}: the connection closed at once", self.addr)));
+            }
+            match sender.try_send_request(req).await {
+                Ok(resp) => {
+                    let pool = Arc::downgrade(self);
+                    return Ok(resp.map(|inner| PooledBody { inner, home: Some((sender, pool)) }));
+                }
+                Err(mut e) => match e.take_message() {
+                    // Never written: the pooled connection had been closed
+                    // by the upstream. Once more on a new connection.
+                    Some(back) if reused && !retried => {
+                        retried = true;
+                        req = back;
+                    }
+                    _ => return Err(PoolError::Exchange(e.into_error())),
+                },
+            }
+        }
+    }
+}
+
+async fn handshake<I>(io: I) -> Result<Sender, String>
+where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    let (sender, conn) = http1::Builder::new().handshake(io).await.map_err(|e| format!("HTTP handshake: {e}"))?;
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!(error = %e, "upstream connection ended with an error");
+        }
+    });
+    Ok(sender)
+}
+
+async fn reap(pool: Weak<Pool>, every: Duration) {
+    let every = every.max(Duration::from_secs(1));
+    loop {
+        tokio::time::sleep(every).await;
+        match pool.upgrade() {
+            Some(p) => p.expire(),
+            None => return,
+        }
+    }
+}
+
+/// An upstream response body that gives its connection back to the pool
+/// once read to the end.
+pub struct PooledBody {
+    inner: Incoming,
+    home: Option<(Sender, Weak<Pool>)>,
+}
+
+impl PooledBody {
+    fn go_home(&mut self) {
+        if let Some((sender, pool)) = self.home.take() {
+            if let Some(pool) = pool.upgrade() {
+                pool.checkin(sender);
+            }
+        }
+    }
+}
+
+impl Body for PooledBody {
+    type Data = bytes::Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        match &polled {
+            Poll::Ready(None) => self.go_home(),
+            Poll::Ready(Some(Err(_))) => self.home = None,
+            _ => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Drop for PooledBody {
+    fn drop(&mut self) {
+        // A body with nothing left (HEAD, 204, 304, or read to the end)
+        // leaves a reusable connection; a half-read one does not.
+        if self.inner.is_end_stream() {
+            self.go_home();
+        }
+    }
+}
