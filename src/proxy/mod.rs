@@ -253,7 +253,7 @@ impl Proxy {
                     Refused { error: Error::MalformedFencingToken(m), outcome: mutation.then_some("malformed_token") };
                 // Enforcing: refused here. Shadow: forwarded unregistered.
                 self.refuse_or_shadow(route, key, None, refused, client)?;
-                return self.forward(route, key, object, req, client, None, None).await;
+                return Box::pin(self.forward(route, key, object, req, client, None, None)).await;
             }
         };
         let guard = if mutation {
@@ -275,7 +275,9 @@ impl Proxy {
             None
         };
         // 3. forward
-        self.forward(route, key, object, req, client, guard, token).await
+        // Boxed once here: every caller above then carries a pointer, not
+        // the forwarding state (kilobytes, copied at each level otherwise).
+        Box::pin(self.forward(route, key, object, req, client, guard, token)).await
     }
 
     /// Decides a mutation: `Some(guard)` to forward it registered, `None`
@@ -300,27 +302,39 @@ impl Proxy {
                 if route.policy.external {
                     // Another request may be advancing to this very token:
                     // wait, as it does, for older in-flight mutations.
-                    self.fences.barrier(key, token, route.upstream_timeout).await;
+                    Box::pin(self.fences.barrier(key, token, route.upstream_timeout)).await;
                 }
                 Ok(Some(guard))
             }
             Ok(Admission::MustAdvance) => match self.fences.advance(key, token, &self.store) {
-                Ok((guard, durable)) => {
-                    if let Some(rx) = durable {
-                        wait_durable(rx).await?;
-                        self.metrics.fence_advances.inc();
-                    }
-                    let outcome = self.fences.barrier(key, token, route.upstream_timeout).await;
-                    self.metrics.activation_wait.observe(outcome.waited.as_secs_f64());
-                    if outcome.overrun {
-                        self.metrics.activation_overruns.inc();
-                    }
-                    Ok(Some(guard))
-                }
+                // Boxed: the rarer path, kept out of the common future.
+                Ok((guard, durable)) => Box::pin(self.activate(route, key, token, guard, durable)).await,
                 Err(refusal) => self.refusal(route, key, token, refusal, client),
             },
             Err(refusal) => self.refusal(route, key, token, refusal, client),
         }
+    }
+
+    /// An external route's new token: durable first, then the barrier on
+    /// older in-flight mutations.
+    async fn activate(
+        &self,
+        route: &Route,
+        key: &str,
+        token: u64,
+        guard: InflightGuard,
+        durable: Option<tokio::sync::oneshot::Receiver<Result<(), Error>>>,
+    ) -> Result<Option<InflightGuard>, Refused> {
+        if let Some(rx) = durable {
+            wait_durable(rx).await?;
+            self.metrics.fence_advances.inc();
+        }
+        let outcome = self.fences.barrier(key, token, route.upstream_timeout).await;
+        self.metrics.activation_wait.observe(outcome.waited.as_secs_f64());
+        if outcome.overrun {
+            self.metrics.activation_overruns.inc();
+        }
+        Ok(Some(guard))
     }
 
     fn refusal(
@@ -387,7 +401,7 @@ impl Proxy {
         let outcome_word = |w: &'static str| mutation.then_some(w);
         let declared = content_length(req.headers());
         if declared.is_some_and(|len| len > route.max_body_bytes) {
-            crate::body::drain(req.into_body(), crate::body::DRAIN_MAX_BYTES, Duration::from_secs(2)).await;
+            Box::pin(crate::body::drain(req.into_body(), crate::body::DRAIN_MAX_BYTES, Duration::from_secs(2))).await;
             return Err(Error::PayloadTooLarge { limit_bytes: route.max_body_bytes }.into());
         }
         let (parts, body) = req.into_parts();

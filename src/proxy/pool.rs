@@ -169,7 +169,9 @@ impl Pool {
         loop {
             let (mut sender, reused) = match self.checkout() {
                 Some(s) => (s, true),
-                None => (self.connect().await?, false),
+                // Boxed: the TLS handshake's future is large, and a pooled
+                // connection (the common case) needs none of it.
+                None => (Box::pin(self.connect()).await?, false),
             };
             if sender.ready().await.is_err() {
                 if reused {

@@ -137,7 +137,9 @@ impl Upstream {
                 use http_body_util::BodyExt;
                 Ok(resp.map(|b| b.map_err(Into::into).boxed_unsync()))
             }
-            Upstream::File(store) => store.handle(req, key_path, token).await.map_err(SendError::Refused),
+            // Boxed, so the HTTP path's future does not carry the file
+            // store's (larger) state.
+            Upstream::File(store) => Box::pin(store.handle(req, key_path, token)).await.map_err(SendError::Refused),
         }
     }
 }
