@@ -11,24 +11,22 @@ use http::{Request, Response, Version};
 
 use crate::config::HostHeader;
 
-static KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
-static PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 
 /// Headers that describe one connection, not the message (RFC 9110 7.6.1),
 /// besides `Connection` itself.
-fn is_fixed_hop_by_hop(n: &HeaderName) -> bool {
-    *n == header::TE
-        || *n == header::TRANSFER_ENCODING
-        || *n == header::UPGRADE
-        || *n == header::TRAILER
-        || *n == header::PROXY_AUTHORIZATION
-        || *n == header::PROXY_AUTHENTICATE
-        || *n == KEEP_ALIVE
-        || *n == PROXY_CONNECTION
-}
+static FIXED_HOP_BY_HOP: [HeaderName; 8] = [
+    header::TE,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+    header::TRAILER,
+    header::PROXY_AUTHORIZATION,
+    header::PROXY_AUTHENTICATE,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+];
 
 /// Who sent the request, as the listener saw it.
 #[derive(Debug, Clone)]
@@ -56,45 +54,53 @@ pub static X_FENCING_TOKEN: HeaderName = HeaderName::from_static("x-fencing-toke
 
 /// Removes `Connection`, every header it names, and the fixed hop-by-hop set.
 pub fn strip_hop_by_hop(h: &mut HeaderMap) {
-    // The common case, a message with none of them, costs one pass over
-    // the names and no allocation.
-    let has_connection = h.contains_key(header::CONNECTION);
-    if !has_connection && !h.keys().any(is_fixed_hop_by_hop) {
-        return;
+    // One pass over the names finds what is there; the common cases (none
+    // of them, or just `Connection: keep-alive`) allocate nothing.
+    let mut present = 0u16;
+    let mut connection = false;
+    for name in h.keys() {
+        if *name == header::CONNECTION {
+            connection = true;
+        } else if let Some(i) = FIXED_HOP_BY_HOP.iter().position(|f| f == name) {
+            present |= 1 << i;
+        }
     }
-    if has_connection {
-        let named: Vec<HeaderName> = h
-            .get_all(header::CONNECTION)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
-            .collect();
+    if connection {
+        let mut named: Vec<HeaderName> = Vec::new();
+        for value in h.get_all(header::CONNECTION) {
+            let Ok(text) = value.to_str() else { continue };
+            for token in text.split(',').map(str::trim) {
+                // `close` is an option, `keep-alive` one of the fixed set.
+                if token.is_empty() || token.eq_ignore_ascii_case("close") || token.eq_ignore_ascii_case("keep-alive") {
+                    continue;
+                }
+                if let Ok(n) = HeaderName::from_bytes(token.as_bytes()) {
+                    named.push(n);
+                }
+            }
+        }
         for n in named {
             h.remove(n);
         }
         h.remove(header::CONNECTION);
     }
-    for n in [
-        &header::TE,
-        &header::TRANSFER_ENCODING,
-        &header::UPGRADE,
-        &header::TRAILER,
-        &header::PROXY_AUTHORIZATION,
-        &header::PROXY_AUTHENTICATE,
-        &KEEP_ALIVE,
-        &PROXY_CONNECTION,
-    ] {
-        h.remove(n);
+    for (i, name) in FIXED_HOP_BY_HOP.iter().enumerate() {
+        if present & (1 << i) != 0 {
+            h.remove(name);
+        }
     }
 }
 
-fn via_value(v: Version) -> HeaderValue {
-    HeaderValue::from_static(match v {
-        Version::HTTP_2 => "2 fencegate",
-        Version::HTTP_10 => "1.0 fencegate",
-        _ => "1.1 fencegate",
-    })
+static VIA_2: HeaderValue = HeaderValue::from_static("2 fencegate");
+static VIA_10: HeaderValue = HeaderValue::from_static("1.0 fencegate");
+static VIA_11: HeaderValue = HeaderValue::from_static("1.1 fencegate");
+
+fn via_value(v: Version) -> &'static HeaderValue {
+    match v {
+        Version::HTTP_2 => &VIA_2,
+        Version::HTTP_10 => &VIA_10,
+        _ => &VIA_11,
+    }
 }
 
 /// Appends `item` to a comma-separated list header (one value, as nginx
@@ -137,7 +143,7 @@ pub fn prepare_request<B>(
     if let Some(host) = &original_host {
         h.insert(&X_FORWARDED_HOST, host.clone());
     }
-    append_list(h, &header::VIA, &via_value(version));
+    append_list(h, &header::VIA, via_value(version));
     match (host_mode, upstream_host) {
         (HostHeader::Rewrite, Some(up)) => {
             h.insert(header::HOST, up);
@@ -158,7 +164,7 @@ pub fn prepare_response<B>(resp: &mut Response<B>) {
     let version = resp.version();
     let h = resp.headers_mut();
     strip_hop_by_hop(h);
-    append_list(h, &header::VIA, &via_value(version));
+    append_list(h, &header::VIA, via_value(version));
 }
 
 #[cfg(test)]
@@ -172,7 +178,7 @@ mod tests {
     #[test]
     fn hop_by_hop_headers_are_removed() {
         let mut req = Request::builder()
-            .header("connection", "close, x-secret")
+            .header("connection", "close, x-secret, Keep-Alive")
             .header("x-secret", "1")
             .header("keep-alive", "timeout=5")
             .header("te", "trailers")
