@@ -10,11 +10,24 @@ use fencegate::config::LocksConfig;
 use fencegate::fence::{token::parse_one, Admission, CheckPolicy, FenceTable};
 use fencegate::metrics::Metrics;
 use fencegate::proxy::path::check_path;
+use fencegate::proxy::template::Template;
 use fencegate::store::Store;
 
 fn hot_paths(c: &mut Criterion) {
     c.bench_function("token_parse", |b| b.iter(|| parse_one(std::hint::black_box(b"18446744073709551"))));
     c.bench_function("path_check", |b| b.iter(|| check_path(std::hint::black_box("/orders/12345/lines/7%20x"))));
+    // Path check + key mapping as a route does it: decode, match the
+    // `match` template, render the `resource` template.
+    let matcher = Template::parse_match("/orders/{id}/{*rest}").unwrap();
+    let resource = Template::parse_resource("orders/{id}", &matcher).unwrap();
+    c.bench_function("path_check_and_key_mapping", |b| {
+        b.iter(|| {
+            let checked = check_path(std::hint::black_box("/orders/12345/lines/7%20x")).unwrap();
+            let segments = checked.segments();
+            let caps = matcher.matches(&segments).unwrap();
+            resource.render(&caps)
+        })
+    });
 
     let table = FenceTable::new();
     for i in 0..100_000u64 {
