@@ -65,10 +65,19 @@ pub struct Gateway {
 }
 
 impl Gateway {
-    /// Opens the store, rebuilds the fence table, restores live grants,
-    /// binds both listeners and starts serving.
+    /// Binds both listeners, opens the store, rebuilds the fence table,
+    /// restores live grants and starts serving.
     pub async fn start(cfg: Config) -> Result<Gateway, Error> {
         cfg.validate().map_err(Error::BadRequest)?;
+        // Bind first: a port already in use must fail the start before the
+        // store counts a boot (an aborted start is not an unclean stop, and
+        // must not put the next start in quarantine). Connections made
+        // meanwhile wait in the backlog until serving starts.
+        let bind = |addr: SocketAddr| async move {
+            TcpListener::bind(addr).await.map_err(|e| Error::Internal(format!("binding {addr}: {e}")))
+        };
+        let proxy_listener = bind(cfg.listen).await?;
+        let api_listener = bind(cfg.api_listen).await?;
         let metrics = Arc::new(Metrics::new().map_err(|e| Error::Internal(format!("metrics: {e}")))?);
         let sync_hist = metrics.store_sync_duration.clone();
         let observe: SyncObserver = Arc::new(move |d, _n| sync_hist.observe(d.as_secs_f64()));
@@ -90,9 +99,6 @@ impl Gateway {
         let auth = Arc::new(Auth::load(&cfg.auth)?);
         let proxy = Arc::new(Proxy::new(&cfg, authority.clone(), store.clone(), metrics.clone(), auth.clone())?);
 
-        let bind = |addr: SocketAddr| async move {
-            TcpListener::bind(addr).await.map_err(|e| Error::Internal(format!("binding {addr}: {e}")))
-        };
         if !store.was_clean() {
             // The previous process died: requests it forwarded to an HTTP
             // upstream may be applied for up to that route's timeout.
@@ -112,8 +118,6 @@ impl Gateway {
                 );
             }
         }
-        let proxy_listener = bind(cfg.listen).await?;
-        let api_listener = bind(cfg.api_listen).await?;
         let proxy_addr = proxy_listener.local_addr().map_err(|e| Error::Internal(e.to_string()))?;
         let api_addr = api_listener.local_addr().map_err(|e| Error::Internal(e.to_string()))?;
 

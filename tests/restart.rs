@@ -78,3 +78,34 @@ async fn grant_after_kill9_waits_out_the_dead_process_requests() {
     assert!(started.elapsed() < std::time::Duration::from_millis(500));
     assert_eq!(after_clean.token, 1);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_start_that_cannot_bind_leaves_no_unclean_stop_behind() {
+    let rec = common::Recorder::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let cfg = format!("[[routes]]\nmatch = \"/{{*path}}\"\nupstream = \"{}\"\nupstream_timeout_ms = 3000\n", rec.url());
+    let http = Http::default();
+    // A first, clean life, so the data dir exists.
+    let gw = Gateway::start(&data, Opts { config: Some(cfg.clone()), ..Opts::default() });
+    assert!(gw.terminate().success());
+    // Then a start on a port somebody else holds: it must fail before it
+    // touches the store.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let failed = std::process::Command::new(env!("CARGO_BIN_EXE_fencegate"))
+        .args(["serve", "--data-dir"])
+        .arg(&data)
+        .args(["--listen", &format!("127.0.0.1:{port}"), "--api-listen", &format!("127.0.0.1:{}", common::free_port())])
+        .output()
+        .unwrap();
+    assert!(!failed.status.success());
+    assert!(String::from_utf8_lossy(&failed.stderr).contains("Address already in use"));
+    drop(taken);
+    // The next start is clean: no quarantine, a grant comes at once.
+    let gw = Gateway::start(&data, Opts { config: Some(cfg), ..Opts::default() });
+    let started = std::time::Instant::now();
+    acquire(&http, &gw.api_url(""), "after/failed-start", 1000, 0).await.unwrap();
+    assert!(started.elapsed() < std::time::Duration::from_millis(1000), "the failed start left a quarantine");
+    assert!(!gw.log_text().contains("did not stop cleanly"), "{}", gw.log_text());
+}

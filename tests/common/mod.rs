@@ -44,8 +44,27 @@ pub struct Opts {
 }
 
 impl Gateway {
-    /// Starts `fencegate serve` on `data_dir` and waits for `/readyz`.
+    /// Starts `fencegate serve` on `data_dir` and waits until it listens.
+    /// A port picked by [`free_port`] can be taken by another process before
+    /// the child binds it; the child then exits at once (before touching its
+    /// data dir), and the start is retried on other ports.
     pub fn start(data_dir: &Path, opts: Opts) -> Gateway {
+        let retry_ok = opts.proxy_port.is_none() || opts.api_port.is_none();
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let mut gw = Gateway::spawn(data_dir, &opts);
+            match gw.wait_ready(Duration::from_secs(60)) {
+                Ok(()) => return gw,
+                Err(log) if retry_ok && attempt < 5 && log.contains("Address already in use") => {
+                    let _ = gw.child.wait();
+                }
+                Err(log) => panic!("gateway did not come up; log:\n{log}"),
+            }
+        }
+    }
+
+    fn spawn(data_dir: &Path, opts: &Opts) -> Gateway {
         let proxy: SocketAddr = format!("127.0.0.1:{}", opts.proxy_port.unwrap_or_else(free_port)).parse().unwrap();
         let api: SocketAddr = format!("127.0.0.1:{}", opts.api_port.unwrap_or_else(free_port)).parse().unwrap();
         let log = data_dir.with_extension(format!("{}.log", api.port()));
@@ -75,18 +94,24 @@ impl Gateway {
         let logfile = std::fs::File::create(&log).unwrap();
         cmd.stdout(Stdio::null()).stderr(logfile).env("RUST_LOG", "info");
         let child = cmd.spawn().expect("spawning fencegate");
-        let gw = Gateway { child, proxy, api, data_dir: data_dir.to_path_buf(), log };
-        gw.wait_ready(Duration::from_secs(60));
-        gw
+        Gateway { child, proxy, api, data_dir: data_dir.to_path_buf(), log }
     }
 
-    fn wait_ready(&self, limit: Duration) {
+    /// Waits until both ports accept connections (requests made before the
+    /// store is open wait in the backlog); the log when the child exited or
+    /// the limit passed.
+    fn wait_ready(&mut self, limit: Duration) -> Result<(), String> {
         let started = Instant::now();
         loop {
-            if std::net::TcpStream::connect(self.api).is_ok() && std::net::TcpStream::connect(self.proxy).is_ok() {
-                return;
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Err(format!("(exited: {status})\n{}", self.log_text()));
             }
-            assert!(started.elapsed() < limit, "gateway did not come up; log:\n{}", self.log_text());
+            if std::net::TcpStream::connect(self.api).is_ok() && std::net::TcpStream::connect(self.proxy).is_ok() {
+                return Ok(());
+            }
+            if started.elapsed() > limit {
+                return Err(format!("(not ready after {limit:?})\n{}", self.log_text()));
+            }
             std::thread::sleep(Duration::from_millis(20));
         }
     }
