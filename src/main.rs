@@ -337,6 +337,9 @@ fn serve(args: ServeArgs) -> ExitCode {
         }
     };
     runtime.block_on(async move {
+        // Installed before the start: a SIGTERM while the store opens stops
+        // the gateway cleanly as soon as it is up.
+        let stop_signal = fencegate::shutdown::os_signal();
         let gateway = match Gateway::start(cfg).await {
             Ok(g) => g,
             Err(e) => {
@@ -344,7 +347,7 @@ fn serve(args: ServeArgs) -> ExitCode {
                 return ExitCode::FAILURE;
             }
         };
-        fencegate::shutdown::os_signal().await;
+        stop_signal.await;
         tracing::info!("shutdown signal received; draining");
         gateway.shutdown();
         gateway.wait().await;

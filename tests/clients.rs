@@ -217,13 +217,19 @@ async fn lease_renews_itself_and_notices_a_refused_renewal() {
 async fn lease_is_lost_by_its_local_deadline_when_the_gateway_freezes() {
     let (_d, gw) = start();
     let client = Client::new(&gw.api_url("")).unwrap();
+    // The local deadline counts from before the acquire was sent.
+    let before_acquire = Instant::now();
     let lease = client.acquire("k", Duration::from_millis(900), Duration::ZERO).await.unwrap();
-    let frozen = Instant::now();
     common::signal(gw.child.id(), "STOP");
     tokio::time::timeout(Duration::from_secs(3), lease.lost()).await.unwrap();
-    let after = frozen.elapsed();
+    let after = before_acquire.elapsed();
     common::signal(gw.child.id(), "CONT");
-    assert!(after <= Duration::from_millis(900), "lost() must fire by the local deadline: {after:?}");
+    // 900 ms plus what a loaded test machine adds to a timer's wake-up.
+    assert!(
+        after <= Duration::from_millis(900 + 100),
+        "lost() must fire by the local deadline (900 ms after the acquire was sent): {after:?}"
+    );
+    assert!(after >= Duration::from_millis(900), "lost() fired before the deadline: {after:?}");
     // The gateway, thawed, still counts the grant live for a moment: the
     // client's view is the more pessimistic one, as it must be.
 }
