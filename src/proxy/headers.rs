@@ -148,8 +148,10 @@ pub fn prepare_request<B>(
         (HostHeader::Rewrite, Some(up)) => {
             h.insert(header::HOST, up);
         }
-        _ => {
-            if let Some(host) = original_host {
+        // Preserved; a request that named no host at all (HTTP/1.0)
+        // gets the upstream's, since HTTP/1.1 requires one.
+        (_, up) => {
+            if let Some(host) = original_host.or(up) {
                 h.insert(header::HOST, host);
             }
         }
@@ -234,6 +236,15 @@ mod tests {
         let mut req = Request::builder().header("x-forwarded-for", "1.1.1.1").body(()).unwrap();
         prepare_request(&mut req, &client(), HostHeader::Preserve, None, true);
         assert_eq!(req.headers()["x-forwarded-for"], "1.1.1.1, 10.1.2.3");
+    }
+
+    #[test]
+    fn a_request_without_any_host_gets_the_upstreams() {
+        let mut req = Request::builder().uri("/x").body(()).unwrap();
+        let up = HeaderValue::from_static("127.0.0.1:9000");
+        prepare_request(&mut req, &client(), HostHeader::Preserve, Some(up), true);
+        assert_eq!(req.headers()["host"], "127.0.0.1:9000");
+        assert!(!req.headers().contains_key("x-forwarded-host"));
     }
 
     #[test]

@@ -59,8 +59,6 @@ pub struct Route {
     request_duration: prometheus::Histogram,
     upstream_duration: prometheus::Histogram,
     forwarded: prometheus::IntCounter,
-    /// The upstream's `Host`, for routes that rewrite it.
-    upstream_host: Option<http::HeaderValue>,
 }
 
 /// The data plane.
@@ -134,12 +132,10 @@ impl Proxy {
             let mutating = rc.mutating_methods.iter().filter_map(|m| Method::from_bytes(m.as_bytes()).ok()).collect();
             let name = rc.route_name(i);
             metrics.register_route(&name);
-            let upstream_host = upstream.host();
             routes.push(Route {
                 request_duration: metrics.request_duration.with_label_values(&["proxy", &name]),
                 upstream_duration: metrics.upstream_duration.with_label_values(&[&name]),
                 forwarded: metrics.mutations.with_label_values(&[&name, "forwarded"]),
-                upstream_host,
                 name,
                 matcher,
                 resource,
@@ -408,7 +404,7 @@ impl Proxy {
         let ctl = guard.as_ref().map(|g| g.ctl().clone());
         let (body, body_outcome) = FencedBody::new(body, ctl, route.max_body_bytes);
         let mut up = Request::from_parts(parts, body);
-        headers::prepare_request(&mut up, client, route.host_header, route.upstream_host.clone(), route.forward_token);
+        headers::prepare_request(&mut up, client, route.host_header, route.upstream.host(), route.forward_token);
         let started = Instant::now();
         let sent = tokio::time::timeout(route.upstream_timeout, route.upstream.send(up, object, token)).await;
         route.upstream_duration.observe(started.elapsed().as_secs_f64());

@@ -31,6 +31,12 @@ struct Idle {
     since: Instant,
 }
 
+impl Idle {
+    fn usable(&self, idle_timeout: Duration) -> bool {
+        !self.sender.is_closed() && self.since.elapsed() < idle_timeout
+    }
+}
+
 /// Idle connections to one upstream, most recently used last.
 pub struct Pool {
     authority: Authority,
@@ -112,7 +118,7 @@ impl Pool {
     fn checkout(&self) -> Option<Sender> {
         let mut idle = self.lock();
         while let Some(entry) = idle.pop() {
-            if !entry.sender.is_closed() && entry.since.elapsed() < self.idle_timeout {
+            if entry.usable(self.idle_timeout) {
                 return Some(entry.sender);
             }
         }
@@ -131,7 +137,7 @@ impl Pool {
 
     fn expire(&self) {
         let timeout = self.idle_timeout;
-        self.lock().retain(|e| !e.sender.is_closed() && e.since.elapsed() < timeout);
+        self.lock().retain(|e| e.usable(timeout));
     }
 
     async fn connect(&self) -> Result<Sender, PoolError> {

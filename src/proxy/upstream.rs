@@ -11,7 +11,7 @@ use std::time::Duration;
 use std::sync::Arc;
 
 use http::uri::{Authority, PathAndQuery, Scheme};
-use http::{header, HeaderValue, Request, Response, Uri};
+use http::{HeaderValue, Request, Response, Uri};
 
 use super::fenced_body::FencedBody;
 use super::filestore::FileStore;
@@ -114,7 +114,7 @@ impl Upstream {
         token: Option<u64>,
     ) -> Result<Response<crate::body::BoxBody>, SendError> {
         match self {
-            Upstream::Http { pool, host, prefix, .. } => {
+            Upstream::Http { pool, prefix, .. } => {
                 // Origin-form: the upstream sees `/prefix/path?query`.
                 let pq = req.uri().path_and_query().map_or("/", PathAndQuery::as_str);
                 let pq = if prefix.is_empty() {
@@ -125,11 +125,6 @@ impl Upstream {
                 .map_err(|e| SendError::Other(format!("building upstream URI: {e}")))?;
                 *req.uri_mut() = Uri::from(pq);
                 *req.version_mut() = http::Version::HTTP_11;
-                if !req.headers().contains_key(header::HOST) {
-                    if let Some(h) = host {
-                        req.headers_mut().insert(header::HOST, h.clone());
-                    }
-                }
                 let resp = pool.send(req).await.map_err(|e| match e {
                     PoolError::Connect(e) => SendError::Connect(e),
                     PoolError::Exchange(e) => SendError::Other(error_chain(&e)),
