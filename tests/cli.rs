@@ -41,6 +41,19 @@ fn check_config_names_the_bad_key() {
     }
 }
 
+/// One `GET` over a fresh connection; true when the status line says 200.
+fn answers_200(addr: &str, path: &str) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect(addr) else { return false };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
+    let req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    if s.write_all(req.as_bytes()).is_err() {
+        return false;
+    }
+    let mut head = [0u8; 12];
+    s.read_exact(&mut head).is_ok() && head.starts_with(b"HTTP/1.1 200")
+}
+
 #[test]
 fn serve_with_no_arguments_runs_on_the_embedded_defaults() {
     let dir = tempfile::tempdir().unwrap();
@@ -51,10 +64,10 @@ fn serve_with_no_arguments_runs_on_the_embedded_defaults() {
         );
     }
     let mut child = fencegate().arg("serve").current_dir(dir.path()).spawn().unwrap();
+    // The ports accept before the store is open (bound first; connections
+    // wait in the backlog), so readiness is an answer from /readyz.
     let started = Instant::now();
-    while std::net::TcpStream::connect("127.0.0.1:7070").is_err()
-        || std::net::TcpStream::connect("127.0.0.1:8080").is_err()
-    {
+    while !answers_200("127.0.0.1:7070", "/readyz") || std::net::TcpStream::connect("127.0.0.1:8080").is_err() {
         assert!(started.elapsed() < Duration::from_secs(30), "defaults did not come up");
         std::thread::sleep(Duration::from_millis(20));
     }

@@ -97,16 +97,21 @@ impl Gateway {
         Gateway { child, proxy, api, data_dir: data_dir.to_path_buf(), log }
     }
 
-    /// Waits until both ports accept connections (requests made before the
-    /// store is open wait in the backlog); the log when the child exited or
-    /// the limit passed.
+    /// Waits until the gateway says it is serving. Its ports accept
+    /// connections earlier (they are bound before the store opens, and
+    /// requests made meanwhile wait in the backlog), so accepting alone does
+    /// not mean the data dir is open. The log when the child exited or the
+    /// limit passed.
     fn wait_ready(&mut self, limit: Duration) -> Result<(), String> {
         let started = Instant::now();
         loop {
             if let Ok(Some(status)) = self.child.try_wait() {
                 return Err(format!("(exited: {status})\n{}", self.log_text()));
             }
-            if std::net::TcpStream::connect(self.api).is_ok() && std::net::TcpStream::connect(self.proxy).is_ok() {
+            if self.log_text().contains("fencegate serving")
+                && std::net::TcpStream::connect(self.api).is_ok()
+                && std::net::TcpStream::connect(self.proxy).is_ok()
+            {
                 return Ok(());
             }
             if started.elapsed() > limit {
