@@ -2,10 +2,10 @@
 //! three column families and the one group-commit writer thread. See the
 //! parent module for the contract.
 
+use std::collections::VecDeque;
 use std::path::Path;
-use std::sync::mpsc;
-use std::sync::Arc;
-use std::time::Instant;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use rocksdb::{ColumnFamilyDescriptor, IteratorMode, Options, WriteBatch, WriteOptions, DB};
 
@@ -16,22 +16,133 @@ const CF_FENCES: &str = "fences";
 const CF_GRANTS: &str = "grants";
 const CF_COUNTERS: &str = "counters";
 
+/// How long a lazy write (a release, a renewal) may wait for a durable
+/// commit to ride along with before the writer writes it on its own.
+const LAZY_DELAY: Duration = Duration::from_millis(20);
+
 /// The open database and its writer. Dropping the last handle closes the
 /// queue, lets the writer finish what was queued, and joins it, so the
 /// database is closed (and its lock released) when the drop returns.
 pub(super) struct Rocks {
     db: Arc<DB>,
-    tx: Option<mpsc::Sender<Commit>>,
+    queue: Arc<Queue>,
     writer: Option<std::thread::JoinHandle<()>>,
     was_clean: bool,
 }
 
 impl Drop for Rocks {
     fn drop(&mut self) {
-        drop(self.tx.take());
+        self.queue.close();
         if let Some(w) = self.writer.take() {
             let _ = w.join();
         }
+    }
+}
+
+/// The writer's queue, in submission order. Only a commit someone waits
+/// for wakes the writer; lazy ones are picked up with the next durable
+/// commit, or after [`LAZY_DELAY`], so a release does not cost a wake-up
+/// and an fsync of its own.
+struct Queue {
+    state: Mutex<QueueState>,
+    wake: Condvar,
+}
+
+#[derive(Default)]
+struct QueueState {
+    items: VecDeque<Commit>,
+    /// Queued commits with a waiter.
+    durable: usize,
+    /// When the oldest queued lazy commit arrived (none queued: `None`).
+    oldest_lazy: Option<Instant>,
+    /// The writer waits without a deadline: a first lazy commit must wake
+    /// it to set one.
+    idle: bool,
+    /// No more commits are accepted: the store is closing, or the writer
+    /// is gone (then a commit is dropped, which resolves its waiter with
+    /// an error instead of leaving it waiting).
+    closed: bool,
+}
+
+impl Queue {
+    fn lock(&self) -> MutexGuard<'_, QueueState> {
+        // The state stays consistent across a panic (plain pushes and
+        // pops), so a poisoned lock is still usable.
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn push(&self, commit: Commit) {
+        let mut s = self.lock();
+        if s.closed {
+            return;
+        }
+        if commit.done.is_some() {
+            s.durable += 1;
+            s.items.push_back(commit);
+            drop(s);
+            self.wake.notify_one();
+        } else {
+            s.oldest_lazy.get_or_insert_with(Instant::now);
+            s.items.push_back(commit);
+            if s.idle {
+                drop(s);
+                self.wake.notify_one();
+            }
+        }
+    }
+
+    fn close(&self) {
+        self.lock().closed = true;
+        self.wake.notify_one();
+    }
+
+    /// Waits until there is something to write now, and takes up to
+    /// `limit` commits in order. `None`: closed and drained.
+    fn next_group(&self, limit: usize) -> Option<Vec<Commit>> {
+        let mut s = self.lock();
+        loop {
+            if s.durable > 0 || (s.closed && !s.items.is_empty()) {
+                break;
+            }
+            if s.closed {
+                return None;
+            }
+            s = match s.oldest_lazy {
+                None => {
+                    s.idle = true;
+                    let mut s = self.wake.wait(s).unwrap_or_else(std::sync::PoisonError::into_inner);
+                    s.idle = false;
+                    s
+                }
+                Some(since) => {
+                    let left = LAZY_DELAY.saturating_sub(since.elapsed());
+                    if left.is_zero() {
+                        break;
+                    }
+                    self.wake.wait_timeout(s, left).unwrap_or_else(std::sync::PoisonError::into_inner).0
+                }
+            };
+        }
+        let take = s.items.len().min(limit);
+        let group: Vec<Commit> = s.items.drain(..take).collect();
+        s.durable -= group.iter().filter(|c| c.done.is_some()).count();
+        if !s.items.iter().any(|c| c.done.is_none()) {
+            s.oldest_lazy = None;
+        }
+        Some(group)
+    }
+}
+
+/// Marks the queue closed when the writer thread ends, by return or by
+/// panic, and drops what is left so that no waiter waits forever.
+struct WriterGone(Arc<Queue>);
+
+impl Drop for WriterGone {
+    fn drop(&mut self) {
+        let mut s = self.0.lock();
+        s.closed = true;
+        s.items.clear();
+        s.durable = 0;
     }
 }
 
@@ -51,13 +162,17 @@ impl Rocks {
             .map_err(|e| Error::Store(format!("opening RocksDB in {}: {e}", dir.display())))?;
         let db = Arc::new(db);
         let was_clean = bump_boots(&db)?;
-        let (tx, rx) = mpsc::channel::<Commit>();
+        let queue = Arc::new(Queue { state: Mutex::default(), wake: Condvar::new() });
         let writer_db = db.clone();
+        let writer_queue = queue.clone();
         let handle = std::thread::Builder::new()
             .name("fencegate-store-writer".into())
-            .spawn(move || writer_loop(&writer_db, &rx, writer, &observe))
+            .spawn(move || {
+                let _gone = WriterGone(writer_queue.clone());
+                writer_loop(&writer_db, &writer_queue, writer, &observe);
+            })
             .map_err(|e| Error::Store(format!("starting the store writer: {e}")))?;
-        Ok(Rocks { db, tx: Some(tx), writer: Some(handle), was_clean })
+        Ok(Rocks { db, queue, writer: Some(handle), was_clean })
     }
 
     /// True if the previous process stopped cleanly (or there was none).
@@ -84,12 +199,10 @@ impl Rocks {
         self.db.write_opt(batch, &wo).map_err(|e| Error::Store(format!("writing the clean-stop mark: {e}")))
     }
 
-    /// Hands a commit to the writer. A send error means the writer is
-    /// gone; the dropped sender then resolves the caller with an error.
+    /// Hands a commit to the writer. When the writer is gone the commit
+    /// is dropped, which resolves its waiter with an error.
     pub(super) fn send(&self, commit: Commit) {
-        if let Some(tx) = &self.tx {
-            let _ = tx.send(commit);
-        }
+        self.queue.push(commit);
     }
 
     pub(super) fn for_each_fence(&self, f: &mut dyn FnMut(&str, u64)) -> Result<(), Error> {
@@ -160,20 +273,14 @@ fn bump_boots(db: &DB) -> Result<bool, Error> {
     Ok(was_clean)
 }
 
-/// The single writer: waits for work, drains what is queued (up to
-/// `max_batch`), writes it as one batch with one fsync, answers everyone.
-fn writer_loop(db: &DB, rx: &mpsc::Receiver<Commit>, opts: WriterOptions, observe: &SyncObserver) {
+/// The single writer: waits for a commit someone waits for (or a lazy one
+/// that waited long enough), takes what is queued (up to `max_batch`, in
+/// order), writes it as one batch with one fsync, answers everyone.
+fn writer_loop(db: &DB, queue: &Queue, opts: WriterOptions, observe: &SyncObserver) {
     let mut wo = WriteOptions::default();
     wo.set_sync(true);
     let limit = if opts.group_commit { opts.max_batch.max(1) } else { 1 };
-    while let Ok(first) = rx.recv() {
-        let mut group = vec![first];
-        while group.len() < limit {
-            match rx.try_recv() {
-                Ok(c) => group.push(c),
-                Err(_) => break,
-            }
-        }
+    while let Some(group) = queue.next_group(limit) {
         let result = write_group(db, &group, &wo, observe);
         for commit in group {
             if let Some(done) = commit.done {
@@ -253,5 +360,59 @@ mod tests {
             s.commit(vec![Op::DropGrant { key }]).await.unwrap();
         }
         assert!(open(dir.path()).grants().unwrap().is_empty());
+    }
+
+    fn grant(key: &Arc<str>, lease: &str) -> Op {
+        let record = GrantRecord { token: 1, lease_id: lease.into(), holder: String::new(), ttl_ms: 500 };
+        Op::Grant { key: key.clone(), record }
+    }
+
+    fn leases(s: &Store) -> Vec<String> {
+        s.grants().unwrap().into_iter().map(|(_, r)| r.lease_id).collect()
+    }
+
+    #[tokio::test]
+    async fn a_lazy_write_rides_along_with_the_next_durable_one_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = open(dir.path());
+        let k: Arc<str> = Arc::from("k");
+        s.commit(vec![grant(&k, "a")]).await.unwrap();
+        // Released lazily, then granted again: the drop must land first.
+        s.submit_lazy(vec![Op::DropGrant { key: k.clone() }]);
+        s.commit(vec![grant(&k, "b")]).await.unwrap();
+        assert_eq!(leases(&s), vec!["b"]);
+        // A lazy drop queued before a durable write elsewhere is written
+        // with it, not after the lazy delay.
+        s.submit_lazy(vec![Op::DropGrant { key: k.clone() }]);
+        s.commit(vec![Op::Fence { key: Arc::from("other"), token: 1 }]).await.unwrap();
+        assert!(leases(&s).is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_lazy_write_alone_is_written_after_the_lazy_delay() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = open(dir.path());
+        let k: Arc<str> = Arc::from("k");
+        s.commit(vec![grant(&k, "a")]).await.unwrap();
+        // Let the writer go idle: the lazy write alone must wake it.
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        s.submit_lazy(vec![Op::DropGrant { key: k.clone() }]);
+        let started = std::time::Instant::now();
+        while !leases(&s).is_empty() {
+            assert!(started.elapsed() < std::time::Duration::from_secs(5), "the lazy write never landed");
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn closing_the_store_writes_queued_lazy_writes() {
+        let dir = tempfile::tempdir().unwrap();
+        let k: Arc<str> = Arc::from("k");
+        {
+            let s = open(dir.path());
+            s.commit(vec![grant(&k, "a")]).await.unwrap();
+            s.submit_lazy(vec![Op::DropGrant { key: k.clone() }]);
+        }
+        assert!(leases(&open(dir.path())).is_empty());
     }
 }
