@@ -20,6 +20,7 @@ const CF_COUNTERS: &str = "counters";
 /// commit to ride along with before the writer writes it on its own.
 const LAZY_DELAY: Duration = Duration::from_millis(20);
 
+
 /// The open database and its writer. Dropping the last handle closes the
 /// queue, lets the writer finish what was queued, and joins it, so the
 /// database is closed (and its lock released) when the drop returns.
@@ -58,6 +59,10 @@ struct QueueState {
     /// The writer waits without a deadline: a first lazy commit must wake
     /// it to set one.
     idle: bool,
+    /// The writer waits (with or without a deadline): a durable commit
+    /// must wake it. False while it writes, and once someone woke it: one
+    /// wake-up (a futex syscall) per wait, not one per commit.
+    waiting: bool,
     /// No more commits are accepted: the store is closing, or the writer
     /// is gone (then a commit is dropped, which resolves its waiter with
     /// an error instead of leaving it waiting).
@@ -79,12 +84,18 @@ impl Queue {
         if commit.done.is_some() {
             s.durable += 1;
             s.items.push_back(commit);
-            drop(s);
-            self.wake.notify_one();
+            if s.waiting {
+                s.waiting = false;
+                s.idle = false;
+                drop(s);
+                self.wake.notify_one();
+            }
         } else {
             s.oldest_lazy.get_or_insert_with(Instant::now);
             s.items.push_back(commit);
             if s.idle {
+                s.waiting = false;
+                s.idle = false;
                 drop(s);
                 self.wake.notify_one();
             }
@@ -110,8 +121,10 @@ impl Queue {
             s = match s.oldest_lazy {
                 None => {
                     s.idle = true;
+                    s.waiting = true;
                     let mut s = self.wake.wait(s).unwrap_or_else(std::sync::PoisonError::into_inner);
                     s.idle = false;
+                    s.waiting = false;
                     s
                 }
                 Some(since) => {
@@ -119,7 +132,10 @@ impl Queue {
                     if left.is_zero() {
                         break;
                     }
-                    self.wake.wait_timeout(s, left).unwrap_or_else(std::sync::PoisonError::into_inner).0
+                    s.waiting = true;
+                    let mut s = self.wake.wait_timeout(s, left).unwrap_or_else(std::sync::PoisonError::into_inner).0;
+                    s.waiting = false;
+                    s
                 }
             };
         }
