@@ -181,15 +181,7 @@ impl Gateway {
         }
         if !clean {
             tracing::warn!("not every request drained: the next start will wait out the upstream timeout");
-            return;
-        }
-        // Queued lazy writes (releases, expiries) go first: an empty
-        // durable commit is written after everything queued before it.
-        if let Err(e) = self.store.commit(Vec::new()).await {
-            tracing::error!(error = %e, "could not write the queued releases before the clean stop");
-            return;
-        }
-        if let Err(e) = self.store.mark_clean() {
+        } else if let Err(e) = self.store.mark_clean().await {
             tracing::error!(error = %e, "could not record the clean stop");
         }
     }

@@ -213,8 +213,11 @@ impl Store {
         }
     }
 
-    /// Records durably that this process drained and stops cleanly.
-    pub fn mark_clean(&self) -> Result<(), Error> {
+    /// Records durably that this process drained and stops cleanly. Queued
+    /// lazy writes (releases, expiries) are written first: an empty durable
+    /// commit lands after everything queued before it.
+    pub async fn mark_clean(&self) -> Result<(), Error> {
+        self.commit(Vec::new()).await?;
         match &self.inner {
             #[cfg(feature = "rocksdb")]
             Inner::Rocks(r) => r.mark_clean(),

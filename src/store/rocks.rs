@@ -20,7 +20,6 @@ const CF_COUNTERS: &str = "counters";
 /// commit to ride along with before the writer writes it on its own.
 const LAZY_DELAY: Duration = Duration::from_millis(20);
 
-
 /// The open database and its writer. Dropping the last handle closes the
 /// queue, lets the writer finish what was queued, and joins it, so the
 /// database is closed (and its lock released) when the drop returns.
@@ -56,12 +55,9 @@ struct QueueState {
     durable: usize,
     /// When the oldest queued lazy commit arrived (none queued: `None`).
     oldest_lazy: Option<Instant>,
-    /// The writer waits without a deadline: a first lazy commit must wake
-    /// it to set one.
-    idle: bool,
-    /// The writer waits (with or without a deadline): a durable commit
-    /// must wake it. False while it writes, and once someone woke it: one
-    /// wake-up (a futex syscall) per wait, not one per commit.
+    /// The writer waits: with a deadline when a lazy commit is queued,
+    /// without one otherwise. False while it writes, and once someone woke
+    /// it: one wake-up (a futex syscall) per wait, not one per commit.
     waiting: bool,
     /// No more commits are accepted: the store is closing, or the writer
     /// is gone (then a commit is dropped, which resolves its waiter with
@@ -81,24 +77,21 @@ impl Queue {
         if s.closed {
             return;
         }
-        if commit.done.is_some() {
+        // A durable commit wakes a waiting writer; a lazy one only a writer
+        // waiting without a deadline (none queued before it), to set one.
+        let wake = if commit.done.is_some() {
             s.durable += 1;
-            s.items.push_back(commit);
-            if s.waiting {
-                s.waiting = false;
-                s.idle = false;
-                drop(s);
-                self.wake.notify_one();
-            }
+            s.waiting
         } else {
+            let first_lazy = s.oldest_lazy.is_none();
             s.oldest_lazy.get_or_insert_with(Instant::now);
-            s.items.push_back(commit);
-            if s.idle {
-                s.waiting = false;
-                s.idle = false;
-                drop(s);
-                self.wake.notify_one();
-            }
+            s.waiting && first_lazy
+        };
+        s.items.push_back(commit);
+        if wake {
+            s.waiting = false;
+            drop(s);
+            self.wake.notify_one();
         }
     }
 
@@ -118,26 +111,16 @@ impl Queue {
             if s.closed {
                 return None;
             }
-            s = match s.oldest_lazy {
-                None => {
-                    s.idle = true;
-                    s.waiting = true;
-                    let mut s = self.wake.wait(s).unwrap_or_else(std::sync::PoisonError::into_inner);
-                    s.idle = false;
-                    s.waiting = false;
-                    s
-                }
-                Some(since) => {
-                    let left = LAZY_DELAY.saturating_sub(since.elapsed());
-                    if left.is_zero() {
-                        break;
-                    }
-                    s.waiting = true;
-                    let mut s = self.wake.wait_timeout(s, left).unwrap_or_else(std::sync::PoisonError::into_inner).0;
-                    s.waiting = false;
-                    s
-                }
+            let deadline = s.oldest_lazy.map(|since| LAZY_DELAY.saturating_sub(since.elapsed()));
+            if deadline.is_some_and(|left| left.is_zero()) {
+                break;
+            }
+            s.waiting = true;
+            s = match deadline {
+                None => self.wake.wait(s).unwrap_or_else(std::sync::PoisonError::into_inner),
+                Some(left) => self.wake.wait_timeout(s, left).unwrap_or_else(std::sync::PoisonError::into_inner).0,
             };
+            s.waiting = false;
         }
         let take = s.items.len().min(limit);
         let group: Vec<Commit> = s.items.drain(..take).collect();
