@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs what the tests need and runs the whole test suite: clippy, unit
+# Installs what the tests need and runs the whole test suite: rustfmt, clippy, unit
 # tests, in-process tests, the real binary against real upstreams and a real
 # Prometheus, kill -9 crash tests, every criterion bench once in test mode
 # (so none can rot), and the nemesis harness with its self-test.
@@ -12,6 +12,7 @@ started=$(date +%s)
 # One profile for everything, so RocksDB's C++ is compiled once per run.
 cargo build --locked --all-targets
 echo "build: $(( $(date +%s) - started )) s"
+cargo fmt --all -- --check
 cargo clippy --locked --all-targets --no-deps -- -D warnings
 cargo test --locked --lib --bins --tests --examples -- --test-threads="${FENCEGATE_TEST_THREADS:-4}"
 # Criterion benches, once each in test mode (cargo test passes no --bench).
