@@ -140,6 +140,7 @@ impl Gateway {
             let api = api.clone();
             Box::pin(async move { api.handle(req, client).await })
         });
+        let proxy_fast = proxy.clone();
         let proxy_handler: Handler = Arc::new(move |req, client| {
             let proxy = proxy.clone();
             Box::pin(async move { proxy.handle(req, client).await })
@@ -156,8 +157,9 @@ impl Gateway {
                 true
             });
         }
-        tasks.spawn(server::serve("proxy", proxy_listener, proxy_handler, limits, proxy_tls, stop.clone()));
-        tasks.spawn(server::serve("api", api_listener, api_handler, limits, api_tls, stop.clone()));
+        let fast = cfg.server.proxy_fast_path.then(|| proxy_fast.clone());
+        tasks.spawn(server::serve("proxy", proxy_listener, proxy_handler, limits, proxy_tls, stop.clone(), fast));
+        tasks.spawn(server::serve("api", api_listener, api_handler, limits, api_tls, stop.clone(), None));
         let expiry = authority.clone().run_expiry(stop);
         tasks.spawn(async move {
             expiry.await;

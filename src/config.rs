@@ -92,6 +92,10 @@ pub struct ServerConfig {
     pub proxy_tls: Option<crate::tls::TlsSettings>,
     /// TLS on the api listener (plain text when absent).
     pub api_tls: Option<crate::tls::TlsSettings>,
+    /// Serve plain-text HTTP/1.1 proxy requests on the fast path (requests
+    /// it does not take still go to the general path). `false`: the
+    /// general path only.
+    pub proxy_fast_path: bool,
 }
 
 /// How a route's tokens come to be.
@@ -242,6 +246,7 @@ impl Default for ServerConfig {
             max_connections: 10_000,
             proxy_tls: None,
             api_tls: None,
+            proxy_fast_path: true,
         }
     }
 }

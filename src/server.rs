@@ -22,7 +22,8 @@ use tokio::sync::Semaphore;
 
 use crate::body::BoxBody;
 use crate::error::Error;
-use crate::proxy::ClientInfo;
+use crate::proxy::fast::{self, ConnLimits};
+use crate::proxy::{ClientInfo, Proxy};
 use crate::shutdown::Shutdown;
 use crate::tls::{subject_cn, Reloadable};
 use tokio_rustls::TlsAcceptor;
@@ -71,8 +72,63 @@ async fn serve_conn<I>(
     }
 }
 
+/// A stream that first gives back bytes already read from it (what the
+/// proxy's fast path read before it handed the connection over).
+struct Rewind {
+    prefix: bytes::BytesMut,
+    inner: tokio::net::TcpStream,
+}
+
+impl tokio::io::AsyncRead for Rewind {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        if !self.prefix.is_empty() {
+            let n = self.prefix.len().min(buf.remaining());
+            buf.put_slice(&self.prefix.split_to(n));
+            return std::task::Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for Rewind {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
 /// Serves `listener` until `shutdown`, then drains open connections for
 /// up to `limits.shutdown_grace`. True if every connection drained.
+///
+/// `fast`: the proxy whose plain-text HTTP/1.1 fast path
+/// ([`crate::proxy::fast`]) serves each connection first; it hands a
+/// connection to the general path (hyper) when a request needs it.
 pub async fn serve(
     name: &'static str,
     listener: TcpListener,
@@ -80,6 +136,7 @@ pub async fn serve(
     limits: Limits,
     tls: Option<Arc<Reloadable>>,
     shutdown: Shutdown,
+    fast: Option<Arc<Proxy>>,
 ) -> bool {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
@@ -123,12 +180,27 @@ pub async fn serve(
         let builder = builder.clone();
         let watcher = graceful.watcher();
         let tls = tls.clone();
+        let fast = fast.clone();
+        let conn_shutdown = shutdown.clone();
         let handshake_timeout = limits.header_read_timeout;
         tokio::spawn(async move {
             match tls.and_then(|t| t.current()) {
                 None => {
                     let client = ClientInfo::new(addr, false, None);
-                    serve_conn(name, &builder, watcher, TokioIo::new(stream), client, handler, limits).await;
+                    let io = match fast {
+                        Some(proxy) => {
+                            let conn_limits = ConnLimits {
+                                max_header_bytes: limits.max_header_bytes,
+                                header_read_timeout: limits.header_read_timeout,
+                            };
+                            match fast::serve_conn(&proxy, stream, &client, conn_limits, &conn_shutdown).await {
+                                None => return drop(permit),
+                                Some(h) => Rewind { prefix: h.buffered, inner: h.stream },
+                            }
+                        }
+                        None => Rewind { prefix: bytes::BytesMut::new(), inner: stream },
+                    };
+                    serve_conn(name, &builder, watcher, TokioIo::new(io), client, handler, limits).await;
                 }
                 Some(config) => {
                     let accept = TlsAcceptor::from(config).accept(stream);
@@ -157,8 +229,15 @@ pub async fn serve(
     }
     drop(listener);
     tracing::info!(listener = name, "draining connections");
+    // Every connection task holds a slot until it ends, whichever path
+    // served it; hyper's connections are told to finish first.
+    let all_slots = u32::try_from(limits.max_connections.max(1)).unwrap_or(u32::MAX);
+    let drained = async {
+        graceful.shutdown().await;
+        let _ = slots.acquire_many(all_slots).await;
+    };
     tokio::select! {
-        () = graceful.shutdown() => {
+        () = drained => {
             tracing::info!(listener = name, "all connections drained");
             true
         }

@@ -17,9 +17,14 @@ pub enum TokenError {
 
 /// Parses every `X-Fencing-Token` value of a request. `Ok(None)`: absent.
 pub fn parse_token_header(values: GetAll<'_, HeaderValue>) -> Result<Option<u64>, TokenError> {
+    parse_token_values(values.iter().map(HeaderValue::as_bytes))
+}
+
+/// [`parse_token_header`] over raw header values.
+pub fn parse_token_values<'a>(values: impl IntoIterator<Item = &'a [u8]>) -> Result<Option<u64>, TokenError> {
     let mut found: Option<u64> = None;
     for value in values {
-        for element in value.as_bytes().split(|b| *b == b',') {
+        for element in value.split(|b| *b == b',') {
             let token = parse_one(trim_ows(element))?;
             match found {
                 Some(prev) if prev != token => {

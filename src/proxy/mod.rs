@@ -12,6 +12,7 @@
 //! 4. the in-flight guard drops when the upstream has answered;
 //! 5. any refusal is rendered by `error`.
 
+pub mod fast;
 pub mod fenced_body;
 pub mod filestore;
 pub mod headers;
@@ -201,6 +202,16 @@ impl Proxy {
         response
     }
 
+    /// The first route matching a checked path, and the path's resource key.
+    fn route_for(&self, checked: &path::CheckedPath) -> Option<(&Route, String)> {
+        let segments = checked.segments();
+        // Captures are built only for a route with a resource template.
+        self.routes.iter().find_map(|r| match &r.resource {
+            Some(t) => r.matcher.matches(&segments).map(|caps| (r, t.render(&caps))),
+            None => r.matcher.is_match(&segments).then(|| (r, checked.decoded.clone())),
+        })
+    }
+
     async fn handle_inner<'a>(
         &'a self,
         req: Request<BoxBody>,
@@ -212,12 +223,7 @@ impl Proxy {
             Ok(p) => p,
             Err(msg) => return Err(Error::BadRequest(format!("path refused: {msg}")).into()),
         };
-        let segments = checked.segments();
-        // Captures are built only for a route with a resource template.
-        let Some((route, key)) = self.routes.iter().find_map(|r| match &r.resource {
-            Some(t) => r.matcher.matches(&segments).map(|caps| (r, t.render(&caps))),
-            None => r.matcher.is_match(&segments).then(|| (r, checked.decoded.clone())),
-        }) else {
+        let Some((route, key)) = self.route_for(&checked) else {
             return Err(Error::NotFound(format!("no route for {}", req.uri().path())).into());
         };
         seen.route = Some(route);

@@ -47,6 +47,8 @@ pub struct Pool {
     idle_timeout: Duration,
     max_idle: usize,
     idle: Mutex<Vec<Idle>>,
+    /// Idle raw connections of the fast path (plain `http://` only).
+    raw_idle: Mutex<Vec<(TcpStream, Instant)>>,
 }
 
 impl std::fmt::Debug for Pool {
@@ -95,6 +97,7 @@ impl Pool {
             idle_timeout,
             max_idle,
             idle: Mutex::new(Vec::new()),
+            raw_idle: Mutex::new(Vec::new()),
         });
         // Close connections idle for longer than the idle timeout even when
         // the route sees no traffic.
@@ -138,6 +141,45 @@ impl Pool {
     fn expire(&self) {
         let timeout = self.idle_timeout;
         self.lock().retain(|e| e.usable(timeout));
+        self.raw_idle.lock().unwrap_or_else(PoisonError::into_inner).retain(|(_, since)| since.elapsed() < timeout);
+    }
+
+    /// True for a plain-text (`http://`) upstream: the fast path may use it.
+    pub fn is_plain(&self) -> bool {
+        self.tls.is_none()
+    }
+
+    /// The most recently used raw connection that is still open (fast path).
+    pub fn checkout_raw(&self) -> Option<TcpStream> {
+        let mut idle = self.raw_idle.lock().unwrap_or_else(PoisonError::into_inner);
+        while let Some((stream, since)) = idle.pop() {
+            if since.elapsed() < self.idle_timeout && still_open(&stream) {
+                return Some(stream);
+            }
+        }
+        None
+    }
+
+    /// Gives back a raw connection whose last exchange ended cleanly.
+    pub fn checkin_raw(&self, stream: TcpStream) {
+        let mut idle = self.raw_idle.lock().unwrap_or_else(PoisonError::into_inner);
+        if idle.len() < self.max_idle {
+            idle.push((stream, Instant::now()));
+        }
+    }
+
+    /// A new raw TCP connection to the upstream (fast path).
+    pub async fn connect_raw(&self) -> Result<TcpStream, String> {
+        match tokio::time::timeout(self.connect_timeout, TcpStream::connect(&self.addr)).await {
+            Ok(Ok(tcp)) => {
+                let _ = tcp.set_nodelay(true);
+                Ok(tcp)
+            }
+            Ok(Err(e)) => Err(format!("{}: {e}", self.addr)),
+            Err(_) => {
+                Err(format!("connecting to {} timed out after {} ms", self.addr, self.connect_timeout.as_millis()))
+            }
+        }
     }
 
     async fn connect(&self) -> Result<Sender, PoolError> {
@@ -202,6 +244,14 @@ impl Pool {
             }
         }
     }
+}
+
+/// An idle connection is still usable when reading from it would block: no
+/// end of stream, no error, no stray bytes. Costs no system call unless the
+/// runtime has seen the socket become readable.
+fn still_open(stream: &TcpStream) -> bool {
+    let mut probe = [0u8; 1];
+    matches!(stream.try_read(&mut probe), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
 }
 
 async fn handshake<I>(io: I) -> Result<Sender, String>

@@ -96,6 +96,15 @@ impl Upstream {
         }
     }
 
+    /// The pool, path prefix and `Host` of a plain-text HTTP upstream: what
+    /// the fast path needs. `None` for `https://` and the file store.
+    pub fn plain_http(&self) -> Option<(&Arc<Pool>, &str, Option<&HeaderValue>)> {
+        match self {
+            Upstream::Http { pool, prefix, host, .. } if pool.is_plain() => Some((pool, prefix, host.as_ref())),
+            _ => None,
+        }
+    }
+
     /// The authority to send as `Host` when the route rewrites it.
     pub fn host(&self) -> Option<HeaderValue> {
         match self {

@@ -1,0 +1,1052 @@
+//! The fast path of the plain-text proxy listener: HTTP/1.1 parsed once,
+//! forwarded as head bytes with edits over a pooled raw TCP connection.
+//!
+//! It takes the common request only: HTTP/1.1, a `Host`, a body framed by
+//! `Content-Length` of at most [`MAX_FAST_BODY`] (or none), no
+//! `Transfer-Encoding`, `Upgrade`, `Expect` or hop-by-hop header besides
+//! `Connection: keep-alive|close`, headers within the listener's limit, a
+//! route that enforces, uses the embedded authority, needs no principal and
+//! forwards to a plain `http://` upstream, and a token the fence admits (or
+//! a read whose token is not stale). It makes the same admission as the
+//! general path, with [`FenceTable::check`](crate::fence::FenceTable::check)
+//! — the one atomic compare-and-register — before a byte goes upstream.
+//!
+//! Everything else — and every refusal — is handed over with the bytes
+//! read so far to the general path (hyper, [`super::Proxy::handle`]),
+//! which decides it afresh and serves the rest of the connection. So the
+//! fast path never refuses a request itself; it only forwards what the
+//! general path would forward, and answers the forwarding failures
+//! (timeout, connect, exchange, a fence that moved before the body was
+//! sent) with the same errors and metrics.
+
+use std::ops::Range;
+use std::time::Duration;
+
+use bytes::{Buf, BytesMut};
+use http::{Method, StatusCode};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+
+use super::pool::Pool;
+use super::{path, ClientInfo, Proxy, Route};
+use crate::authority::validate_key;
+use crate::config::HostHeader;
+use crate::error::Error;
+use crate::fence::token::parse_token_values;
+use crate::fence::{Admission, InflightGuard};
+use crate::shutdown::Shutdown;
+
+/// Largest request body the fast path buffers; larger ones stream through
+/// the general path.
+pub const MAX_FAST_BODY: u64 = 64 * 1024;
+const MAX_REQUEST_HEADERS: usize = 64;
+const MAX_RESPONSE_HEADERS: usize = 100;
+const MAX_RESPONSE_HEAD: usize = 64 * 1024;
+const READ_RESERVE: usize = 16 * 1024;
+
+/// A connection the fast path hands to the general path: the stream and
+/// every byte read from it that no response has consumed yet.
+pub struct Handover {
+    pub stream: TcpStream,
+    pub buffered: BytesMut,
+}
+
+/// The listener limits the fast path applies itself.
+#[derive(Debug, Clone, Copy)]
+pub struct ConnLimits {
+    pub max_header_bytes: usize,
+    pub header_read_timeout: Duration,
+}
+
+/// One parsed request head: ranges into the connection's buffer.
+#[derive(Default)]
+struct Head {
+    len: usize,
+    method: Range<usize>,
+    target: Range<usize>,
+    /// Headers forwarded as they came.
+    forward: Vec<(Range<usize>, Range<usize>)>,
+    content_length: u64,
+    host: Option<Range<usize>>,
+    forwarded_for: Option<Range<usize>>,
+    via: Option<Range<usize>>,
+    token: Option<Range<usize>>,
+    close: bool,
+}
+
+enum Parsed {
+    Complete,
+    Partial,
+    /// Not for the fast path: hand the connection over.
+    General,
+}
+
+/// The offsets of `part` inside `whole` (an empty part maps to `0..0`).
+fn range_in(whole: &[u8], part: &[u8]) -> Range<usize> {
+    if part.is_empty() {
+        return 0..0;
+    }
+    let start = (part.as_ptr() as usize).saturating_sub(whole.as_ptr() as usize);
+    start..start + part.len()
+}
+
+fn digits(v: &[u8]) -> Option<u64> {
+    if v.is_empty() || v.len() > 19 || !v.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    Some(v.iter().fold(0u64, |acc, d| acc * 10 + u64::from(d - b'0')))
+}
+
+fn tokens(v: &[u8]) -> impl Iterator<Item = &[u8]> {
+    v.split(|b| *b == b',').map(<[u8]>::trim_ascii).filter(|t| !t.is_empty())
+}
+
+/// Request headers the fast path leaves to the general path.
+const GENERAL_ONLY: [&[u8]; 9] = [
+    b"transfer-encoding",
+    b"upgrade",
+    b"expect",
+    b"te",
+    b"trailer",
+    b"keep-alive",
+    b"proxy-connection",
+    b"proxy-authorization",
+    b"proxy-authenticate",
+];
+
+fn parse_head(buf: &[u8], max_header_bytes: usize, head: &mut Head) -> Parsed {
+    let mut headers = [httparse::EMPTY_HEADER; MAX_REQUEST_HEADERS];
+    let mut req = httparse::Request::new(&mut headers);
+    let len = match req.parse(buf) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) if buf.len() <= max_header_bytes => return Parsed::Partial,
+        _ => return Parsed::General,
+    };
+    let (Some(method), Some(target), Some(1)) = (req.method, req.path, req.version) else {
+        return Parsed::General;
+    };
+    if !target.starts_with('/') {
+        return Parsed::General;
+    }
+    head.len = len;
+    head.method = range_in(buf, method.as_bytes());
+    head.target = range_in(buf, target.as_bytes());
+    head.forward.clear();
+    head.content_length = 0;
+    head.host = None;
+    head.forwarded_for = None;
+    head.via = None;
+    head.token = None;
+    head.close = false;
+    let mut seen_length = false;
+    let mut total = 0usize;
+    for h in req.headers.iter() {
+        total += h.name.len() + h.value.len() + 4;
+        let name = h.name.as_bytes();
+        let value = range_in(buf, h.value);
+        let is = |n: &[u8]| name.eq_ignore_ascii_case(n);
+        let once = |slot: &mut Option<Range<usize>>| slot.replace(value.clone()).is_none();
+        let ok = if is(b"content-length") {
+            let first = !seen_length;
+            seen_length = true;
+            head.content_length = digits(h.value).unwrap_or(u64::MAX);
+            head.forward.push((range_in(buf, name), value.clone()));
+            first && head.content_length != u64::MAX
+        } else if is(b"host") {
+            once(&mut head.host)
+        } else if is(b"x-forwarded-for") {
+            once(&mut head.forwarded_for)
+        } else if is(b"via") {
+            once(&mut head.via)
+        } else if is(b"x-fencing-token") {
+            once(&mut head.token)
+        } else if is(b"connection") {
+            let mut known = true;
+            for t in tokens(h.value) {
+                if t.eq_ignore_ascii_case(b"close") {
+                    head.close = true;
+                } else if !t.eq_ignore_ascii_case(b"keep-alive") {
+                    known = false;
+                }
+            }
+            known
+        } else if is(b"x-forwarded-proto") || is(b"x-forwarded-host") {
+            // Replaced by this hop's own values.
+            true
+        } else if GENERAL_ONLY.iter().any(|g| is(g)) {
+            false
+        } else {
+            head.forward.push((range_in(buf, name), value));
+            true
+        };
+        if !ok {
+            return Parsed::General;
+        }
+    }
+    if total > max_header_bytes || head.host.is_none() {
+        return Parsed::General;
+    }
+    Parsed::Complete
+}
+
+/// How an upstream response body is framed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Framing {
+    Empty,
+    Length(u64),
+    Chunked,
+    /// Until the upstream closes.
+    Close,
+}
+
+/// One parsed response head.
+#[derive(Default)]
+struct RespHead {
+    len: usize,
+    status: u16,
+    http10: bool,
+    reason: Range<usize>,
+    forward: Vec<(Range<usize>, Range<usize>)>,
+    length: Option<(Range<usize>, Range<usize>)>,
+    via: Option<Range<usize>>,
+    framing: Option<Framing>,
+    reusable: bool,
+}
+
+/// Response headers never forwarded (besides those `Connection` names).
+const RESPONSE_HOP_BY_HOP: [&[u8]; 8] = [
+    b"connection",
+    b"keep-alive",
+    b"te",
+    b"trailer",
+    b"transfer-encoding",
+    b"upgrade",
+    b"proxy-authenticate",
+    b"proxy-connection",
+];
+
+enum RespParsed {
+    Complete,
+    Partial,
+    Bad(&'static str),
+}
+
+fn parse_response(buf: &[u8], head_request: bool, out: &mut RespHead) -> RespParsed {
+    let mut headers = [httparse::EMPTY_HEADER; MAX_RESPONSE_HEADERS];
+    let mut resp = httparse::Response::new(&mut headers);
+    let len = match resp.parse(buf) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) => return RespParsed::Partial,
+        Err(_) => return RespParsed::Bad("malformed response head"),
+    };
+    let (Some(status), Some(version)) = (resp.code, resp.version) else {
+        return RespParsed::Bad("malformed status line");
+    };
+    out.len = len;
+    out.status = status;
+    out.http10 = version == 0;
+    out.reason = range_in(buf, resp.reason.unwrap_or("").as_bytes());
+    out.forward.clear();
+    out.length = None;
+    out.via = None;
+    let mut close = out.http10;
+    let mut length: Option<u64> = None;
+    let mut chunked: Option<bool> = None;
+    // Names listed in `Connection` are hop-by-hop too.
+    let named = |name: &[u8]| {
+        resp.headers
+            .iter()
+            .filter(|h| h.name.eq_ignore_ascii_case("connection"))
+            .any(|h| tokens(h.value).any(|t| t.eq_ignore_ascii_case(name) && !t.eq_ignore_ascii_case(b"close")))
+    };
+    for h in resp.headers.iter() {
+        let name = h.name.as_bytes();
+        let is = |n: &[u8]| name.eq_ignore_ascii_case(n);
+        if is(b"content-length") {
+            match (digits(h.value), length) {
+                (Some(v), None) => length = Some(v),
+                (Some(v), Some(prev)) if v == prev => continue,
+                _ => return RespParsed::Bad("invalid content-length"),
+            }
+            out.length = Some((range_in(buf, name), range_in(buf, h.value)));
+        } else if is(b"transfer-encoding") {
+            chunked = Some(tokens(h.value).last().is_some_and(|t| t.eq_ignore_ascii_case(b"chunked")));
+        } else if is(b"connection") {
+            if tokens(h.value).any(|t| t.eq_ignore_ascii_case(b"close")) {
+                close = true;
+            } else if out.http10 && tokens(h.value).any(|t| t.eq_ignore_ascii_case(b"keep-alive")) {
+                close = false;
+            }
+        } else if is(b"via") {
+            if out.via.is_none() {
+                out.via = Some(range_in(buf, h.value));
+            }
+        } else if !RESPONSE_HOP_BY_HOP.iter().any(|n| is(n)) && !named(name) {
+            out.forward.push((range_in(buf, name), range_in(buf, h.value)));
+        }
+    }
+    let framing = if head_request || status == 204 || status == 304 || (100..200).contains(&status) {
+        Framing::Empty
+    } else {
+        match (chunked, length) {
+            (Some(true), _) => Framing::Chunked,
+            (Some(false), _) => Framing::Close,
+            (None, Some(n)) => Framing::Length(n),
+            (None, None) => Framing::Close,
+        }
+    };
+    if framing == Framing::Chunked {
+        // Transfer-Encoding wins over Content-Length (RFC 9112 6.3).
+        out.length = None;
+    }
+    out.framing = Some(framing);
+    out.reusable = !close && framing != Framing::Close && chunked != Some(false);
+    RespParsed::Complete
+}
+
+/// Finds the end of a chunked body in the bytes that pass through.
+#[derive(Debug, Default)]
+struct ChunkScanner {
+    state: ChunkState,
+    size: u64,
+}
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+enum ChunkState {
+    #[default]
+    Size,
+    Ext,
+    SizeLf,
+    Data,
+    DataCr,
+    DataLf,
+    /// At the start of a trailer line (after the last chunk).
+    TrailerStart,
+    TrailerLine,
+    TrailerLf,
+    EndLf,
+}
+
+impl ChunkScanner {
+    /// Feeds `data`; `Ok(Some(n))` when the body ends after `n` of its bytes.
+    fn feed(&mut self, data: &[u8]) -> Result<Option<usize>, ()> {
+        let mut i = 0;
+        while i < data.len() {
+            let b = data[i];
+            match self.state {
+                ChunkState::Size => match b {
+                    b'0'..=b'9' | b'a'..=b'f' | b'A'..=b'F' => {
+                        let d = u64::from(match b {
+                            b'0'..=b'9' => b - b'0',
+                            b'a'..=b'f' => b - b'a' + 10,
+                            _ => b - b'A' + 10,
+                        });
+                        self.size = self.size.checked_mul(16).and_then(|s| s.checked_add(d)).ok_or(())?;
+                    }
+                    b';' | b' ' | b'\t' => self.state = ChunkState::Ext,
+                    b'\r' => self.state = ChunkState::SizeLf,
+                    _ => return Err(()),
+                },
+                ChunkState::Ext => match b {
+                    b'\r' => self.state = ChunkState::SizeLf,
+                    b'\n' => return Err(()),
+                    _ => {}
+                },
+                ChunkState::SizeLf => {
+                    if b != b'\n' {
+                        return Err(());
+                    }
+                    self.state = if self.size == 0 { ChunkState::TrailerStart } else { ChunkState::Data };
+                }
+                ChunkState::Data => {
+                    let take = usize::try_from(self.size).unwrap_or(usize::MAX).min(data.len() - i);
+                    self.size -= take as u64;
+                    i += take;
+                    if self.size == 0 {
+                        self.state = ChunkState::DataCr;
+                    }
+                    continue;
+                }
+                ChunkState::DataCr => {
+                    if b != b'\r' {
+                        return Err(());
+                    }
+                    self.state = ChunkState::DataLf;
+                }
+                ChunkState::DataLf => {
+                    if b != b'\n' {
+                        return Err(());
+                    }
+                    self.state = ChunkState::Size;
+                }
+                ChunkState::TrailerStart => match b {
+                    b'\r' => self.state = ChunkState::EndLf,
+                    _ => self.state = ChunkState::TrailerLine,
+                },
+                ChunkState::TrailerLine => {
+                    if b == b'\r' {
+                        self.state = ChunkState::TrailerLf;
+                    }
+                }
+                ChunkState::TrailerLf => {
+                    if b != b'\n' {
+                        return Err(());
+                    }
+                    self.state = ChunkState::TrailerStart;
+                }
+                ChunkState::EndLf => {
+                    if b != b'\n' {
+                        return Err(());
+                    }
+                    return Ok(Some(i + 1));
+                }
+            }
+            i += 1;
+        }
+        Ok(None)
+    }
+}
+
+/// Why forwarding failed after admission.
+enum Failure {
+    Connect(String),
+    Exchange(String),
+    /// A newer fence arrived before the body was sent.
+    Aborted,
+}
+
+/// Per-connection buffers, reused request after request.
+struct Conn {
+    buf: BytesMut,
+    head: Head,
+    out: Vec<u8>,
+    rbuf: BytesMut,
+    resp: RespHead,
+}
+
+fn reserve(buf: &mut BytesMut) {
+    if buf.capacity() - buf.len() < READ_RESERVE / 4 {
+        buf.reserve(READ_RESERVE);
+    }
+}
+
+fn push_header(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
+    out.extend_from_slice(name);
+    out.extend_from_slice(b": ");
+    out.extend_from_slice(value);
+    out.extend_from_slice(b"\r\n");
+}
+
+/// `name: [earlier, ]item` — list headers are appended to, as nginx does.
+fn push_list(out: &mut Vec<u8>, name: &[u8], earlier: Option<&[u8]>, item: &[u8]) {
+    out.extend_from_slice(name);
+    out.extend_from_slice(b": ");
+    if let Some(e) = earlier.filter(|e| !e.is_empty()) {
+        out.extend_from_slice(e);
+        out.extend_from_slice(b", ");
+    }
+    out.extend_from_slice(item);
+    out.extend_from_slice(b"\r\n");
+}
+
+/// Serves a plain-text connection until it ends (`None`) or needs the
+/// general path (`Some`).
+pub async fn serve_conn(
+    proxy: &Proxy,
+    mut stream: TcpStream,
+    client: &ClientInfo,
+    limits: ConnLimits,
+    shutdown: &Shutdown,
+) -> Option<Handover> {
+    let mut c = Conn {
+        buf: BytesMut::with_capacity(READ_RESERVE),
+        head: Head::default(),
+        out: Vec::with_capacity(4096),
+        rbuf: BytesMut::with_capacity(READ_RESERVE),
+        resp: RespHead::default(),
+    };
+    loop {
+        match serve_one(proxy, &mut stream, client, limits, shutdown, &mut c).await {
+            Next::KeepAlive => {}
+            Next::Close => {
+                let _ = stream.shutdown().await;
+                return None;
+            }
+            Next::Gone => return None,
+            Next::General => return Some(Handover { stream, buffered: c.buf }),
+        }
+    }
+}
+
+enum Next {
+    KeepAlive,
+    /// Finish the connection cleanly.
+    Close,
+    /// The connection is broken or timed out.
+    Gone,
+    General,
+}
+
+async fn serve_one(
+    proxy: &Proxy,
+    stream: &mut TcpStream,
+    client: &ClientInfo,
+    limits: ConnLimits,
+    shutdown: &Shutdown,
+    c: &mut Conn,
+) -> Next {
+    // 1. The head, within the header read timeout (which also bounds an
+    //    idle keep-alive connection, as on the general path).
+    let deadline = Instant::now() + limits.header_read_timeout;
+    loop {
+        if !c.buf.is_empty() {
+            match parse_head(&c.buf, limits.max_header_bytes, &mut c.head) {
+                Parsed::Complete => break,
+                Parsed::General => return Next::General,
+                Parsed::Partial => {}
+            }
+        }
+        reserve(&mut c.buf);
+        let read = if c.buf.is_empty() {
+            tokio::select! {
+                r = tokio::time::timeout_at(deadline, stream.read_buf(&mut c.buf)) => r,
+                () = shutdown.wait() => return Next::Close,
+            }
+        } else {
+            tokio::time::timeout_at(deadline, stream.read_buf(&mut c.buf)).await
+        };
+        match read {
+            Ok(Ok(n)) if n > 0 => {}
+            _ => return Next::Gone,
+        }
+    }
+    let started = Instant::now();
+
+    // 2. Route; anything the fast path does not take goes to the general path.
+    let head = &c.head;
+    let Ok(target) = std::str::from_utf8(&c.buf[head.target.clone()]) else { return Next::General };
+    if http::uri::PathAndQuery::try_from(target).is_err() {
+        return Next::General;
+    }
+    let path_only = target.split_once('?').map_or(target, |(p, _)| p);
+    let Ok(checked) = path::check_path(path_only) else { return Next::General };
+    let Some((route, key)) = proxy.route_for(&checked) else { return Next::General };
+    let Some((pool, prefix, upstream_host)) = route.upstream.plain_http() else { return Next::General };
+    if route.auth
+        || route.policy.external
+        || !route.enforce
+        || head.content_length > MAX_FAST_BODY.min(route.max_body_bytes)
+    {
+        return Next::General;
+    }
+    // The access log's fields are gathered only when it is on.
+    let log = tracing::enabled!(target: "fencegate::access", tracing::Level::INFO)
+        .then(|| Access { path: path_only.to_string(), req_bytes: head.content_length });
+    let Ok(method) = Method::from_bytes(&c.buf[head.method.clone()]) else { return Next::General };
+    let mutation = route.mutating.contains(&method);
+    let head_request = method == Method::HEAD;
+
+    // 3. The whole body (small by the check above) before the admission.
+    let need = head.len + usize::try_from(head.content_length).unwrap_or(usize::MAX);
+    let body_deadline = Instant::now() + route.upstream_timeout;
+    while c.buf.len() < need {
+        reserve(&mut c.buf);
+        match tokio::time::timeout_at(body_deadline, stream.read_buf(&mut c.buf)).await {
+            Ok(Ok(n)) if n > 0 => {}
+            Ok(_) => return Next::Gone,
+            // A slow body: the general path reads the rest and decides.
+            Err(_) => return Next::General,
+        }
+    }
+    let head = &c.head;
+
+    // 4. Admission: the general path's, made here only when it forwards.
+    let token = match parse_token_values(head.token.clone().map(|r| &c.buf[r])) {
+        Ok(t) => t,
+        Err(_) => return Next::General,
+    };
+    let guard: Option<InflightGuard> = if mutation {
+        let Some(token) = token else { return Next::General };
+        if validate_key(&key).is_err() {
+            return Next::General;
+        }
+        match proxy.fences.check(&key, token, route.policy) {
+            Ok(Admission::Admitted(guard)) => Some(guard),
+            _ => return Next::General,
+        }
+    } else {
+        if token.is_some_and(|t| t < proxy.fences.fence(&key)) {
+            return Next::General;
+        }
+        None
+    };
+
+    // 5. The upstream request: the head with this hop's edits, then the body.
+    let buf = &c.buf[..];
+    let out = &mut c.out;
+    out.clear();
+    out.extend_from_slice(&buf[head.method.clone()]);
+    out.push(b' ');
+    out.extend_from_slice(prefix.as_bytes());
+    out.extend_from_slice(&buf[head.target.clone()]);
+    out.extend_from_slice(b" HTTP/1.1\r\n");
+    for (name, value) in &head.forward {
+        push_header(out, &buf[name.clone()], &buf[value.clone()]);
+    }
+    let original_host = head.host.clone().map(|r| &buf[r]).unwrap_or_default();
+    let host = match (route.host_header, upstream_host) {
+        (HostHeader::Rewrite, Some(up)) => up.as_bytes(),
+        _ => original_host,
+    };
+    push_header(out, b"host", host);
+    push_list(out, b"x-forwarded-for", head.forwarded_for.clone().map(|r| &buf[r]), client.forwarded_for.as_bytes());
+    push_header(out, b"x-forwarded-proto", b"http");
+    push_header(out, b"x-forwarded-host", original_host);
+    push_list(out, b"via", head.via.clone().map(|r| &buf[r]), b"1.1 fencegate");
+    if route.forward_token {
+        if let Some(r) = head.token.clone() {
+            push_header(out, b"x-fencing-token", &buf[r]);
+        }
+    }
+    out.extend_from_slice(b"\r\n");
+    out.extend_from_slice(&buf[head.len..need]);
+    let client_close = head.close;
+
+    let up_started = Instant::now();
+    let sent = tokio::time::timeout(
+        route.upstream_timeout,
+        exchange(pool, &c.out, guard.as_ref(), head_request, &mut c.rbuf, &mut c.resp),
+    )
+    .await;
+    route.upstream_duration.observe(up_started.elapsed().as_secs_f64());
+    // The upstream has answered (or failed): no longer in flight.
+    drop(guard);
+    c.buf.advance(need);
+    let mut upstream = match sent {
+        Ok(Ok(up)) => up,
+        Ok(Err(failure)) => {
+            let error = match failure {
+                Failure::Connect(e) => {
+                    tracing::warn!(route = %route.name, error = %e, "upstream connect failed");
+                    (Error::UpstreamUnavailable("could not connect to the upstream".into()), "upstream_error")
+                }
+                Failure::Exchange(e) => {
+                    tracing::warn!(route = %route.name, error = %e, "upstream exchange failed");
+                    (Error::UpstreamUnavailable("the upstream exchange failed".into()), "upstream_error")
+                }
+                Failure::Aborted => {
+                    proxy.metrics.aborted_uploads.with_label_values(&[&route.name]).inc();
+                    let fence = proxy.fences.fence(&key);
+                    (Error::StaleFencingToken { key: key.clone(), token: token.unwrap_or(0), fence }, "stale")
+                }
+            };
+            let seen = Seen { client, method: &method, route, key: &key, started, log };
+            return refuse(proxy, &seen, mutation, error, stream, client_close).await;
+        }
+        Err(_) => {
+            let timeout_ms = u64::try_from(route.upstream_timeout.as_millis()).unwrap_or(u64::MAX);
+            let error = (Error::UpstreamTimeout { timeout_ms }, "upstream_error");
+            let seen = Seen { client, method: &method, route, key: &key, started, log };
+            return refuse(proxy, &seen, mutation, error, stream, client_close).await;
+        }
+    };
+    if mutation {
+        route.forwarded.inc();
+    }
+    route.request_duration.observe(started.elapsed().as_secs_f64());
+    if let Some(access) = &log {
+        let resp_bytes = match c.resp.length.clone() {
+            Some((_, v)) => digits(&c.rbuf[v]).unwrap_or(0),
+            None => 0,
+        };
+        let seen = Seen { client, method: &method, route, key: &key, started, log: None };
+        access.write(&seen, c.resp.status, "ok", resp_bytes);
+    }
+
+    // 6. The response: its head with this hop's edits, then the body as it comes.
+    let resp = &c.resp;
+    let rbuf = &c.rbuf[..];
+    let framing = resp.framing.unwrap_or(Framing::Close);
+    let close = client_close || framing == Framing::Close;
+    let out = &mut c.out;
+    out.clear();
+    out.extend_from_slice(b"HTTP/1.1 ");
+    let reason = &rbuf[resp.reason.clone()];
+    let reason = if reason.is_empty() {
+        StatusCode::from_u16(resp.status).ok().and_then(|s| s.canonical_reason()).unwrap_or("").as_bytes()
+    } else {
+        reason
+    };
+    out.extend_from_slice(resp.status.to_string().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(reason);
+    out.extend_from_slice(b"\r\n");
+    for (name, value) in &resp.forward {
+        push_header(out, &rbuf[name.clone()], &rbuf[value.clone()]);
+    }
+    if let Some((name, value)) = &resp.length {
+        push_header(out, &rbuf[name.clone()], &rbuf[value.clone()]);
+    }
+    if framing == Framing::Chunked {
+        push_header(out, b"transfer-encoding", b"chunked");
+    }
+    let via: &[u8] = if resp.http10 { b"1.0 fencegate" } else { b"1.1 fencegate" };
+    push_list(out, b"via", resp.via.clone().map(|r| &rbuf[r]), via);
+    if close {
+        push_header(out, b"connection", b"close");
+    }
+    out.extend_from_slice(b"\r\n");
+    let reusable = resp.reusable;
+    let body_start = resp.len;
+    match relay(stream, &mut upstream, framing, &mut c.out, &mut c.rbuf, body_start).await {
+        Relayed::Done { upstream_clean } => {
+            if reusable && upstream_clean {
+                pool.checkin_raw(upstream);
+            }
+        }
+        Relayed::Broken => return Next::Gone,
+    }
+    if close {
+        Next::Close
+    } else {
+        Next::KeepAlive
+    }
+}
+
+/// Sends the request and reads the response head into `rbuf` / `resp`.
+async fn exchange(
+    pool: &Pool,
+    request: &[u8],
+    guard: Option<&InflightGuard>,
+    head_request: bool,
+    rbuf: &mut BytesMut,
+    resp: &mut RespHead,
+) -> Result<TcpStream, Failure> {
+    let mut retried = false;
+    let mut upstream = loop {
+        let (mut upstream, reused) = match pool.checkout_raw() {
+            Some(s) => (s, true),
+            None => (Box::pin(pool.connect_raw()).await.map_err(Failure::Connect)?, false),
+        };
+        if guard.is_some_and(|g| g.ctl().is_aborted()) {
+            return Err(Failure::Aborted);
+        }
+        match upstream.write_all(request).await {
+            Ok(()) => break upstream,
+            // The pooled connection had been closed by the upstream: once
+            // more on a new one (nothing of it can have been applied).
+            Err(_) if reused && !retried => retried = true,
+            Err(e) => return Err(Failure::Exchange(format!("writing the request: {e}"))),
+        }
+    };
+    if let Some(g) = guard {
+        g.ctl().mark_body_done();
+    }
+    rbuf.clear();
+    loop {
+        if !rbuf.is_empty() {
+            match parse_response(rbuf, head_request, resp) {
+                // Informational answers (we sent no `Expect`) are skipped.
+                RespParsed::Complete if (100..200).contains(&resp.status) && resp.status != 101 => {
+                    rbuf.advance(resp.len);
+                    continue;
+                }
+                RespParsed::Complete if resp.status == 101 => {
+                    return Err(Failure::Exchange("unexpected 101 Switching Protocols".into()))
+                }
+                RespParsed::Complete => return Ok(upstream),
+                RespParsed::Partial if rbuf.len() <= MAX_RESPONSE_HEAD => {}
+                RespParsed::Partial => return Err(Failure::Exchange("response head too large".into())),
+                RespParsed::Bad(why) => return Err(Failure::Exchange(why.into())),
+            }
+        }
+        reserve(rbuf);
+        match upstream.read_buf(rbuf).await {
+            Ok(0) => return Err(Failure::Exchange("the upstream closed the connection before answering".into())),
+            Ok(_) => {}
+            Err(e) => return Err(Failure::Exchange(format!("reading the response: {e}"))),
+        }
+    }
+}
+
+enum Relayed {
+    /// The client has the whole response; `upstream_clean`: the upstream
+    /// connection is at a message boundary with nothing extra read.
+    Done { upstream_clean: bool },
+    /// Either side broke off: close the client connection.
+    Broken,
+}
+
+/// Writes the response head in `out`, then the body from `rbuf[body_start..]`
+/// and the upstream, framed as `framing`.
+async fn relay(
+    client: &mut TcpStream,
+    upstream: &mut TcpStream,
+    framing: Framing,
+    out: &mut Vec<u8>,
+    rbuf: &mut BytesMut,
+    body_start: usize,
+) -> Relayed {
+    rbuf.advance(body_start);
+    match framing {
+        Framing::Empty => {
+            let clean = rbuf.is_empty();
+            if client.write_all(out).await.is_err() {
+                return Relayed::Broken;
+            }
+            Relayed::Done { upstream_clean: clean }
+        }
+        Framing::Length(total) => {
+            let first = usize::try_from(total).unwrap_or(usize::MAX).min(rbuf.len());
+            out.extend_from_slice(&rbuf[..first]);
+            let extra = rbuf.len() > first;
+            if client.write_all(out).await.is_err() {
+                return Relayed::Broken;
+            }
+            let mut left = total - first as u64;
+            while left > 0 {
+                rbuf.clear();
+                reserve(rbuf);
+                match upstream.read_buf(rbuf).await {
+                    Ok(n) if n > 0 => {}
+                    _ => return Relayed::Broken,
+                }
+                let take = usize::try_from(left).unwrap_or(usize::MAX).min(rbuf.len());
+                if client.write_all(&rbuf[..take]).await.is_err() {
+                    return Relayed::Broken;
+                }
+                left -= take as u64;
+                if rbuf.len() > take {
+                    return Relayed::Done { upstream_clean: false };
+                }
+            }
+            Relayed::Done { upstream_clean: !extra }
+        }
+        Framing::Chunked => {
+            let mut scanner = ChunkScanner::default();
+            let mut pending_head = true;
+            loop {
+                let (take, done) = match scanner.feed(rbuf) {
+                    Ok(Some(n)) => (n, true),
+                    Ok(None) => (rbuf.len(), false),
+                    Err(()) => return Relayed::Broken,
+                };
+                let written = if pending_head {
+                    pending_head = false;
+                    out.extend_from_slice(&rbuf[..take]);
+                    client.write_all(out).await
+                } else {
+                    client.write_all(&rbuf[..take]).await
+                };
+                if written.is_err() {
+                    return Relayed::Broken;
+                }
+                if done {
+                    return Relayed::Done { upstream_clean: rbuf.len() == take };
+                }
+                rbuf.clear();
+                reserve(rbuf);
+                match upstream.read_buf(rbuf).await {
+                    Ok(n) if n > 0 => {}
+                    _ => return Relayed::Broken,
+                }
+            }
+        }
+        Framing::Close => {
+            out.extend_from_slice(rbuf);
+            if client.write_all(out).await.is_err() {
+                return Relayed::Broken;
+            }
+            loop {
+                rbuf.clear();
+                reserve(rbuf);
+                match upstream.read_buf(rbuf).await {
+                    Ok(0) => return Relayed::Done { upstream_clean: false },
+                    Ok(_) => {
+                        if client.write_all(rbuf).await.is_err() {
+                            return Relayed::Broken;
+                        }
+                    }
+                    Err(_) => return Relayed::Broken,
+                }
+            }
+        }
+    }
+}
+
+/// The access log's fields of a request, gathered only when it is on.
+struct Access {
+    path: String,
+    req_bytes: u64,
+}
+
+/// What is known of a request once it was admitted.
+struct Seen<'a> {
+    client: &'a ClientInfo,
+    method: &'a Method,
+    route: &'a Route,
+    key: &'a str,
+    started: Instant,
+    log: Option<Access>,
+}
+
+impl Access {
+    /// The general path's access line.
+    fn write(&self, seen: &Seen<'_>, status: u16, outcome: &str, resp_bytes: u64) {
+        tracing::info!(
+            target: "fencegate::access",
+            listener = "proxy",
+            client = %seen.client.addr,
+            method = %seen.method,
+            path = %self.path,
+            route = seen.route.name.as_str(),
+            resource = seen.key,
+            status,
+            outcome,
+            duration_us = u64::try_from(seen.started.elapsed().as_micros()).unwrap_or(u64::MAX),
+            req_bytes = self.req_bytes,
+            resp_bytes,
+        );
+    }
+}
+
+/// Answers a forwarding failure with the general path's error and metrics.
+async fn refuse(
+    proxy: &Proxy,
+    seen: &Seen<'_>,
+    mutation: bool,
+    (error, outcome): (Error, &'static str),
+    stream: &mut TcpStream,
+    close: bool,
+) -> Next {
+    let route = seen.route;
+    if mutation {
+        proxy.metrics.mutations.with_label_values(&[&route.name, outcome]).inc();
+    }
+    route.request_duration.observe(seen.started.elapsed().as_secs_f64());
+    if let Some(access) = &seen.log {
+        access.write(seen, error.status().as_u16(), error.code(), 0);
+    }
+    let status = error.status();
+    let body = error.body().to_string();
+    let mut out = Vec::with_capacity(128 + body.len());
+    out.extend_from_slice(b"HTTP/1.1 ");
+    out.extend_from_slice(status.as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
+    out.extend_from_slice(b"\r\n");
+    push_header(&mut out, b"content-type", b"application/json");
+    push_header(&mut out, b"content-length", body.len().to_string().as_bytes());
+    if close {
+        push_header(&mut out, b"connection", b"close");
+    }
+    out.extend_from_slice(b"\r\n");
+    out.extend_from_slice(body.as_bytes());
+    if stream.write_all(&out).await.is_err() {
+        return Next::Gone;
+    }
+    if close {
+        Next::Close
+    } else {
+        Next::KeepAlive
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn head(raw: &str) -> (Parsed, Head) {
+        let mut h = Head::default();
+        let p = parse_head(raw.as_bytes(), 64 * 1024, &mut h);
+        (p, h)
+    }
+
+    #[test]
+    fn a_plain_request_head_is_taken_and_split() {
+        let raw = "PUT /a/b?x=1 HTTP/1.1\r\nHost: h\r\nContent-Length: 3\r\nX-Fencing-Token: 7\r\nConnection: keep-alive\r\nX-Other: o\r\n\r\nabc";
+        let (p, h) = head(raw);
+        assert!(matches!(p, Parsed::Complete));
+        assert_eq!(&raw[h.method.clone()], "PUT");
+        assert_eq!(&raw[h.target.clone()], "/a/b?x=1");
+        assert_eq!(h.content_length, 3);
+        assert_eq!(&raw[h.token.clone().unwrap()], "7");
+        assert_eq!(&raw[h.host.clone().unwrap()], "h");
+        assert_eq!(h.len, raw.len() - 3);
+        let names: Vec<&str> = h.forward.iter().map(|(n, _)| &raw[n.clone()]).collect();
+        assert_eq!(names, ["Content-Length", "X-Other"]);
+        assert!(!h.close);
+    }
+
+    #[test]
+    fn unusual_requests_go_to_the_general_path() {
+        for raw in [
+            "PUT /a HTTP/1.0\r\nHost: h\r\n\r\n",
+            "PUT /a HTTP/1.1\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nHost: h\r\nContent-Length: 3\r\nContent-Length: 3\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nHost: h\r\nContent-Length: +3\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nHost: h\r\nX-Fencing-Token: 1\r\nX-Fencing-Token: 1\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nHost: h\r\nConnection: x-secret\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nHost: h\r\nExpect: 100-continue\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nHost: h\r\nUpgrade: websocket\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nHost: h\r\nProxy-Authorization: x\r\n\r\n",
+            "PUT http://h/a HTTP/1.1\r\nHost: h\r\n\r\n",
+            "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nHost h\r\n\r\n",
+        ] {
+            assert!(matches!(head(raw).0, Parsed::General), "{raw:?}");
+        }
+        assert!(matches!(head("PUT /a HTTP/1.1\r\nHost: h\r\n").0, Parsed::Partial));
+        let mut h = Head::default();
+        let big = format!("GET / HTTP/1.1\r\nHost: h\r\nX-Big: {}\r\n\r\n", "a".repeat(100));
+        assert!(matches!(parse_head(big.as_bytes(), 64, &mut h), Parsed::General));
+    }
+
+    #[test]
+    fn response_framing_and_hop_by_hop_headers() {
+        let mut r = RespHead::default();
+        let raw = "HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: x-hop\r\nX-Hop: 1\r\nKeep-Alive: 5\r\nETag: \"e\"\r\n\r\nok";
+        assert!(matches!(parse_response(raw.as_bytes(), false, &mut r), RespParsed::Complete));
+        assert_eq!(r.framing, Some(Framing::Length(2)));
+        assert!(r.reusable);
+        let names: Vec<&str> = r.forward.iter().map(|(n, _)| &raw[n.clone()]).collect();
+        assert_eq!(names, ["ETag"]);
+
+        let raw = "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 9\r\n\r\n";
+        assert!(matches!(parse_response(raw.as_bytes(), false, &mut r), RespParsed::Complete));
+        assert_eq!(r.framing, Some(Framing::Chunked));
+        assert!(r.length.is_none());
+
+        let raw = "HTTP/1.0 200 OK\r\n\r\nrest";
+        assert!(matches!(parse_response(raw.as_bytes(), false, &mut r), RespParsed::Complete));
+        assert_eq!(r.framing, Some(Framing::Close));
+        assert!(!r.reusable);
+
+        let raw = "HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n";
+        assert!(matches!(parse_response(raw.as_bytes(), true, &mut r), RespParsed::Complete));
+        assert_eq!(r.framing, Some(Framing::Empty));
+
+        let raw = "HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n";
+        assert!(matches!(parse_response(raw.as_bytes(), false, &mut r), RespParsed::Bad(_)));
+    }
+
+    #[test]
+    fn the_chunk_scanner_finds_the_end_across_reads() {
+        let body = b"4;ext=1\r\nwiki\r\n5\r\npedia\r\n0\r\nX-Trailer: t\r\n\r\nNEXT";
+        let end = body.len() - 4;
+        for split in 0..body.len() {
+            let mut s = ChunkScanner::default();
+            let found = match s.feed(&body[..split]).unwrap() {
+                Some(n) => n,
+                None => split + s.feed(&body[split..]).unwrap().unwrap(),
+            };
+            assert_eq!(found, end, "split at {split}");
+        }
+        let mut s = ChunkScanner::default();
+        assert_eq!(s.feed(b"0\r\n\r\n").unwrap(), Some(5));
+        assert!(ChunkScanner::default().feed(b"zz\r\n").is_err());
+        assert!(ChunkScanner::default().feed(b"2\r\nabX").is_err());
+    }
+}
