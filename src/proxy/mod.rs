@@ -21,6 +21,7 @@ pub mod pool;
 pub mod template;
 pub mod upstream;
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -203,12 +204,12 @@ impl Proxy {
     }
 
     /// The first route matching a checked path, and the path's resource key.
-    fn route_for(&self, checked: &path::CheckedPath) -> Option<(&Route, String)> {
+    fn route_for<'s, 'c>(&'s self, checked: &'c path::CheckedPath) -> Option<(&'s Route, Cow<'c, str>)> {
         let segments = checked.segments();
         // Captures are built only for a route with a resource template.
         self.routes.iter().find_map(|r| match &r.resource {
-            Some(t) => r.matcher.matches(&segments).map(|caps| (r, t.render(&caps))),
-            None => r.matcher.is_match(&segments).then(|| (r, checked.decoded.clone())),
+            Some(t) => r.matcher.matches(&segments).map(|caps| (r, Cow::Owned(t.render(&caps)))),
+            None => r.matcher.is_match(&segments).then_some((r, Cow::Borrowed(checked.decoded.as_str()))),
         })
     }
 
@@ -228,7 +229,7 @@ impl Proxy {
         };
         seen.route = Some(route);
         if seen.log {
-            seen.key = Some(key.clone());
+            seen.key = Some(key.to_string());
         }
         if route.auth {
             // Proxy-Authorization is hop-by-hop: it never reaches the upstream.

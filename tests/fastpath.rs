@@ -1,0 +1,350 @@
+//! The proxy's fast path (plain-text HTTP/1.1, `src/proxy/fast.rs`) against
+//! the real binary, on raw keep-alive connections: the fence check on both
+//! paths and the hand-over between them on one connection, pipelining, the
+//! upstream framings it relays, a pooled connection the upstream closed,
+//! the access log, and a prompt graceful stop with idle connections.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{acquire, release, Gateway, Http, Opts, Recorder};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// One response as a raw client reads it.
+#[derive(Debug)]
+struct Raw {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+impl Raw {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+    }
+}
+
+/// A client on one raw connection, reading responses with its own parser.
+struct Client {
+    stream: TcpStream,
+    buf: Vec<u8>,
+}
+
+impl Client {
+    async fn connect(addr: std::net::SocketAddr) -> Client {
+        Client { stream: TcpStream::connect(addr).await.unwrap(), buf: Vec::new() }
+    }
+
+    async fn fill(&mut self) -> bool {
+        let mut chunk = [0u8; 16384];
+        let n = tokio::time::timeout(Duration::from_secs(10), self.stream.read(&mut chunk))
+            .await
+            .expect("response within 10 s")
+            .unwrap();
+        self.buf.extend_from_slice(&chunk[..n]);
+        n > 0
+    }
+
+    /// Reads one response; `head`: it answers a HEAD request.
+    async fn read(&mut self, head: bool) -> Raw {
+        let (status, headers, len) = loop {
+            let mut hs = [httparse::EMPTY_HEADER; 64];
+            let mut r = httparse::Response::new(&mut hs);
+            if let httparse::Status::Complete(len) = r.parse(&self.buf).unwrap() {
+                let headers = r
+                    .headers
+                    .iter()
+                    .map(|h| (h.name.to_ascii_lowercase(), String::from_utf8_lossy(h.value).into_owned()))
+                    .collect::<Vec<_>>();
+                break (r.code.unwrap(), headers, len);
+            }
+            assert!(self.fill().await, "connection closed before a response head");
+        };
+        self.buf.drain(..len);
+        let mut raw = Raw { status, headers, body: Vec::new() };
+        if head || status == 204 || status == 304 {
+            return raw;
+        }
+        if let Some(n) = raw.header("content-length").map(|v| v.parse::<usize>().unwrap()) {
+            while self.buf.len() < n {
+                assert!(self.fill().await, "connection closed mid-body");
+            }
+            raw.body = self.buf.drain(..n).collect();
+        } else if raw.header("transfer-encoding") == Some("chunked") {
+            loop {
+                let line_end = loop {
+                    if let Some(i) = self.buf.windows(2).position(|w| w == b"\r\n") {
+                        break i;
+                    }
+                    assert!(self.fill().await);
+                };
+                let line = String::from_utf8(self.buf[..line_end].to_vec()).unwrap();
+                let size = usize::from_str_radix(line.split(';').next().unwrap().trim(), 16).unwrap();
+                self.buf.drain(..line_end + 2);
+                if size == 0 {
+                    // Trailers, then the empty line.
+                    loop {
+                        let end = loop {
+                            if let Some(i) = self.buf.windows(2).position(|w| w == b"\r\n") {
+                                break i;
+                            }
+                            assert!(self.fill().await);
+                        };
+                        self.buf.drain(..end + 2);
+                        if end == 0 {
+                            return raw;
+                        }
+                    }
+                }
+                while self.buf.len() < size + 2 {
+                    assert!(self.fill().await);
+                }
+                raw.body.extend(self.buf.drain(..size));
+                self.buf.drain(..2);
+            }
+        } else {
+            while self.fill().await {}
+            raw.body = std::mem::take(&mut self.buf);
+        }
+        raw
+    }
+
+    async fn send(&mut self, bytes: &[u8]) {
+        self.stream.write_all(bytes).await.unwrap();
+    }
+}
+
+fn put(path: &str, token: &str, body: &str) -> Vec<u8> {
+    format!(
+        "PUT {path} HTTP/1.1\r\nHost: front\r\nX-Fencing-Token: {token}\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+fn config(fast: bool) -> String {
+    format!("[server]\nproxy_fast_path = {fast}\n")
+}
+
+async fn gateway(upstream: &str, fast: bool) -> (tempfile::TempDir, Gateway) {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = Opts { upstream: Some(upstream.to_string()), config: Some(config(fast)), ..Opts::default() };
+    let gw = Gateway::start(&dir.path().join("data"), opts);
+    (dir, gw)
+}
+
+/// On each path, and across a hand-over from the fast path to the general
+/// one on the same connection: only the holder's writes reach the upstream.
+#[tokio::test(flavor = "multi_thread")]
+async fn only_current_tokens_reach_the_upstream_on_both_paths() {
+    for fast in [true, false] {
+        let rec = Recorder::start().await;
+        let (_d, gw) = gateway(&rec.url(), fast).await;
+        let http = Http::default();
+        let api = gw.api_url("");
+        let old = acquire(&http, &api, "orders/1", 10_000, 0).await.unwrap();
+        release(&http, &api, &old).await;
+        let new = acquire(&http, &api, "orders/1", 10_000, 0).await.unwrap();
+        let (old_t, new_t) = (old.token.to_string(), new.token.to_string());
+
+        let mut c = Client::connect(gw.proxy).await;
+        c.send(&put("/orders/1", &new_t, "first")).await;
+        assert_eq!(c.read(false).await.status, 200, "fast={fast}");
+        c.send(&put("/orders/1", &old_t, "stale")).await;
+        let r = c.read(false).await;
+        assert_eq!(r.status, 409, "fast={fast}");
+        let err: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        assert_eq!(err["error"], "stale_fencing_token");
+        assert_eq!(err["fence"], new.token);
+        c.send(&put("/orders/1", "999999", "unissued")).await;
+        assert_eq!(c.read(false).await.status, 403, "fast={fast}");
+        c.send(&put("/orders/1", &new_t, "second")).await;
+        assert_eq!(c.read(false).await.status, 200, "fast={fast}");
+        // A read with a stale token learns it at once (first on a new
+        // connection: the fast path's own read check).
+        let mut c = Client::connect(gw.proxy).await;
+        c.send(format!("GET /orders/1 HTTP/1.1\r\nHost: front\r\nX-Fencing-Token: {old_t}\r\n\r\n").as_bytes()).await;
+        assert_eq!(c.read(false).await.status, 409, "fast={fast}");
+
+        let bodies: Vec<_> = rec.requests().iter().map(|s| String::from_utf8_lossy(&s.body).into_owned()).collect();
+        assert_eq!(bodies, ["first", "second"], "fast={fast}");
+        assert!(rec.requests().iter().all(|s| s.headers["x-fencing-token"] == new_t.as_str()));
+    }
+}
+
+/// Requests sent back to back in one write are answered in order, and the
+/// upstream sees this hop's header edits.
+#[tokio::test(flavor = "multi_thread")]
+async fn pipelined_requests_are_answered_in_order_with_proxy_headers() {
+    let rec = Recorder::start().await;
+    let (_d, gw) = gateway(&rec.url(), true).await;
+    let http = Http::default();
+    let g = acquire(&http, &gw.api_url(""), "k", 10_000, 0).await.unwrap();
+    let t = g.token.to_string();
+    let mut c = Client::connect(gw.proxy).await;
+    let mut all = put("/k", &t, "one");
+    all.extend(put("/k", &t, "two"));
+    all.extend(
+        format!(
+            "PUT /k?v=3 HTTP/1.1\r\nHost: front\r\nX-Fencing-Token: {t}\r\nX-Forwarded-For: 192.0.2.1\r\n\
+             Via: 1.1 edge\r\nConnection: keep-alive\r\nContent-Length: 5\r\n\r\nthree"
+        )
+        .into_bytes(),
+    );
+    c.send(&all).await;
+    for _ in 0..3 {
+        let r = c.read(false).await;
+        assert_eq!(r.status, 200);
+        assert_eq!(r.body, b"stored");
+        assert_eq!(r.header("via"), Some("1.1 fencegate"));
+    }
+    let seen = rec.requests();
+    let bodies: Vec<_> = seen.iter().map(|s| s.body.clone()).collect();
+    assert_eq!(bodies, ["one", "two", "three"]);
+    let last = &seen[2].headers;
+    assert_eq!(last["x-forwarded-for"], "192.0.2.1, 127.0.0.1");
+    assert_eq!(last["via"], "1.1 edge, 1.1 fencegate");
+    assert_eq!(last["x-forwarded-proto"], "http");
+    assert_eq!(last["x-forwarded-host"], "front");
+    assert_eq!(last["host"], "front");
+    assert!(!last.contains_key("connection"));
+}
+
+/// A scripted upstream: answers each request by its path with a canned
+/// response, counting connections.
+async fn scripted_upstream() -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let conns = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = conns.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                loop {
+                    // One request head (these tests send no bodies upstream).
+                    let end = loop {
+                        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            break i + 4;
+                        }
+                        let mut chunk = [0u8; 4096];
+                        match s.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    };
+                    let head = String::from_utf8_lossy(&buf[..end]).into_owned();
+                    buf.drain(..end);
+                    let path = head.split(' ').nth(1).unwrap_or("").to_string();
+                    let (reply, close): (&[u8], bool) = match path.as_str() {
+                        "/chunked" => (
+                            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nConnection: x-hop\r\nX-Hop: secret\r\n\r\n\
+                              5;ext=1\r\nhello\r\n6\r\n world\r\n0\r\nX-Trailer: t\r\n\r\n",
+                            false,
+                        ),
+                        "/until-close" => (b"HTTP/1.0 200 OK\r\nX-Kind: close\r\n\r\nbody until close", true),
+                        "/head" => (b"HTTP/1.1 200 OK\r\nContent-Length: 42\r\n\r\n", false),
+                        "/nocontent" => (b"HTTP/1.1 204 No Content\r\n\r\n", false),
+                        "/continue" => (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", false),
+                        // Answers, then closes without saying so.
+                        "/drop" => (b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\ndrop", true),
+                        _ => (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nVia: 1.1 origin\r\n\r\nplain", false),
+                    };
+                    if s.write_all(reply).await.is_err() || close {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (format!("http://{addr}"), conns)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn upstream_framings_are_relayed_and_the_connection_kept() {
+    let (url, conns) = scripted_upstream().await;
+    let (_d, gw) = gateway(&url, true).await;
+    let mut c = Client::connect(gw.proxy).await;
+    let get = |p: &str| format!("GET {p} HTTP/1.1\r\nHost: front\r\n\r\n").into_bytes();
+
+    c.send(&get("/chunked")).await;
+    let r = c.read(false).await;
+    assert_eq!((r.status, r.body.as_slice()), (200, &b"hello world"[..]));
+    assert_eq!(r.header("x-hop"), None, "a header named by Connection is hop-by-hop");
+    assert_eq!(r.header("connection"), None);
+
+    c.send(b"HEAD /head HTTP/1.1\r\nHost: front\r\n\r\n").await;
+    let r = c.read(true).await;
+    assert_eq!((r.status, r.header("content-length")), (200, Some("42")));
+
+    c.send(&get("/nocontent")).await;
+    assert_eq!(c.read(false).await.status, 204);
+
+    c.send(&get("/continue")).await;
+    let r = c.read(false).await;
+    assert_eq!((r.status, r.body.as_slice()), (200, &b"ok"[..]));
+
+    c.send(&get("/plain")).await;
+    let r = c.read(false).await;
+    assert_eq!(r.body, b"plain");
+    assert_eq!(r.header("via"), Some("1.1 origin, 1.1 fencegate"));
+    // All of the above on one upstream connection, kept alive.
+    assert_eq!(conns.load(std::sync::atomic::Ordering::SeqCst), 1);
+
+    // A body delimited by the upstream closing: relayed, then this client
+    // connection is closed too (it has no other way to see the end).
+    c.send(&get("/until-close")).await;
+    let r = c.read(false).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("connection"), Some("close"));
+    assert_eq!(r.body, b"body until close");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pooled_connection_the_upstream_closed_is_not_reused() {
+    let (url, conns) = scripted_upstream().await;
+    let (_d, gw) = gateway(&url, true).await;
+    let mut c = Client::connect(gw.proxy).await;
+    for i in 0..5 {
+        c.send(b"GET /drop HTTP/1.1\r\nHost: front\r\n\r\n").await;
+        let r = c.read(false).await;
+        assert_eq!((r.status, r.body.as_slice()), (200, &b"drop"[..]), "request {i}");
+        // Give the upstream's close time to arrive before the next request.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(conns.load(std::sync::atomic::Ordering::SeqCst), 5);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn fast_path_requests_are_access_logged_and_idle_connections_do_not_hold_a_stop() {
+    let rec = Recorder::start().await;
+    let (_d, gw) = gateway(&rec.url(), true).await;
+    let http = Http::default();
+    let g = acquire(&http, &gw.api_url(""), "logged/key", 10_000, 0).await.unwrap();
+    let mut idle = Vec::new();
+    for _ in 0..3 {
+        let mut c = Client::connect(gw.proxy).await;
+        c.send(&put("/logged/key", &g.token.to_string(), "x")).await;
+        assert_eq!(c.read(false).await.status, 200);
+        idle.push(c);
+    }
+    let log = gw.log_text();
+    let line = log.lines().find(|l| l.contains("fencegate::access") && l.contains("logged/key")).expect("access line");
+    for field in ["listener=\"proxy\"", "method=PUT", "status=200", "outcome=\"ok\"", "req_bytes=1"] {
+        assert!(line.contains(field), "{field} in {line}");
+    }
+    // SIGTERM with three idle keep-alive connections open: the gateway
+    // closes them and exits well within its 10 s grace.
+    let started = Instant::now();
+    let status = gw.terminate();
+    assert!(status.success(), "{status}");
+    assert!(started.elapsed() < Duration::from_secs(5), "stop took {:?}", started.elapsed());
+    for mut c in idle {
+        let mut b = [0u8; 1];
+        assert_eq!(c.stream.read(&mut b).await.unwrap_or(0), 0, "idle connection closed");
+    }
+}
