@@ -18,7 +18,7 @@ use crate::error::Error;
 use crate::fence::FenceTable;
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
-use crate::server::{self, Handler, Limits};
+use crate::server::{self, FastPath, Handler, Limits};
 use crate::shutdown::{self, Trigger};
 use crate::store::{Store, SyncObserver, WriterOptions};
 use crate::tls::Reloadable;
@@ -157,9 +157,14 @@ impl Gateway {
                 true
             });
         }
-        let fast = cfg.server.proxy_fast_path.then(|| proxy_fast.clone());
-        tasks.spawn(server::serve("proxy", proxy_listener, proxy_handler, limits, proxy_tls, stop.clone(), fast));
-        tasks.spawn(server::serve("api", api_listener, api_handler, limits, api_tls, stop.clone(), None));
+        let proxy_fast = if cfg.server.proxy_fast_path { FastPath::Proxy(proxy_fast) } else { FastPath::Off };
+        let api_fast = if cfg.server.api_fast_path {
+            FastPath::Handler { max_body_bytes: cfg.server.api_max_body_bytes }
+        } else {
+            FastPath::Off
+        };
+        tasks.spawn(server::serve("proxy", proxy_listener, proxy_handler, limits, proxy_tls, stop.clone(), proxy_fast));
+        tasks.spawn(server::serve("api", api_listener, api_handler, limits, api_tls, stop.clone(), api_fast));
         let expiry = authority.clone().run_expiry(stop);
         tasks.spawn(async move {
             expiry.await;

@@ -96,6 +96,10 @@ pub struct ServerConfig {
     /// it does not take still go to the general path). `false`: the
     /// general path only.
     pub proxy_fast_path: bool,
+    /// Serve plain-text HTTP/1.1 lease API requests with the small
+    /// HTTP/1.1 loop (others still go to the general path). `false`: the
+    /// general path only.
+    pub api_fast_path: bool,
 }
 
 /// How a route's tokens come to be.
@@ -247,6 +251,7 @@ impl Default for ServerConfig {
             proxy_tls: None,
             api_tls: None,
             proxy_fast_path: true,
+            api_fast_path: true,
         }
     }
 }

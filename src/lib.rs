@@ -11,8 +11,9 @@
 //! |---|---|
 //! | [`config`] | the one `Config`: defaults, TOML, `serve` flags, `validate()` |
 //! | [`server`] | listeners: accept, TLS/mTLS, HTTP/1.1 + h2, connection limits, graceful drain |
+//! | [`h1`] | the api listener's small HTTP/1.1 loop in front of its handler (hyper for the rest) |
 //! | [`tls`] | rustls configs from PEM, SIGHUP reload, client certificate names |
-//! | [`proxy`] | routes, path checks and key mapping, the fence check, forwarding, upstreams (http, file) |
+//! | [`proxy`] | routes, path checks and key mapping, the fence check, forwarding (fast path and general), upstreams (http, file) |
 //! | [`fence`] | token parsing, the in-memory fence table, in-flight tracking, the activation barrier |
 //! | [`authority`] | grants, FIFO waiters, expiry, watch |
 //! | [`store`] | RocksDB: fences, grants, counters; group commit of fsyncs |
@@ -34,6 +35,7 @@ pub mod client;
 pub mod config;
 pub mod error;
 pub mod fence;
+pub mod h1;
 pub mod inject;
 pub mod metrics;
 pub mod proxy;

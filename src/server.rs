@@ -123,12 +123,21 @@ impl tokio::io::AsyncWrite for Rewind {
     }
 }
 
+/// What serves a plain-text connection first; it hands the connection to
+/// the general path (hyper) when a request needs it.
+#[derive(Clone)]
+pub enum FastPath {
+    /// Hyper serves every connection.
+    Off,
+    /// The proxy's forwarding fast path ([`crate::proxy::fast`]).
+    Proxy(Arc<Proxy>),
+    /// The small HTTP/1.1 loop in front of the listener's own handler
+    /// ([`crate::h1`]); bodies above `max_body_bytes` go to the general path.
+    Handler { max_body_bytes: u64 },
+}
+
 /// Serves `listener` until `shutdown`, then drains open connections for
 /// up to `limits.shutdown_grace`. True if every connection drained.
-///
-/// `fast`: the proxy whose plain-text HTTP/1.1 fast path
-/// ([`crate::proxy::fast`]) serves each connection first; it hands a
-/// connection to the general path (hyper) when a request needs it.
 pub async fn serve(
     name: &'static str,
     listener: TcpListener,
@@ -136,7 +145,7 @@ pub async fn serve(
     limits: Limits,
     tls: Option<Arc<Reloadable>>,
     shutdown: Shutdown,
-    fast: Option<Arc<Proxy>>,
+    fast: FastPath,
 ) -> bool {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
@@ -187,19 +196,22 @@ pub async fn serve(
             match tls.and_then(|t| t.current()) {
                 None => {
                     let client = ClientInfo::new(addr, false, None);
-                    let io = match fast {
-                        Some(proxy) => {
-                            let conn_limits = ConnLimits {
-                                max_header_bytes: limits.max_header_bytes,
-                                header_read_timeout: limits.header_read_timeout,
-                            };
-                            match fast::serve_conn(&proxy, stream, &client, conn_limits, &conn_shutdown).await {
-                                None => return drop(permit),
-                                Some(h) => Rewind { prefix: h.buffered, inner: h.stream },
-                            }
-                        }
-                        None => Rewind { prefix: bytes::BytesMut::new(), inner: stream },
+                    let conn_limits = ConnLimits {
+                        max_header_bytes: limits.max_header_bytes,
+                        header_read_timeout: limits.header_read_timeout,
                     };
+                    let handover = match fast {
+                        FastPath::Off => Some(fast::Handover { stream, buffered: bytes::BytesMut::new() }),
+                        FastPath::Proxy(proxy) => {
+                            fast::serve_conn(&proxy, stream, &client, conn_limits, &conn_shutdown).await
+                        }
+                        FastPath::Handler { max_body_bytes } => {
+                            let (h, c, s) = (&handler, &client, &conn_shutdown);
+                            crate::h1::serve_conn(h, stream, c, conn_limits, max_body_bytes, s).await
+                        }
+                    };
+                    let Some(h) = handover else { return drop(permit) };
+                    let io = Rewind { prefix: h.buffered, inner: h.stream };
                     serve_conn(name, &builder, watcher, TokioIo::new(io), client, handler, limits).await;
                 }
                 Some(config) => {

@@ -1,8 +1,10 @@
-//! The proxy's fast path (plain-text HTTP/1.1, `src/proxy/fast.rs`) against
-//! the real binary, on raw keep-alive connections: the fence check on both
-//! paths and the hand-over between them on one connection, pipelining, the
-//! upstream framings it relays, a pooled connection the upstream closed,
-//! the access log, and a prompt graceful stop with idle connections.
+//! The fast paths (plain-text HTTP/1.1: the proxy's `src/proxy/fast.rs`,
+//! the api listener's `src/h1.rs`) against the real binary, on raw
+//! keep-alive connections: the fence check on both proxy paths and the
+//! hand-over between them on one connection, pipelining, the upstream
+//! framings relayed, a pooled connection the upstream closed, the access
+//! log, a prompt graceful stop with idle connections, and an acquire
+//! abandoned by a hang-up leaving the queue on both api paths.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -130,8 +132,12 @@ fn config(fast: bool) -> String {
 }
 
 async fn gateway(upstream: &str, fast: bool) -> (tempfile::TempDir, Gateway) {
+    gateway_with(upstream, config(fast)).await
+}
+
+async fn gateway_with(upstream: &str, config: String) -> (tempfile::TempDir, Gateway) {
     let dir = tempfile::tempdir().unwrap();
-    let opts = Opts { upstream: Some(upstream.to_string()), config: Some(config(fast)), ..Opts::default() };
+    let opts = Opts { upstream: Some(upstream.to_string()), config: Some(config), ..Opts::default() };
     let gw = Gateway::start(&dir.path().join("data"), opts);
     (dir, gw)
 }
@@ -346,5 +352,68 @@ async fn fast_path_requests_are_access_logged_and_idle_connections_do_not_hold_a
     for mut c in idle {
         let mut b = [0u8; 1];
         assert_eq!(c.stream.read(&mut b).await.unwrap_or(0), 0, "idle connection closed");
+    }
+}
+
+/// A client that hangs up while its acquire waits in the queue leaves the
+/// queue (its request's future is dropped): when the holder releases, the
+/// next waiter gets the lock at once, not a lease handed to nobody.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_acquire_abandoned_by_a_hang_up_leaves_the_queue() {
+    for fast in [true, false] {
+        let rec = Recorder::start().await;
+        let (_d, gw) = gateway_with(&rec.url(), format!("[server]\napi_fast_path = {fast}\n")).await;
+        let http = Http::default();
+        let api = gw.api_url("");
+        let holder = acquire(&http, &api, "queue/1", 30_000, 0).await.unwrap();
+        let mut gone = Client::connect(gw.api).await;
+        let body = r#"{"key":"queue/1","ttl_ms":30000,"wait_ms":20000}"#;
+        let request =
+            format!("POST /v1/locks/acquire HTTP/1.1\r\nHost: a\r\nContent-Length: {}\r\n\r\n{body}", body.len());
+        gone.send(request.as_bytes()).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        drop(gone);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let started = Instant::now();
+        let waiter = acquire(&http, &api, "queue/1", 30_000, 10_000);
+        let releaser = async {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            release(&http, &api, &holder).await
+        };
+        let (next, released) = tokio::join!(waiter, releaser);
+        assert_eq!(released.status, 200, "fast={fast}");
+        let next = next.unwrap_or_else(|r| panic!("fast={fast}: the next waiter got {}: {:?}", r.status, r.body));
+        assert!(next.token > holder.token);
+        assert!(started.elapsed() < Duration::from_secs(5), "fast={fast}: {:?}", started.elapsed());
+    }
+}
+
+/// A zombie that hangs up while its write is at the upstream still holds
+/// the next grant back until the upstream answered: its in-flight
+/// registration ends with the upstream exchange, not with the client.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_write_whose_client_hung_up_still_holds_back_the_next_grant() {
+    for fast in [true, false] {
+        let rec = Recorder::start().await;
+        let (_d, gw) = gateway(&rec.url(), fast).await;
+        let http = Http::default();
+        let api = gw.api_url("");
+        let old = acquire(&http, &api, "k", 10_000, 0).await.unwrap();
+        rec.set_delay("/k", 1500);
+        let started = Instant::now();
+        let mut zombie = Client::connect(gw.proxy).await;
+        zombie.send(&put("/k", &old.token.to_string(), "old")).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        drop(zombie);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        release(&http, &api, &old).await;
+        let new = acquire(&http, &api, "k", 10_000, 0).await.unwrap();
+        let waited = started.elapsed();
+        assert!(new.token > old.token);
+        assert!(
+            waited >= Duration::from_millis(1400),
+            "fast={fast}: granted after {waited:?}, old write still upstream"
+        );
+        assert_eq!(rec.count(), 1, "fast={fast}");
     }
 }

@@ -5,11 +5,11 @@
 //! `Content-Length` of at most [`MAX_FAST_BODY`] (or none), no
 //! `Transfer-Encoding`, `Upgrade`, `Expect` or hop-by-hop header besides
 //! `Connection: keep-alive|close`, headers within the listener's limit, a
-//! route that enforces, uses the embedded authority, needs no principal and
-//! forwards to a plain `http://` upstream, and a token the fence admits (or
-//! a read whose token is not stale). It makes the same admission as the
-//! general path, with [`FenceTable::check`](crate::fence::FenceTable::check)
-//! — the one atomic compare-and-register — before a byte goes upstream.
+//! route that uses the embedded authority, needs no principal and forwards to
+//! a plain `http://` upstream, and a request the fence check admits. The
+//! check is the general path's own ([`Proxy::admit`], around
+//! [`FenceTable::check`](crate::fence::FenceTable::check), the one atomic
+//! compare-and-register), made before a byte goes upstream.
 //!
 //! Everything else — and every refusal — is handed over with the bytes
 //! read so far to the general path (hyper, [`super::Proxy::handle`]),
@@ -29,12 +29,11 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use super::pool::Pool;
-use super::{path, ClientInfo, Proxy, Route};
-use crate::authority::validate_key;
+use super::{path, Admit, ClientInfo, Proxy, Route};
 use crate::config::HostHeader;
 use crate::error::Error;
 use crate::fence::token::parse_token_values;
-use crate::fence::{Admission, InflightGuard};
+use crate::fence::InflightGuard;
 use crate::shutdown::Shutdown;
 
 /// Largest request body the fast path buffers; larger ones stream through
@@ -96,14 +95,16 @@ fn range_in(whole: &[u8], part: &[u8]) -> Range<usize> {
     start..start + part.len()
 }
 
-fn digits(v: &[u8]) -> Option<u64> {
+/// 1 to 19 ASCII digits.
+pub(crate) fn digits(v: &[u8]) -> Option<u64> {
     if v.is_empty() || v.len() > 19 || !v.iter().all(u8::is_ascii_digit) {
         return None;
     }
     Some(v.iter().fold(0u64, |acc, d| acc * 10 + u64::from(d - b'0')))
 }
 
-fn tokens(v: &[u8]) -> impl Iterator<Item = &[u8]> {
+/// The non-empty elements of a comma-separated header value.
+pub(crate) fn tokens(v: &[u8]) -> impl Iterator<Item = &[u8]> {
     v.split(|b| *b == b',').map(<[u8]>::trim_ascii).filter(|t| !t.is_empty())
 }
 
@@ -430,13 +431,15 @@ struct Conn {
     resp: RespHead,
 }
 
-fn reserve(buf: &mut BytesMut) {
+/// At least 1 KiB of room for the next read.
+pub(crate) fn reserve(buf: &mut BytesMut) {
     if buf.capacity() - buf.len() < 1024 {
         buf.reserve(READ_RESERVE);
     }
 }
 
-fn push_header(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
+/// `name: value` and its line end.
+pub(crate) fn push_header(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
     out.extend_from_slice(name);
     out.extend_from_slice(b": ");
     out.extend_from_slice(value);
@@ -550,11 +553,7 @@ async fn serve_one(
     let Ok(checked) = path::check_path(path_only) else { return Next::General };
     let Some((route, key)) = proxy.route_for(&checked) else { return Next::General };
     let Some((pool, prefix, upstream_host)) = route.upstream.plain_http() else { return Next::General };
-    if route.auth
-        || route.policy.external
-        || !route.enforce
-        || head.content_length > MAX_FAST_BODY.min(route.max_body_bytes)
-    {
+    if route.auth || route.policy.external || head.content_length > MAX_FAST_BODY.min(route.max_body_bytes) {
         return Next::General;
     }
     // The access log's fields are gathered only when it is on.
@@ -578,25 +577,13 @@ async fn serve_one(
     }
     let head = &c.head;
 
-    // 4. Admission: the general path's, made here only when it forwards.
-    let token = match parse_token_values(head.token.clone().map(|r| &c.buf[r])) {
-        Ok(t) => t,
-        Err(_) => return Next::General,
-    };
-    let guard: Option<InflightGuard> = if mutation {
-        let Some(token) = token else { return Next::General };
-        if validate_key(&key).is_err() {
-            return Next::General;
-        }
-        match proxy.fences.check(&key, token, route.policy) {
-            Ok(Admission::Admitted(guard)) => Some(guard),
-            _ => return Next::General,
-        }
-    } else {
-        if token.is_some_and(|t| t < proxy.fences.fence(&key)) {
-            return Next::General;
-        }
-        None
+    // 4. Admission: the general path's own decision; any outcome but
+    //    "forward" goes to the general path, which decides afresh.
+    let parsed = parse_token_values(head.token.clone().map(|r| &c.buf[r]));
+    let token = parsed.as_ref().ok().copied().flatten();
+    let guard: Option<InflightGuard> = match proxy.admit(route, &key, mutation, parsed) {
+        Admit::Forward(guard) => guard,
+        _ => return Next::General,
     };
 
     // 5. The upstream request: the head with this hop's edits, then the body.

@@ -33,6 +33,7 @@ use crate::authority::{validate_key, Authority};
 use crate::body::BoxBody;
 use crate::config::{Config, FenceAuthority, HostHeader};
 use crate::error::Error;
+use crate::fence::token::TokenError;
 use crate::fence::{parse_token_header, Admission, CheckPolicy, FenceTable, InflightGuard, Refusal};
 use crate::metrics::Metrics;
 use crate::store::{wait_durable, Store};
@@ -72,6 +73,23 @@ pub struct Proxy {
     fences: Arc<FenceTable>,
     store: Store,
     metrics: Arc<Metrics>,
+}
+
+/// What [`Proxy::admit`] decided.
+enum Admit {
+    /// Forward; a mutation carries its in-flight registration.
+    Forward(Option<InflightGuard>),
+    /// An external route's token above the fence: advance the fence
+    /// durably, then forward.
+    Advance(u64),
+    /// A mutation's token refused by the fence check: refused on an
+    /// enforcing route, forwarded unregistered in shadow mode (and audited
+    /// either way).
+    Refused(u64, Refusal),
+    /// A token absent (mutations) or malformed: as [`Admit::Refused`].
+    NoToken(Refused),
+    /// Refused in every mode.
+    Reject(Refused),
 }
 
 /// A refused or failed request: the error and the mutation outcome word.
@@ -239,6 +257,47 @@ impl Proxy {
         self.admit_and_forward(route, &key, &checked.decoded, req, client).await
     }
 
+    /// The fence check of SPEC 4 for one request: the one decision both
+    /// transports act on (the general path below, and [`fast`] for plain
+    /// HTTP/1.1, which forwards only on [`Admit::Forward`] and hands every
+    /// other outcome to the general path). An admissible mutation is
+    /// registered as in flight in the same atomic step
+    /// ([`FenceTable::check`]).
+    fn admit(&self, route: &Route, key: &str, mutation: bool, token: Result<Option<u64>, TokenError>) -> Admit {
+        let token = match token {
+            Ok(t) => t,
+            Err(TokenError::Malformed(m)) => {
+                let refused =
+                    Refused { error: Error::MalformedFencingToken(m), outcome: mutation.then_some("malformed_token") };
+                return Admit::NoToken(refused);
+            }
+        };
+        if !mutation {
+            // A read with a stale token learns it at once.
+            if let Some(t) = token {
+                let fence = self.fences.fence(key);
+                if t < fence && route.enforce {
+                    let error = Error::StaleFencingToken { key: key.to_string(), token: t, fence };
+                    return Admit::Reject(Refused { error, outcome: None });
+                }
+            }
+            return Admit::Forward(None);
+        }
+        if let Err(error) = validate_key(key) {
+            return Admit::Reject(Refused { error, outcome: None });
+        }
+        let Some(token) = token else {
+            let refused =
+                Refused { error: Error::FencingTokenRequired { key: key.to_string() }, outcome: Some("missing_token") };
+            return Admit::NoToken(refused);
+        };
+        match self.fences.check(key, token, route.policy) {
+            Ok(Admission::Admitted(guard)) => Admit::Forward(Some(guard)),
+            Ok(Admission::MustAdvance) => Admit::Advance(token),
+            Err(refusal) => Admit::Refused(token, refusal),
+        }
+    }
+
     async fn admit_and_forward(
         &self,
         route: &Route,
@@ -249,73 +308,33 @@ impl Proxy {
     ) -> Result<Response<BoxBody>, Refused> {
         let mutation = route.mutating.contains(req.method());
         // 2. admit
-        let token = match parse_token_header(req.headers().get_all(&X_FENCING_TOKEN)) {
-            Ok(t) => t,
-            Err(crate::fence::token::TokenError::Malformed(m)) => {
-                let refused =
-                    Refused { error: Error::MalformedFencingToken(m), outcome: mutation.then_some("malformed_token") };
-                // Enforcing: refused here. Shadow: forwarded unregistered.
+        let parsed = parse_token_header(req.headers().get_all(&X_FENCING_TOKEN));
+        let token = parsed.as_ref().ok().copied().flatten();
+        let guard = match self.admit(route, key, mutation, parsed) {
+            Admit::Forward(Some(guard)) if route.policy.external => {
+                // Another request may be advancing to this very token:
+                // wait, as it does, for older in-flight mutations.
+                Box::pin(self.fences.barrier(key, token.unwrap_or(0), route.upstream_timeout)).await;
+                Some(guard)
+            }
+            Admit::Forward(guard) => guard,
+            Admit::Advance(token) => match self.fences.advance(key, token, &self.store) {
+                // Boxed: the rarer path, kept out of the common future.
+                Ok((guard, durable)) => Box::pin(self.activate(route, key, token, guard, durable)).await?,
+                Err(refusal) => self.refusal(route, key, token, refusal, client)?,
+            },
+            Admit::Reject(refused) => return Err(refused),
+            // Enforcing: refused here. Shadow: forwarded unregistered.
+            Admit::Refused(token, refusal) => self.refusal(route, key, token, refusal, client)?,
+            Admit::NoToken(refused) => {
                 self.refuse_or_shadow(route, key, None, refused, client)?;
-                return Box::pin(self.forward(route, key, object, req, client, None, None)).await;
+                None
             }
-        };
-        let guard = if mutation {
-            self.admit_mutation(route, key, token, client).await?
-        } else {
-            if let Some(t) = token {
-                // A read with a stale token learns it at once.
-                let fence = self.fences.fence(key);
-                if t < fence {
-                    let refused = Refused {
-                        error: Error::StaleFencingToken { key: key.to_string(), token: t, fence },
-                        outcome: None,
-                    };
-                    if route.enforce {
-                        return Err(refused);
-                    }
-                }
-            }
-            None
         };
         // 3. forward
         // Boxed once here: every caller above then carries a pointer, not
         // the forwarding state (kilobytes, copied at each level otherwise).
         Box::pin(self.forward(route, key, object, req, client, guard, token)).await
-    }
-
-    /// Decides a mutation: `Some(guard)` to forward it registered, `None`
-    /// to forward it unregistered (shadow mode only), or a refusal.
-    async fn admit_mutation(
-        &self,
-        route: &Route,
-        key: &str,
-        token: Option<u64>,
-        client: &ClientInfo,
-    ) -> Result<Option<InflightGuard>, Refused> {
-        if let Err(e) = validate_key(key) {
-            return Err(Refused { error: e, outcome: None });
-        }
-        let Some(token) = token else {
-            let refused =
-                Refused { error: Error::FencingTokenRequired { key: key.to_string() }, outcome: Some("missing_token") };
-            return self.refuse_or_shadow(route, key, None, refused, client).map(|()| None);
-        };
-        match self.fences.check(key, token, route.policy) {
-            Ok(Admission::Admitted(guard)) => {
-                if route.policy.external {
-                    // Another request may be advancing to this very token:
-                    // wait, as it does, for older in-flight mutations.
-                    Box::pin(self.fences.barrier(key, token, route.upstream_timeout)).await;
-                }
-                Ok(Some(guard))
-            }
-            Ok(Admission::MustAdvance) => match self.fences.advance(key, token, &self.store) {
-                // Boxed: the rarer path, kept out of the common future.
-                Ok((guard, durable)) => Box::pin(self.activate(route, key, token, guard, durable)).await,
-                Err(refusal) => self.refusal(route, key, token, refusal, client),
-            },
-            Err(refusal) => self.refusal(route, key, token, refusal, client),
-        }
     }
 
     /// An external route's new token: durable first, then the barrier on
@@ -413,10 +432,27 @@ impl Proxy {
         let mut up = Request::from_parts(parts, body);
         headers::prepare_request(&mut up, client, route.host_header, route.upstream.host(), route.forward_token);
         let started = Instant::now();
-        let sent = tokio::time::timeout(route.upstream_timeout, route.upstream.send(up, object, token)).await;
+        let sent = match guard {
+            None => tokio::time::timeout(route.upstream_timeout, route.upstream.send(up, object, token)).await,
+            // A registered mutation's exchange runs as its own task, which
+            // ends the registration (4.) only when the upstream has answered
+            // or failed — also when the client hangs up meanwhile and this
+            // future is dropped: activation must still wait for a write the
+            // upstream may yet apply.
+            Some(guard) => {
+                let (upstream, object, timeout) = (route.upstream.clone(), object.to_string(), route.upstream_timeout);
+                let exchange = tokio::spawn(async move {
+                    let sent = tokio::time::timeout(timeout, upstream.send(up, &object, token)).await;
+                    drop(guard);
+                    sent
+                });
+                match exchange.await {
+                    Ok(sent) => sent,
+                    Err(e) => Ok(Err(SendError::Other(format!("the exchange task failed: {e}")))),
+                }
+            }
+        };
         route.upstream_duration.observe(started.elapsed().as_secs_f64());
-        // 4. the upstream has answered (or failed): no longer in flight.
-        drop(guard);
         let cut_short = |fallback: Error| -> Refused {
             if body_outcome.aborted() {
                 self.metrics.aborted_uploads.with_label_values(&[&route.name]).inc();

@@ -1,0 +1,309 @@
+//! A small HTTP/1.1 server loop for the plain-text api listener: each
+//! request is parsed once (httparse), read whole, handed to the listener's
+//! [`Handler`] as an ordinary `http::Request` — the same handler the
+//! general path calls, so every check, limit and error of the lease API is
+//! the same — and its response written with one write.
+//!
+//! It takes the common request only: HTTP/1.1, a body framed by
+//! `Content-Length` within the listener's body limit (or none), no
+//! `Transfer-Encoding`, `Upgrade` or `Expect`, `Connection` saying at most
+//! `keep-alive` or `close`, headers within the listener's limit. Anything
+//! else is handed, with the bytes read so far, to the general path (hyper)
+//! for the rest of the connection. A client that hangs up while its request
+//! waits (an acquire queued for a lock, a watch) drops the request's future,
+//! as on the general path, so an abandoned waiter leaves the queue.
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::{header, HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode, Uri, Version};
+use http_body_util::BodyExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+
+use crate::body::full;
+use crate::proxy::fast::{digits, push_header, reserve, tokens, ConnLimits, Handover};
+use crate::proxy::ClientInfo;
+use crate::server::Handler;
+use crate::shutdown::Shutdown;
+
+const MAX_HEADERS: usize = 64;
+/// Bytes a client may send ahead (pipelined) while its request is served.
+const MAX_AHEAD: usize = 64 * 1024;
+
+/// Request headers that need the general path.
+const GENERAL_ONLY: [&[u8]; 4] = [b"transfer-encoding", b"upgrade", b"expect", b"http2-settings"];
+
+/// One request head, checked and turned into `http` types.
+struct Head {
+    len: usize,
+    method: Method,
+    target: std::ops::Range<usize>,
+    headers: Vec<(HeaderName, std::ops::Range<usize>)>,
+    content_length: usize,
+    close: bool,
+}
+
+enum Parsed {
+    Complete(Head),
+    Partial,
+    General,
+}
+
+fn parse_head(buf: &[u8], limits: ConnLimits, max_body: u64) -> Parsed {
+    let mut raw = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut req = httparse::Request::new(&mut raw);
+    let len = match req.parse(buf) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) if buf.len() <= limits.max_header_bytes => return Parsed::Partial,
+        _ => return Parsed::General,
+    };
+    let (Some(method), Some(target), Some(1)) = (req.method, req.path, req.version) else {
+        return Parsed::General;
+    };
+    let Ok(method) = Method::from_bytes(method.as_bytes()) else { return Parsed::General };
+    let offset = |part: &[u8]| {
+        let start = (part.as_ptr() as usize).saturating_sub(buf.as_ptr() as usize);
+        start..start + part.len()
+    };
+    let mut head =
+        Head { len, method, target: offset(target.as_bytes()), headers: Vec::new(), content_length: 0, close: false };
+    let mut seen_length = false;
+    let mut total = 0usize;
+    for h in req.headers.iter() {
+        total += h.name.len() + h.value.len() + 4;
+        let Ok(name) = HeaderName::from_bytes(h.name.as_bytes()) else { return Parsed::General };
+        if name == header::CONTENT_LENGTH {
+            match digits(h.value) {
+                Some(n) if !seen_length => head.content_length = usize::try_from(n).unwrap_or(usize::MAX),
+                _ => return Parsed::General,
+            }
+            seen_length = true;
+        } else if name == header::CONNECTION {
+            for t in tokens(h.value) {
+                if t.eq_ignore_ascii_case(b"close") {
+                    head.close = true;
+                } else if !t.eq_ignore_ascii_case(b"keep-alive") {
+                    return Parsed::General;
+                }
+            }
+        } else if GENERAL_ONLY.iter().any(|g| name.as_str().as_bytes() == *g) {
+            return Parsed::General;
+        }
+        let value = if h.value.is_empty() { 0..0 } else { offset(h.value) };
+        head.headers.push((name, value));
+    }
+    if total > limits.max_header_bytes || head.content_length as u64 > max_body {
+        return Parsed::General;
+    }
+    Parsed::Complete(head)
+}
+
+enum Next {
+    KeepAlive,
+    Close,
+    Gone,
+    General,
+}
+
+/// Serves a plain-text api connection until it ends (`None`) or needs the
+/// general path (`Some`).
+pub async fn serve_conn(
+    handler: &Handler,
+    mut stream: TcpStream,
+    client: &ClientInfo,
+    limits: ConnLimits,
+    max_body: u64,
+    shutdown: &Shutdown,
+) -> Option<Handover> {
+    let stop = shutdown.wait();
+    tokio::pin!(stop);
+    let mut buf = BytesMut::with_capacity(8 * 1024);
+    let mut out = Vec::with_capacity(1024);
+    loop {
+        match serve_one(handler, &mut stream, client, limits, max_body, &mut stop, &mut buf, &mut out).await {
+            Next::KeepAlive => {}
+            Next::Close => {
+                let _ = stream.shutdown().await;
+                return None;
+            }
+            Next::Gone => return None,
+            Next::General => return Some(Handover { stream, buffered: buf }),
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn serve_one(
+    handler: &Handler,
+    stream: &mut TcpStream,
+    client: &ClientInfo,
+    limits: ConnLimits,
+    max_body: u64,
+    stop: &mut std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
+    buf: &mut BytesMut,
+    out: &mut Vec<u8>,
+) -> Next {
+    // 1. The head, within the header read timeout (which also bounds an
+    //    idle keep-alive connection, as on the general path).
+    let deadline = Instant::now() + limits.header_read_timeout;
+    let head = loop {
+        if !buf.is_empty() {
+            match parse_head(buf, limits, max_body) {
+                Parsed::Complete(head) => break head,
+                Parsed::General => return Next::General,
+                Parsed::Partial => {}
+            }
+        }
+        reserve(buf);
+        let read = if buf.is_empty() {
+            tokio::select! {
+                r = tokio::time::timeout_at(deadline, stream.read_buf(buf)) => r,
+                () = stop.as_mut() => return Next::Close,
+            }
+        } else {
+            tokio::time::timeout_at(deadline, stream.read_buf(buf)).await
+        };
+        match read {
+            Ok(Ok(n)) if n > 0 => {}
+            _ => return Next::Gone,
+        }
+    };
+    // 2. The body (within the limit checked above), under the same deadline.
+    let need = head.len + head.content_length;
+    while buf.len() < need {
+        reserve(buf);
+        match tokio::time::timeout_at(deadline, stream.read_buf(buf)).await {
+            Ok(Ok(n)) if n > 0 => {}
+            Ok(_) => return Next::Gone,
+            Err(_) => return Next::General,
+        }
+    }
+    // 3. The request in `http` types, sharing one copy of its bytes.
+    let bytes = Bytes::copy_from_slice(&buf[..need]);
+    let Ok(uri) = Uri::from_maybe_shared(bytes.slice(head.target.clone())) else { return Next::General };
+    let mut headers = HeaderMap::with_capacity(head.headers.len());
+    for (name, value) in head.headers {
+        let Ok(value) = HeaderValue::from_maybe_shared(bytes.slice(value)) else { return Next::General };
+        headers.append(name, value);
+    }
+    buf.advance(need);
+    let head_request = head.method == Method::HEAD;
+    let close = head.close;
+    let mut req = Request::new(full(bytes.slice(head.len..need)));
+    *req.method_mut() = head.method;
+    *req.uri_mut() = uri;
+    *req.version_mut() = Version::HTTP_11;
+    *req.headers_mut() = headers;
+
+    // 4. The handler; a client that hangs up meanwhile drops its future.
+    let mut fut = handler(req, client.clone());
+    let resp = loop {
+        reserve(buf);
+        tokio::select! {
+            biased;
+            r = &mut fut => break r,
+            n = stream.read_buf(buf), if buf.len() < MAX_AHEAD => match n {
+                Ok(n) if n > 0 => {}
+                _ => return Next::Gone,
+            },
+        }
+    };
+    drop(fut);
+
+    // 5. The response in one write.
+    let (parts, body) = resp.into_parts();
+    let Ok(body) = body.collect().await.map(http_body_util::Collected::to_bytes) else { return Next::Gone };
+    let status = parts.status;
+    out.clear();
+    out.extend_from_slice(b"HTTP/1.1 ");
+    out.extend_from_slice(status.as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
+    out.extend_from_slice(b"\r\n");
+    for (name, value) in &parts.headers {
+        if name != header::CONTENT_LENGTH && name != header::TRANSFER_ENCODING && name != header::CONNECTION {
+            push_header(out, name.as_str().as_bytes(), value.as_bytes());
+        }
+    }
+    if !parts.headers.contains_key(header::DATE) {
+        push_header(out, b"date", &date_now());
+    }
+    let bodiless = status.is_informational() || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED;
+    if !bodiless {
+        push_header(out, b"content-length", body.len().to_string().as_bytes());
+    }
+    if close {
+        push_header(out, b"connection", b"close");
+    }
+    out.extend_from_slice(b"\r\n");
+    if !bodiless && !head_request {
+        out.extend_from_slice(&body);
+    }
+    if stream.write_all(out).await.is_err() {
+        return Next::Gone;
+    }
+    if close {
+        Next::Close
+    } else {
+        Next::KeepAlive
+    }
+}
+
+/// The `Date` header's value, formatted once per second per thread.
+fn date_now() -> [u8; 29] {
+    use std::cell::Cell;
+    use std::time::{SystemTime, UNIX_EPOCH};
+    thread_local! {
+        static CACHED: Cell<(u64, [u8; 29])> = const { Cell::new((u64::MAX, [0; 29])) };
+    }
+    let now = SystemTime::now();
+    let secs = now.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    CACHED.with(|c| {
+        let (at, text) = c.get();
+        if at == secs {
+            return text;
+        }
+        let mut fresh = [0u8; 29];
+        let formatted = httpdate::fmt_http_date(now);
+        if formatted.len() == fresh.len() {
+            fresh.copy_from_slice(formatted.as_bytes());
+        }
+        c.set((secs, fresh));
+        fresh
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    const LIMITS: ConnLimits = ConnLimits { max_header_bytes: 1024, header_read_timeout: Duration::from_secs(1) };
+
+    #[test]
+    fn plain_requests_are_taken_and_others_handed_over() {
+        let raw = b"POST /v1/locks/renew HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\nConnection: keep-alive\r\n\r\n{}";
+        let Parsed::Complete(h) = parse_head(raw, LIMITS, 100) else { panic!("not taken") };
+        assert_eq!((h.method, h.content_length, h.close, h.headers.len()), (Method::POST, 2, false, 3));
+        assert_eq!(&raw[h.target], b"/v1/locks/renew");
+        for raw in [
+            &b"POST /x HTTP/1.0\r\n\r\n"[..],
+            b"POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n",
+            b"POST /x HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n",
+            b"POST /x HTTP/1.1\r\nContent-Length: 101\r\n\r\n",
+            b"POST /x HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 1\r\n\r\n",
+            b"GET /x HTTP/1.1\r\nConnection: upgrade\r\nUpgrade: h2c\r\n\r\n",
+            b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+        ] {
+            assert!(matches!(parse_head(raw, LIMITS, 100), Parsed::General), "{:?}", String::from_utf8_lossy(raw));
+        }
+        assert!(matches!(parse_head(b"GET /x HTTP/1.1\r\nHost: a\r\n", LIMITS, 100), Parsed::Partial));
+    }
+
+    #[test]
+    fn the_date_is_an_http_date() {
+        let d = date_now();
+        let text = std::str::from_utf8(&d).unwrap();
+        assert!(httpdate::parse_http_date(text).is_ok(), "{text}");
+    }
+}
