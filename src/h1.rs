@@ -121,8 +121,9 @@ pub async fn serve_conn(
     let mut out = Vec::with_capacity(1024);
     loop {
         match serve_one(handler, &mut stream, client, limits, max_body, &mut stop, &mut buf, &mut out).await {
-            Next::KeepAlive => {}
-            Next::Close => {
+            // A stop closes a busy connection after its current response.
+            Next::KeepAlive if !shutdown.is_triggered() => {}
+            Next::KeepAlive | Next::Close => {
                 let _ = stream.shutdown().await;
                 return None;
             }

@@ -343,8 +343,26 @@ async fn fast_path_requests_are_access_logged_and_idle_connections_do_not_hold_a
     for field in ["listener=\"proxy\"", "method=PUT", "status=200", "outcome=\"ok\"", "req_bytes=1"] {
         assert!(line.contains(field), "{field} in {line}");
     }
-    // SIGTERM with three idle keep-alive connections open: the gateway
-    // closes them and exits well within its 10 s grace.
+    // A busy connection: pipelined requests, always some waiting, until
+    // the gateway closes it.
+    let mut busy = Client::connect(gw.proxy).await;
+    let batch: Vec<u8> = (0..8).flat_map(|_| put("/logged/key", &g.token.to_string(), "y")).collect();
+    let busy_task = tokio::spawn(async move {
+        let mut answered = 0u32;
+        loop {
+            if busy.stream.write_all(&batch).await.is_err() {
+                return answered;
+            }
+            let mut hs = [0u8; 4096];
+            match busy.stream.read(&mut hs).await {
+                Ok(n) if n > 0 => answered += 1,
+                _ => return answered,
+            }
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // SIGTERM with three idle keep-alive connections and a busy one open:
+    // the gateway closes them and exits well within its 10 s grace.
     let started = Instant::now();
     let status = gw.terminate();
     assert!(status.success(), "{status}");
@@ -353,6 +371,7 @@ async fn fast_path_requests_are_access_logged_and_idle_connections_do_not_hold_a
         let mut b = [0u8; 1];
         assert_eq!(c.stream.read(&mut b).await.unwrap_or(0), 0, "idle connection closed");
     }
+    assert!(busy_task.await.unwrap() > 0, "the busy connection was served until the stop");
 }
 
 /// A client that hangs up while its acquire waits in the queue leaves the

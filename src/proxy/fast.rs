@@ -488,8 +488,10 @@ pub async fn serve_conn(
             c.buf = BytesMut::with_capacity(READ_RESERVE);
         }
         match next {
-            Next::KeepAlive => {}
-            Next::Close => {
+            // A stop closes a busy connection after its current response,
+            // as hyper's graceful shutdown does.
+            Next::KeepAlive if !shutdown.is_triggered() => {}
+            Next::KeepAlive | Next::Close => {
                 let _ = stream.shutdown().await;
                 return None;
             }
