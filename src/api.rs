@@ -78,7 +78,7 @@ impl Api {
             req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok());
         let (endpoint, result) = self.route(req, &client).await;
         let elapsed = started.elapsed();
-        self.metrics.request_duration.with_label_values(&["api", endpoint]).observe(elapsed.as_secs_f64());
+        self.metrics.observe_api_request(endpoint, elapsed.as_secs_f64());
         let (response, outcome) = match result {
             Ok(r) => (r, "ok"),
             Err(e) => {
@@ -105,9 +105,8 @@ impl Api {
         req: Request<BoxBody>,
         client: &ClientInfo,
     ) -> (&'static str, Result<Response<BoxBody>, Error>) {
-        let path = req.uri().path().to_string();
         let method = req.method().clone();
-        let (name, expected) = match path.as_str() {
+        let (name, expected) = match req.uri().path() {
             "/v1/locks/acquire" => ("acquire", Method::POST),
             "/v1/locks/renew" => ("renew", Method::POST),
             "/v1/locks/release" => ("release", Method::POST),
@@ -116,7 +115,7 @@ impl Api {
             "/metrics" => ("metrics", Method::GET),
             "/healthz" => ("healthz", Method::GET),
             "/readyz" => ("readyz", Method::GET),
-            _ => return ("none", Err(Error::NotFound(path))),
+            path => return ("none", Err(Error::NotFound(path.to_string()))),
         };
         let allowed = method == expected || (expected == Method::GET && method == Method::HEAD);
         if !allowed {

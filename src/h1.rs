@@ -231,7 +231,9 @@ async fn serve_one(
     }
     let bodiless = status.is_informational() || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED;
     if !bodiless {
-        push_header(out, b"content-length", body.len().to_string().as_bytes());
+        out.extend_from_slice(b"content-length: ");
+        push_decimal(out, body.len());
+        out.extend_from_slice(b"\r\n");
     }
     if close {
         push_header(out, b"connection", b"close");
@@ -248,6 +250,21 @@ async fn serve_one(
     } else {
         Next::KeepAlive
     }
+}
+
+/// Appends `n` in decimal (no allocation per response).
+fn push_decimal(out: &mut Vec<u8>, mut n: usize) {
+    let mut digits = [0u8; 20];
+    let mut start = digits.len();
+    loop {
+        start -= 1;
+        digits[start] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 || start == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&digits[start..]);
 }
 
 /// The `Date` header's value, formatted once per second per thread.
@@ -299,6 +316,15 @@ mod tests {
             assert!(matches!(parse_head(raw, LIMITS, 100), Parsed::General), "{:?}", String::from_utf8_lossy(raw));
         }
         assert!(matches!(parse_head(b"GET /x HTTP/1.1\r\nHost: a\r\n", LIMITS, 100), Parsed::Partial));
+    }
+
+    #[test]
+    fn decimals() {
+        for n in [0usize, 7, 10, 65_536, usize::MAX] {
+            let mut out = Vec::new();
+            push_decimal(&mut out, n);
+            assert_eq!(out, n.to_string().into_bytes());
+        }
     }
 
     #[test]

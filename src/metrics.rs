@@ -25,6 +25,11 @@ const LEASE_BUCKETS: &[f64] =
 #[derive(Clone)]
 pub struct Metrics {
     registry: Registry,
+    /// The series of every known lease API call outcome, resolved once
+    /// (a label lookup per call costs more than the count).
+    lock_request_series: Vec<(&'static str, &'static str, IntCounter)>,
+    /// `request_duration{listener="api", route}` per api endpoint.
+    api_duration_series: Vec<(&'static str, Histogram)>,
     /// `route`, `outcome`.
     pub mutations: IntCounterVec,
     /// `op`, `outcome`.
@@ -61,6 +66,10 @@ impl std::fmt::Debug for Metrics {
     }
 }
 
+/// The api listener's endpoint names (the `route` label of its requests).
+const API_ENDPOINTS: [&str; 9] =
+    ["acquire", "renew", "release", "status", "watch", "metrics", "healthz", "readyz", "none"];
+
 fn hist(name: &str, help: &str, buckets: &[f64]) -> HistogramOpts {
     HistogramOpts::new(name, help).buckets(buckets.to_vec())
 }
@@ -69,7 +78,9 @@ impl Metrics {
     /// Creates and registers every metric.
     pub fn new() -> Result<Metrics, prometheus::Error> {
         let registry = Registry::new();
-        let m = Metrics {
+        let mut m = Metrics {
+            lock_request_series: Vec::new(),
+            api_duration_series: Vec::new(),
             mutations: IntCounterVec::new(
                 Opts::new("fencegate_mutations_total", "Mutations seen by the proxy, by route and outcome."),
                 &["route", "outcome"],
@@ -170,15 +181,31 @@ impl Metrics {
         // over a fresh gateway is 0 rather than absent.
         for op in ["acquire", "renew", "release"] {
             for outcome in ["ok", "locked", "lost", "not_owner", "invalid"] {
-                m.lock_requests.with_label_values(&[op, outcome]);
+                let series = m.lock_requests.with_label_values(&[op, outcome]);
+                m.lock_request_series.push((op, outcome, series));
             }
+        }
+        for endpoint in API_ENDPOINTS {
+            let series = m.request_duration.with_label_values(&["api", endpoint]);
+            m.api_duration_series.push((endpoint, series));
         }
         Ok(m)
     }
 
     /// Counts one lease API call.
     pub fn lock_request(&self, op: &str, outcome: &str) {
-        self.lock_requests.with_label_values(&[op, outcome]).inc();
+        match self.lock_request_series.iter().find(|(o, r, _)| *o == op && *r == outcome) {
+            Some((_, _, series)) => series.inc(),
+            None => self.lock_requests.with_label_values(&[op, outcome]).inc(),
+        }
+    }
+
+    /// Observes one api request's latency under its endpoint's name.
+    pub fn observe_api_request(&self, endpoint: &str, seconds: f64) {
+        match self.api_duration_series.iter().find(|(e, _)| *e == endpoint) {
+            Some((_, series)) => series.observe(seconds),
+            None => self.request_duration.with_label_values(&["api", endpoint]).observe(seconds),
+        }
     }
 
     /// Pre-creates the series of one route so dashboards see zeros.
