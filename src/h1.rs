@@ -5,7 +5,7 @@
 //! the same — and its response written with one write.
 //!
 //! It takes the common request only: HTTP/1.1, a body framed by
-//! `Content-Length` within the listener's body limit (or none), no
+//! `Content-Length` within the listener's body limit and 1 MiB (or none), no
 //! `Transfer-Encoding`, `Upgrade` or `Expect`, `Connection` saying at most
 //! `keep-alive` or `close`, headers within the listener's limit. Anything
 //! else is handed, with the bytes read so far, to the general path (hyper)
@@ -29,6 +29,8 @@ use crate::shutdown::Shutdown;
 const MAX_HEADERS: usize = 64;
 /// Bytes a client may send ahead (pipelined) while its request is served.
 const MAX_AHEAD: usize = 64 * 1024;
+/// Largest body this loop reads whole, whatever the listener's limit.
+const MAX_BODY: u64 = 1024 * 1024;
 
 /// Request headers that need the general path.
 const GENERAL_ONLY: [&[u8]; 4] = [b"transfer-encoding", b"upgrade", b"expect", b"http2-settings"];
@@ -92,7 +94,7 @@ fn parse_head(buf: &[u8], limits: ConnLimits, max_body: u64) -> Parsed {
         let value = if h.value.is_empty() { 0..0 } else { offset(h.value) };
         head.headers.push((name, value));
     }
-    if total > limits.max_header_bytes || head.content_length as u64 > max_body {
+    if total > limits.max_header_bytes || head.content_length as u64 > max_body.min(MAX_BODY) {
         return Parsed::General;
     }
     Parsed::Complete(head)
@@ -170,7 +172,7 @@ async fn serve_one(
         }
     };
     // 2. The body (within the limit checked above), under the same deadline.
-    let need = head.len + head.content_length;
+    let need = head.len.saturating_add(head.content_length);
     while buf.len() < need {
         reserve(buf);
         match tokio::time::timeout_at(deadline, stream.read_buf(buf)).await {
