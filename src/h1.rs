@@ -21,7 +21,8 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use crate::body::full;
-use crate::proxy::fast::{digits, push_header, reserve, tokens, ConnLimits, Handover};
+use crate::proxy::fast::{ConnLimits, Handover};
+use crate::proxy::wire::{digits, push_header, reserve, tokens};
 use crate::proxy::ClientInfo;
 use crate::server::Handler;
 use crate::shutdown::Shutdown;

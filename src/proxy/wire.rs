@@ -1,0 +1,491 @@
+//! HTTP/1.1 on the wire, for the fast paths: request and response heads
+//! parsed once (httparse) into ranges of the connection's buffer, with the
+//! proxy's header rules applied as they are read (which headers are
+//! forwarded, replaced or hop-by-hop, and which send a request to the
+//! general path); the end of a chunked body found as it passes; and the
+//! small writers the fast paths build heads with. No I/O here.
+
+use std::ops::Range;
+
+use bytes::BytesMut;
+
+/// Each read has at least this much room (hyper's first buffer is as large).
+pub(crate) const READ_RESERVE: usize = 8 * 1024;
+pub(crate) const MAX_REQUEST_HEADERS: usize = 64;
+pub(crate) const MAX_RESPONSE_HEADERS: usize = 100;
+
+/// One parsed request head: ranges into the connection's buffer.
+#[derive(Default)]
+pub(crate) struct Head {
+    pub(crate) len: usize,
+    pub(crate) method: Range<usize>,
+    pub(crate) target: Range<usize>,
+    /// Headers forwarded as they came.
+    pub(crate) forward: Vec<(Range<usize>, Range<usize>)>,
+    pub(crate) content_length: u64,
+    pub(crate) host: Option<Range<usize>>,
+    pub(crate) forwarded_for: Option<Range<usize>>,
+    pub(crate) via: Option<Range<usize>>,
+    pub(crate) token: Option<Range<usize>>,
+    pub(crate) close: bool,
+}
+
+pub(crate) enum Parsed {
+    Complete,
+    Partial,
+    /// Not for the fast path: hand the connection over.
+    General,
+}
+
+/// The offsets of `part` inside `whole` (an empty part maps to `0..0`).
+pub(crate) fn range_in(whole: &[u8], part: &[u8]) -> Range<usize> {
+    if part.is_empty() {
+        return 0..0;
+    }
+    let start = (part.as_ptr() as usize).saturating_sub(whole.as_ptr() as usize);
+    start..start + part.len()
+}
+
+/// 1 to 19 ASCII digits.
+pub(crate) fn digits(v: &[u8]) -> Option<u64> {
+    if v.is_empty() || v.len() > 19 || !v.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    Some(v.iter().fold(0u64, |acc, d| acc * 10 + u64::from(d - b'0')))
+}
+
+/// The non-empty elements of a comma-separated header value.
+pub(crate) fn tokens(v: &[u8]) -> impl Iterator<Item = &[u8]> {
+    v.split(|b| *b == b',').map(<[u8]>::trim_ascii).filter(|t| !t.is_empty())
+}
+
+/// Request headers the fast path leaves to the general path.
+pub(crate) const GENERAL_ONLY: [&[u8]; 9] = [
+    b"transfer-encoding",
+    b"upgrade",
+    b"expect",
+    b"te",
+    b"trailer",
+    b"keep-alive",
+    b"proxy-connection",
+    b"proxy-authorization",
+    b"proxy-authenticate",
+];
+
+pub(crate) fn parse_head(buf: &[u8], max_header_bytes: usize, head: &mut Head) -> Parsed {
+    let mut headers = [httparse::EMPTY_HEADER; MAX_REQUEST_HEADERS];
+    let mut req = httparse::Request::new(&mut headers);
+    let len = match req.parse(buf) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) if buf.len() <= max_header_bytes => return Parsed::Partial,
+        _ => return Parsed::General,
+    };
+    let (Some(method), Some(target), Some(1)) = (req.method, req.path, req.version) else {
+        return Parsed::General;
+    };
+    if !target.starts_with('/') {
+        return Parsed::General;
+    }
+    head.len = len;
+    head.method = range_in(buf, method.as_bytes());
+    head.target = range_in(buf, target.as_bytes());
+    head.forward.clear();
+    head.content_length = 0;
+    head.host = None;
+    head.forwarded_for = None;
+    head.via = None;
+    head.token = None;
+    head.close = false;
+    let mut seen_length = false;
+    let mut total = 0usize;
+    for h in req.headers.iter() {
+        total += h.name.len() + h.value.len() + 4;
+        let name = h.name.as_bytes();
+        let value = range_in(buf, h.value);
+        let is = |n: &[u8]| name.eq_ignore_ascii_case(n);
+        let once = |slot: &mut Option<Range<usize>>| slot.replace(value.clone()).is_none();
+        let ok = if is(b"content-length") {
+            let first = !seen_length;
+            seen_length = true;
+            head.content_length = digits(h.value).unwrap_or(u64::MAX);
+            head.forward.push((range_in(buf, name), value.clone()));
+            first && head.content_length != u64::MAX
+        } else if is(b"host") {
+            once(&mut head.host)
+        } else if is(b"x-forwarded-for") {
+            once(&mut head.forwarded_for)
+        } else if is(b"via") {
+            once(&mut head.via)
+        } else if is(b"x-fencing-token") {
+            once(&mut head.token)
+        } else if is(b"connection") {
+            let mut known = true;
+            for t in tokens(h.value) {
+                if t.eq_ignore_ascii_case(b"close") {
+                    head.close = true;
+                } else if !t.eq_ignore_ascii_case(b"keep-alive") {
+                    known = false;
+                }
+            }
+            known
+        } else if is(b"x-forwarded-proto") || is(b"x-forwarded-host") {
+            // Replaced by this hop's own values.
+            true
+        } else if GENERAL_ONLY.iter().any(|g| is(g)) {
+            false
+        } else {
+            head.forward.push((range_in(buf, name), value));
+            true
+        };
+        if !ok {
+            return Parsed::General;
+        }
+    }
+    if total > max_header_bytes || head.host.is_none() {
+        return Parsed::General;
+    }
+    Parsed::Complete
+}
+
+/// How an upstream response body is framed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Framing {
+    Empty,
+    Length(u64),
+    Chunked,
+    /// Until the upstream closes.
+    Close,
+}
+
+/// One parsed response head.
+#[derive(Default)]
+pub(crate) struct RespHead {
+    pub(crate) len: usize,
+    pub(crate) status: u16,
+    pub(crate) http10: bool,
+    pub(crate) reason: Range<usize>,
+    pub(crate) forward: Vec<(Range<usize>, Range<usize>)>,
+    pub(crate) length: Option<(Range<usize>, Range<usize>)>,
+    pub(crate) via: Option<Range<usize>>,
+    pub(crate) framing: Option<Framing>,
+    pub(crate) reusable: bool,
+}
+
+/// Response headers never forwarded (besides those `Connection` names).
+pub(crate) const RESPONSE_HOP_BY_HOP: [&[u8]; 8] = [
+    b"connection",
+    b"keep-alive",
+    b"te",
+    b"trailer",
+    b"transfer-encoding",
+    b"upgrade",
+    b"proxy-authenticate",
+    b"proxy-connection",
+];
+
+pub(crate) enum RespParsed {
+    Complete,
+    Partial,
+    Bad(&'static str),
+}
+
+pub(crate) fn parse_response(buf: &[u8], head_request: bool, out: &mut RespHead) -> RespParsed {
+    let mut headers = [httparse::EMPTY_HEADER; MAX_RESPONSE_HEADERS];
+    let mut resp = httparse::Response::new(&mut headers);
+    let len = match resp.parse(buf) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) => return RespParsed::Partial,
+        Err(_) => return RespParsed::Bad("malformed response head"),
+    };
+    let (Some(status), Some(version)) = (resp.code, resp.version) else {
+        return RespParsed::Bad("malformed status line");
+    };
+    out.len = len;
+    out.status = status;
+    out.http10 = version == 0;
+    out.reason = range_in(buf, resp.reason.unwrap_or("").as_bytes());
+    out.forward.clear();
+    out.length = None;
+    out.via = None;
+    let mut close = out.http10;
+    let mut length: Option<u64> = None;
+    let mut chunked: Option<bool> = None;
+    // Names listed in `Connection` are hop-by-hop too.
+    let named = |name: &[u8]| {
+        resp.headers
+            .iter()
+            .filter(|h| h.name.eq_ignore_ascii_case("connection"))
+            .any(|h| tokens(h.value).any(|t| t.eq_ignore_ascii_case(name) && !t.eq_ignore_ascii_case(b"close")))
+    };
+    for h in resp.headers.iter() {
+        let name = h.name.as_bytes();
+        let is = |n: &[u8]| name.eq_ignore_ascii_case(n);
+        if is(b"content-length") {
+            match (digits(h.value), length) {
+                (Some(v), None) => length = Some(v),
+                (Some(v), Some(prev)) if v == prev => continue,
+                _ => return RespParsed::Bad("invalid content-length"),
+            }
+            out.length = Some((range_in(buf, name), range_in(buf, h.value)));
+        } else if is(b"transfer-encoding") {
+            chunked = Some(tokens(h.value).last().is_some_and(|t| t.eq_ignore_ascii_case(b"chunked")));
+        } else if is(b"connection") {
+            if tokens(h.value).any(|t| t.eq_ignore_ascii_case(b"close")) {
+                close = true;
+            } else if out.http10 && tokens(h.value).any(|t| t.eq_ignore_ascii_case(b"keep-alive")) {
+                close = false;
+            }
+        } else if is(b"via") {
+            if out.via.is_none() {
+                out.via = Some(range_in(buf, h.value));
+            }
+        } else if !RESPONSE_HOP_BY_HOP.iter().any(|n| is(n)) && !named(name) {
+            out.forward.push((range_in(buf, name), range_in(buf, h.value)));
+        }
+    }
+    let framing = if head_request || status == 204 || status == 304 || (100..200).contains(&status) {
+        Framing::Empty
+    } else {
+        match (chunked, length) {
+            (Some(true), _) => Framing::Chunked,
+            (Some(false), _) => Framing::Close,
+            (None, Some(n)) => Framing::Length(n),
+            (None, None) => Framing::Close,
+        }
+    };
+    if framing == Framing::Chunked {
+        // Transfer-Encoding wins over Content-Length (RFC 9112 6.3).
+        out.length = None;
+    }
+    out.framing = Some(framing);
+    out.reusable = !close && framing != Framing::Close && chunked != Some(false);
+    RespParsed::Complete
+}
+
+/// Finds the end of a chunked body in the bytes that pass through.
+#[derive(Debug, Default)]
+pub(crate) struct ChunkScanner {
+    state: ChunkState,
+    size: u64,
+}
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ChunkState {
+    #[default]
+    Size,
+    Ext,
+    SizeLf,
+    Data,
+    DataCr,
+    DataLf,
+    /// At the start of a trailer line (after the last chunk).
+    TrailerStart,
+    TrailerLine,
+    TrailerLf,
+    EndLf,
+}
+
+impl ChunkScanner {
+    /// Feeds `data`; `Ok(Some(n))` when the body ends after `n` of its bytes.
+    pub(crate) fn feed(&mut self, data: &[u8]) -> Result<Option<usize>, ()> {
+        let mut i = 0;
+        while i < data.len() {
+            let b = data[i];
+            match self.state {
+                ChunkState::Size => match b {
+                    b'0'..=b'9' | b'a'..=b'f' | b'A'..=b'F' => {
+                        let d = u64::from(match b {
+                            b'0'..=b'9' => b - b'0',
+                            b'a'..=b'f' => b - b'a' + 10,
+                            _ => b - b'A' + 10,
+                        });
+                        self.size = self.size.checked_mul(16).and_then(|s| s.checked_add(d)).ok_or(())?;
+                    }
+                    b';' | b' ' | b'\t' => self.state = ChunkState::Ext,
+                    b'\r' => self.state = ChunkState::SizeLf,
+                    _ => return Err(()),
+                },
+                ChunkState::Ext => match b {
+                    b'\r' => self.state = ChunkState::SizeLf,
+                    b'\n' => return Err(()),
+                    _ => {}
+                },
+                ChunkState::SizeLf => {
+                    if b != b'\n' {
+                        return Err(());
+                    }
+                    self.state = if self.size == 0 { ChunkState::TrailerStart } else { ChunkState::Data };
+                }
+                ChunkState::Data => {
+                    let take = usize::try_from(self.size).unwrap_or(usize::MAX).min(data.len() - i);
+                    self.size -= take as u64;
+                    i += take;
+                    if self.size == 0 {
+                        self.state = ChunkState::DataCr;
+                    }
+                    continue;
+                }
+                ChunkState::DataCr => {
+                    if b != b'\r' {
+                        return Err(());
+                    }
+                    self.state = ChunkState::DataLf;
+                }
+                ChunkState::DataLf => {
+                    if b != b'\n' {
+                        return Err(());
+                    }
+                    self.state = ChunkState::Size;
+                }
+                ChunkState::TrailerStart => match b {
+                    b'\r' => self.state = ChunkState::EndLf,
+                    _ => self.state = ChunkState::TrailerLine,
+                },
+                ChunkState::TrailerLine => {
+                    if b == b'\r' {
+                        self.state = ChunkState::TrailerLf;
+                    }
+                }
+                ChunkState::TrailerLf => {
+                    if b != b'\n' {
+                        return Err(());
+                    }
+                    self.state = ChunkState::TrailerStart;
+                }
+                ChunkState::EndLf => {
+                    if b != b'\n' {
+                        return Err(());
+                    }
+                    return Ok(Some(i + 1));
+                }
+            }
+            i += 1;
+        }
+        Ok(None)
+    }
+}
+
+/// At least 1 KiB of room for the next read.
+pub(crate) fn reserve(buf: &mut BytesMut) {
+    if buf.capacity() - buf.len() < 1024 {
+        buf.reserve(READ_RESERVE);
+    }
+}
+
+/// `name: value` and its line end.
+pub(crate) fn push_header(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
+    out.extend_from_slice(name);
+    out.extend_from_slice(b": ");
+    out.extend_from_slice(value);
+    out.extend_from_slice(b"\r\n");
+}
+
+/// `name: [earlier, ]item` — list headers are appended to, as nginx does.
+pub(crate) fn push_list(out: &mut Vec<u8>, name: &[u8], earlier: Option<&[u8]>, item: &[u8]) {
+    out.extend_from_slice(name);
+    out.extend_from_slice(b": ");
+    if let Some(e) = earlier.filter(|e| !e.is_empty()) {
+        out.extend_from_slice(e);
+        out.extend_from_slice(b", ");
+    }
+    out.extend_from_slice(item);
+    out.extend_from_slice(b"\r\n");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn head(raw: &str) -> (Parsed, Head) {
+        let mut h = Head::default();
+        let p = parse_head(raw.as_bytes(), 64 * 1024, &mut h);
+        (p, h)
+    }
+
+    #[test]
+    fn a_plain_request_head_is_taken_and_split() {
+        let raw = "PUT /a/b?x=1 HTTP/1.1\r\nHost: h\r\nContent-Length: 3\r\nX-Fencing-Token: 7\r\nConnection: keep-alive\r\nX-Other: o\r\n\r\nabc";
+        let (p, h) = head(raw);
+        assert!(matches!(p, Parsed::Complete));
+        assert_eq!(&raw[h.method.clone()], "PUT");
+        assert_eq!(&raw[h.target.clone()], "/a/b?x=1");
+        assert_eq!(h.content_length, 3);
+        assert_eq!(&raw[h.token.clone().unwrap()], "7");
+        assert_eq!(&raw[h.host.clone().unwrap()], "h");
+        assert_eq!(h.len, raw.len() - 3);
+        let names: Vec<&str> = h.forward.iter().map(|(n, _)| &raw[n.clone()]).collect();
+        assert_eq!(names, ["Content-Length", "X-Other"]);
+        assert!(!h.close);
+    }
+
+    #[test]
+    fn unusual_requests_go_to_the_general_path() {
+        for raw in [
+            "PUT /a HTTP/1.0\r\nHost: h\r\n\r\n",
+            "PUT /a HTTP/1.1\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nHost: h\r\nContent-Length: 3\r\nContent-Length: 3\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nHost: h\r\nContent-Length: +3\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nHost: h\r\nX-Fencing-Token: 1\r\nX-Fencing-Token: 1\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nHost: h\r\nConnection: x-secret\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nHost: h\r\nExpect: 100-continue\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nHost: h\r\nUpgrade: websocket\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nHost: h\r\nProxy-Authorization: x\r\n\r\n",
+            "PUT http://h/a HTTP/1.1\r\nHost: h\r\n\r\n",
+            "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nHost h\r\n\r\n",
+        ] {
+            assert!(matches!(head(raw).0, Parsed::General), "{raw:?}");
+        }
+        assert!(matches!(head("PUT /a HTTP/1.1\r\nHost: h\r\n").0, Parsed::Partial));
+        let mut h = Head::default();
+        let big = format!("GET / HTTP/1.1\r\nHost: h\r\nX-Big: {}\r\n\r\n", "a".repeat(100));
+        assert!(matches!(parse_head(big.as_bytes(), 64, &mut h), Parsed::General));
+    }
+
+    #[test]
+    fn response_framing_and_hop_by_hop_headers() {
+        let mut r = RespHead::default();
+        let raw = "HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: x-hop\r\nX-Hop: 1\r\nKeep-Alive: 5\r\nETag: \"e\"\r\n\r\nok";
+        assert!(matches!(parse_response(raw.as_bytes(), false, &mut r), RespParsed::Complete));
+        assert_eq!(r.framing, Some(Framing::Length(2)));
+        assert!(r.reusable);
+        let names: Vec<&str> = r.forward.iter().map(|(n, _)| &raw[n.clone()]).collect();
+        assert_eq!(names, ["ETag"]);
+
+        let raw = "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 9\r\n\r\n";
+        assert!(matches!(parse_response(raw.as_bytes(), false, &mut r), RespParsed::Complete));
+        assert_eq!(r.framing, Some(Framing::Chunked));
+        assert!(r.length.is_none());
+
+        let raw = "HTTP/1.0 200 OK\r\n\r\nrest";
+        assert!(matches!(parse_response(raw.as_bytes(), false, &mut r), RespParsed::Complete));
+        assert_eq!(r.framing, Some(Framing::Close));
+        assert!(!r.reusable);
+
+        let raw = "HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n";
+        assert!(matches!(parse_response(raw.as_bytes(), true, &mut r), RespParsed::Complete));
+        assert_eq!(r.framing, Some(Framing::Empty));
+
+        let raw = "HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n";
+        assert!(matches!(parse_response(raw.as_bytes(), false, &mut r), RespParsed::Bad(_)));
+    }
+
+    #[test]
+    fn the_chunk_scanner_finds_the_end_across_reads() {
+        let body = b"4;ext=1\r\nwiki\r\n5\r\npedia\r\n0\r\nX-Trailer: t\r\n\r\nNEXT";
+        let end = body.len() - 4;
+        for split in 0..body.len() {
+            let mut s = ChunkScanner::default();
+            let found = match s.feed(&body[..split]).unwrap() {
+                Some(n) => n,
+                None => split + s.feed(&body[split..]).unwrap().unwrap(),
+            };
+            assert_eq!(found, end, "split at {split}");
+        }
+        let mut s = ChunkScanner::default();
+        assert_eq!(s.feed(b"0\r\n\r\n").unwrap(), Some(5));
+        assert!(ChunkScanner::default().feed(b"zz\r\n").is_err());
+        assert!(ChunkScanner::default().feed(b"2\r\nabX").is_err());
+    }
+}
