@@ -1,5 +1,6 @@
 //! Hot paths in memory: token parse, path check + key mapping, fence
-//! compare-and-register, and an authority acquire + release cycle.
+//! compare-and-register, an authority acquire + release cycle, and the
+//! proxy fast path's request and response head parsing.
 #![allow(clippy::unwrap_used)]
 
 use std::sync::Arc;
@@ -11,6 +12,7 @@ use fencegate::fence::{token::parse_one, Admission, CheckPolicy, FenceTable};
 use fencegate::metrics::Metrics;
 use fencegate::proxy::path::check_path;
 use fencegate::proxy::template::Template;
+use fencegate::proxy::wire::{parse_head, parse_response, Head, Parsed, RespHead, RespParsed};
 use fencegate::store::Store;
 
 fn hot_paths(c: &mut Criterion) {
@@ -59,5 +61,23 @@ fn hot_paths(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, hot_paths);
+fn fast_path_heads(c: &mut Criterion) {
+    // What wrk sends in the side-by-side harness, and what nginx answers.
+    let req: &[u8] = b"PUT /bench/obj HTTP/1.1\r\nHost: 127.0.0.1:8080\r\nContent-Type: application/octet-stream\r\n\
+        X-Fencing-Token: 1\r\nContent-Length: 1024\r\n\r\n";
+    let mut head = Head::default();
+    assert!(matches!(parse_head(req, 65536, &mut head), Parsed::Complete));
+    c.bench_function("fast_path_request_head_parse", |b| {
+        b.iter(|| matches!(parse_head(std::hint::black_box(req), 65536, &mut head), Parsed::Complete))
+    });
+    let resp: &[u8] = b"HTTP/1.1 200 OK\r\nServer: nginx/1.22.1\r\nDate: Mon, 30 Nov 2026 19:00:00 GMT\r\n\
+        Content-Type: text/plain\r\nContent-Length: 0\r\nConnection: keep-alive\r\n\r\n";
+    let mut rh = RespHead::default();
+    assert!(matches!(parse_response(resp, false, &mut rh), RespParsed::Complete));
+    c.bench_function("fast_path_response_head_parse", |b| {
+        b.iter(|| matches!(parse_response(std::hint::black_box(resp), false, &mut rh), RespParsed::Complete))
+    });
+}
+
+criterion_group!(benches, hot_paths, fast_path_heads);
 criterion_main!(benches);

@@ -16,7 +16,7 @@ pub(crate) const MAX_RESPONSE_HEADERS: usize = 100;
 
 /// One parsed request head: ranges into the connection's buffer.
 #[derive(Default)]
-pub(crate) struct Head {
+pub struct Head {
     pub(crate) len: usize,
     pub(crate) method: Range<usize>,
     pub(crate) target: Range<usize>,
@@ -30,7 +30,7 @@ pub(crate) struct Head {
     pub(crate) close: bool,
 }
 
-pub(crate) enum Parsed {
+pub enum Parsed {
     Complete,
     Partial,
     /// Not for the fast path: hand the connection over.
@@ -72,7 +72,7 @@ pub(crate) const GENERAL_ONLY: [&[u8]; 9] = [
     b"proxy-authenticate",
 ];
 
-pub(crate) fn parse_head(buf: &[u8], max_header_bytes: usize, head: &mut Head) -> Parsed {
+pub fn parse_head(buf: &[u8], max_header_bytes: usize, head: &mut Head) -> Parsed {
     let mut headers = [httparse::EMPTY_HEADER; MAX_REQUEST_HEADERS];
     let mut req = httparse::Request::new(&mut headers);
     let len = match req.parse(buf) {
@@ -149,7 +149,7 @@ pub(crate) fn parse_head(buf: &[u8], max_header_bytes: usize, head: &mut Head) -
 
 /// How an upstream response body is framed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Framing {
+pub enum Framing {
     Empty,
     Length(u64),
     Chunked,
@@ -159,7 +159,7 @@ pub(crate) enum Framing {
 
 /// One parsed response head.
 #[derive(Default)]
-pub(crate) struct RespHead {
+pub struct RespHead {
     pub(crate) len: usize,
     pub(crate) status: u16,
     pub(crate) http10: bool,
@@ -183,13 +183,13 @@ pub(crate) const RESPONSE_HOP_BY_HOP: [&[u8]; 8] = [
     b"proxy-connection",
 ];
 
-pub(crate) enum RespParsed {
+pub enum RespParsed {
     Complete,
     Partial,
     Bad(&'static str),
 }
 
-pub(crate) fn parse_response(buf: &[u8], head_request: bool, out: &mut RespHead) -> RespParsed {
+pub fn parse_response(buf: &[u8], head_request: bool, out: &mut RespHead) -> RespParsed {
     let mut headers = [httparse::EMPTY_HEADER; MAX_RESPONSE_HEADERS];
     let mut resp = httparse::Response::new(&mut headers);
     let len = match resp.parse(buf) {
