@@ -14,15 +14,14 @@
 //! as on the general path, so an abandoned waiter leaves the queue.
 
 use bytes::{Buf, Bytes, BytesMut};
-use http::{header, HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode, Uri, Version};
-use http_body_util::BodyExt;
+use http::{header, HeaderMap, HeaderName, HeaderValue, Method, Request, Uri, Version};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use crate::body::full;
-use crate::proxy::fast::{ConnLimits, Handover};
-use crate::proxy::wire::{digits, push_header, reserve, tokens};
+use crate::proxy::fast::{read_head_bytes, write_response, ConnLimits, Handover, Next};
+use crate::proxy::wire::{digits, range_in, reserve, tokens};
 use crate::proxy::ClientInfo;
 use crate::server::Handler;
 use crate::shutdown::Shutdown;
@@ -64,12 +63,8 @@ fn parse_head(buf: &[u8], limits: ConnLimits, max_body: u64) -> Parsed {
         return Parsed::General;
     };
     let Ok(method) = Method::from_bytes(method.as_bytes()) else { return Parsed::General };
-    let offset = |part: &[u8]| {
-        let start = (part.as_ptr() as usize).saturating_sub(buf.as_ptr() as usize);
-        start..start + part.len()
-    };
-    let mut head =
-        Head { len, method, target: offset(target.as_bytes()), headers: Vec::new(), content_length: 0, close: false };
+    let target = range_in(buf, target.as_bytes());
+    let mut head = Head { len, method, target, headers: Vec::new(), content_length: 0, close: false };
     let mut seen_length = false;
     let mut total = 0usize;
     for h in req.headers.iter() {
@@ -92,20 +87,12 @@ fn parse_head(buf: &[u8], limits: ConnLimits, max_body: u64) -> Parsed {
         } else if GENERAL_ONLY.iter().any(|g| name.as_str().as_bytes() == *g) {
             return Parsed::General;
         }
-        let value = if h.value.is_empty() { 0..0 } else { offset(h.value) };
-        head.headers.push((name, value));
+        head.headers.push((name, range_in(buf, h.value)));
     }
     if total > limits.max_header_bytes || head.content_length as u64 > max_body.min(MAX_BODY) {
         return Parsed::General;
     }
     Parsed::Complete(head)
-}
-
-enum Next {
-    KeepAlive,
-    Close,
-    Gone,
-    General,
 }
 
 /// Serves a plain-text api connection until it ends (`None`) or needs the
@@ -158,18 +145,8 @@ async fn serve_one(
                 Parsed::Partial => {}
             }
         }
-        reserve(buf);
-        let read = if buf.is_empty() {
-            tokio::select! {
-                r = tokio::time::timeout_at(deadline, stream.read_buf(buf)) => r,
-                () = stop.as_mut() => return Next::Close,
-            }
-        } else {
-            tokio::time::timeout_at(deadline, stream.read_buf(buf)).await
-        };
-        match read {
-            Ok(Ok(n)) if n > 0 => {}
-            _ => return Next::Gone,
+        if let Some(end) = read_head_bytes(stream, buf, deadline, stop).await {
+            return end;
         }
     };
     // 2. The body (within the limit checked above), under the same deadline.
@@ -215,83 +192,7 @@ async fn serve_one(
     drop(fut);
 
     // 5. The response in one write.
-    let (parts, body) = resp.into_parts();
-    let Ok(body) = body.collect().await.map(http_body_util::Collected::to_bytes) else { return Next::Gone };
-    let status = parts.status;
-    out.clear();
-    out.extend_from_slice(b"HTTP/1.1 ");
-    out.extend_from_slice(status.as_str().as_bytes());
-    out.push(b' ');
-    out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
-    out.extend_from_slice(b"\r\n");
-    for (name, value) in &parts.headers {
-        if name != header::CONTENT_LENGTH && name != header::TRANSFER_ENCODING && name != header::CONNECTION {
-            push_header(out, name.as_str().as_bytes(), value.as_bytes());
-        }
-    }
-    if !parts.headers.contains_key(header::DATE) {
-        push_header(out, b"date", &date_now());
-    }
-    let bodiless = status.is_informational() || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED;
-    if !bodiless {
-        out.extend_from_slice(b"content-length: ");
-        push_decimal(out, body.len());
-        out.extend_from_slice(b"\r\n");
-    }
-    if close {
-        push_header(out, b"connection", b"close");
-    }
-    out.extend_from_slice(b"\r\n");
-    if !bodiless && !head_request {
-        out.extend_from_slice(&body);
-    }
-    if stream.write_all(out).await.is_err() {
-        return Next::Gone;
-    }
-    if close {
-        Next::Close
-    } else {
-        Next::KeepAlive
-    }
-}
-
-/// Appends `n` in decimal (no allocation per response).
-fn push_decimal(out: &mut Vec<u8>, mut n: usize) {
-    let mut digits = [0u8; 20];
-    let mut start = digits.len();
-    loop {
-        start -= 1;
-        digits[start] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 || start == 0 {
-            break;
-        }
-    }
-    out.extend_from_slice(&digits[start..]);
-}
-
-/// The `Date` header's value, formatted once per second per thread.
-fn date_now() -> [u8; 29] {
-    use std::cell::Cell;
-    use std::time::{SystemTime, UNIX_EPOCH};
-    thread_local! {
-        static CACHED: Cell<(u64, [u8; 29])> = const { Cell::new((u64::MAX, [0; 29])) };
-    }
-    let now = SystemTime::now();
-    let secs = now.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    CACHED.with(|c| {
-        let (at, text) = c.get();
-        if at == secs {
-            return text;
-        }
-        let mut fresh = [0u8; 29];
-        let formatted = httpdate::fmt_http_date(now);
-        if formatted.len() == fresh.len() {
-            fresh.copy_from_slice(formatted.as_bytes());
-        }
-        c.set((secs, fresh));
-        fresh
-    })
+    write_response(stream, resp, head_request, close, out).await
 }
 
 #[cfg(test)]
@@ -319,21 +220,5 @@ mod tests {
             assert!(matches!(parse_head(raw, LIMITS, 100), Parsed::General), "{:?}", String::from_utf8_lossy(raw));
         }
         assert!(matches!(parse_head(b"GET /x HTTP/1.1\r\nHost: a\r\n", LIMITS, 100), Parsed::Partial));
-    }
-
-    #[test]
-    fn decimals() {
-        for n in [0usize, 7, 10, 65_536, usize::MAX] {
-            let mut out = Vec::new();
-            push_decimal(&mut out, n);
-            assert_eq!(out, n.to_string().into_bytes());
-        }
-    }
-
-    #[test]
-    fn the_date_is_an_http_date() {
-        let d = date_now();
-        let text = std::str::from_utf8(&d).unwrap();
-        assert!(httpdate::parse_http_date(text).is_ok(), "{text}");
     }
 }

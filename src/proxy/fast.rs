@@ -29,15 +29,16 @@ use tokio::time::Instant;
 
 use super::pool::Pool;
 use super::wire::{
-    digits, parse_head, parse_response, push_header, push_list, reserve, ChunkScanner, Framing, Head, Parsed, RespHead,
-    RespParsed, READ_RESERVE,
+    digits, encode_response, parse_head, parse_response, push_decimal, push_header, push_list, reserve, ChunkScanner,
+    Framing, Head, Parsed, RespHead, RespParsed, READ_RESERVE,
 };
-use super::{path, Admit, ClientInfo, Proxy, Route};
+use super::{path, AccessLine, Admit, ClientInfo, Proxy, Route};
 use crate::config::HostHeader;
 use crate::error::Error;
 use crate::fence::token::parse_token_values;
 use crate::fence::InflightGuard;
 use crate::shutdown::Shutdown;
+use http_body_util::BodyExt;
 
 /// Largest request body the fast path buffers; larger ones stream through
 /// the general path.
@@ -122,13 +123,59 @@ pub async fn serve_conn(
     }
 }
 
-enum Next {
+/// How a request on a fast-path connection ended.
+pub(crate) enum Next {
     KeepAlive,
     /// Finish the connection cleanly.
     Close,
     /// The connection is broken or timed out.
     Gone,
     General,
+}
+
+/// Reads more bytes of a request head before `deadline`. While nothing of
+/// a request has arrived the connection is idle, and a stop closes it.
+/// `Some`: how the connection ends instead.
+pub(crate) async fn read_head_bytes(
+    stream: &mut TcpStream,
+    buf: &mut BytesMut,
+    deadline: Instant,
+    stop: &mut std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
+) -> Option<Next> {
+    reserve(buf);
+    let read = if buf.is_empty() {
+        tokio::select! {
+            r = tokio::time::timeout_at(deadline, stream.read_buf(buf)) => r,
+            () = stop.as_mut() => return Some(Next::Close),
+        }
+    } else {
+        tokio::time::timeout_at(deadline, stream.read_buf(buf)).await
+    };
+    match read {
+        Ok(Ok(n)) if n > 0 => None,
+        _ => Some(Next::Gone),
+    }
+}
+
+/// Writes a response made here (see [`encode_response`]) in one write.
+pub(crate) async fn write_response(
+    stream: &mut TcpStream,
+    resp: http::Response<crate::body::BoxBody>,
+    head_request: bool,
+    close: bool,
+    out: &mut Vec<u8>,
+) -> Next {
+    let (parts, body) = resp.into_parts();
+    let Ok(body) = body.collect().await.map(http_body_util::Collected::to_bytes) else { return Next::Gone };
+    encode_response(out, parts.status, &parts.headers, &body, head_request, close);
+    if stream.write_all(out).await.is_err() {
+        return Next::Gone;
+    }
+    if close {
+        Next::Close
+    } else {
+        Next::KeepAlive
+    }
 }
 
 async fn serve_one(
@@ -150,18 +197,8 @@ async fn serve_one(
                 Parsed::Partial => {}
             }
         }
-        reserve(&mut c.buf);
-        let read = if c.buf.is_empty() {
-            tokio::select! {
-                r = tokio::time::timeout_at(deadline, stream.read_buf(&mut c.buf)) => r,
-                () = stop.as_mut() => return Next::Close,
-            }
-        } else {
-            tokio::time::timeout_at(deadline, stream.read_buf(&mut c.buf)).await
-        };
-        match read {
-            Ok(Ok(n)) if n > 0 => {}
-            _ => return Next::Gone,
+        if let Some(end) = read_head_bytes(stream, &mut c.buf, deadline, stop).await {
+            return end;
         }
     }
     let started = Instant::now();
@@ -307,12 +344,7 @@ async fn serve_one(
     } else {
         reason
     };
-    // httparse took three digits.
-    out.extend_from_slice(&[
-        b'0' + (resp.status / 100 % 10) as u8,
-        b'0' + (resp.status / 10 % 10) as u8,
-        b'0' + (resp.status % 10) as u8,
-    ]);
+    push_decimal(out, usize::from(resp.status));
     out.push(b' ');
     out.extend_from_slice(reason);
     out.extend_from_slice(b"\r\n");
@@ -412,6 +444,14 @@ enum Relayed {
     Broken,
 }
 
+/// Replaces `rbuf`'s contents with the upstream's next bytes; `None` on an
+/// error, `Some(0)` at its end of stream.
+async fn refill(upstream: &mut TcpStream, rbuf: &mut BytesMut) -> Option<usize> {
+    rbuf.clear();
+    reserve(rbuf);
+    upstream.read_buf(rbuf).await.ok()
+}
+
 /// Writes the response head in `out`, then the body from `rbuf[body_start..]`
 /// and the upstream, framed as `framing`.
 async fn relay(
@@ -448,11 +488,8 @@ async fn relay(
             }
             let mut left = total - first as u64;
             while left > 0 {
-                rbuf.clear();
-                reserve(rbuf);
-                match upstream.read_buf(rbuf).await {
-                    Ok(n) if n > 0 => {}
-                    _ => return Relayed::Broken,
+                if refill(upstream, rbuf).await.is_none_or(|n| n == 0) {
+                    return Relayed::Broken;
                 }
                 let take = usize::try_from(left).unwrap_or(usize::MAX).min(rbuf.len());
                 if client.write_all(&rbuf[..take]).await.is_err() {
@@ -487,11 +524,8 @@ async fn relay(
                 if done {
                     return Relayed::Done { upstream_clean: rbuf.len() == take };
                 }
-                rbuf.clear();
-                reserve(rbuf);
-                match upstream.read_buf(rbuf).await {
-                    Ok(n) if n > 0 => {}
-                    _ => return Relayed::Broken,
+                if refill(upstream, rbuf).await.is_none_or(|n| n == 0) {
+                    return Relayed::Broken;
                 }
             }
         }
@@ -501,16 +535,10 @@ async fn relay(
                 return Relayed::Broken;
             }
             loop {
-                rbuf.clear();
-                reserve(rbuf);
-                match upstream.read_buf(rbuf).await {
-                    Ok(0) => return Relayed::Done { upstream_clean: false },
-                    Ok(_) => {
-                        if client.write_all(rbuf).await.is_err() {
-                            return Relayed::Broken;
-                        }
-                    }
-                    Err(_) => return Relayed::Broken,
+                match refill(upstream, rbuf).await {
+                    Some(0) => return Relayed::Done { upstream_clean: false },
+                    Some(_) if client.write_all(rbuf).await.is_ok() => {}
+                    _ => return Relayed::Broken,
                 }
             }
         }
@@ -536,20 +564,19 @@ struct Seen<'a> {
 impl Access {
     /// The general path's access line.
     fn write(&self, seen: &Seen<'_>, status: u16, outcome: &str, resp_bytes: u64) {
-        tracing::info!(
-            target: "fencegate::access",
-            listener = "proxy",
-            client = %seen.client.addr,
-            method = %seen.method,
-            path = %self.path,
-            route = seen.route.name.as_str(),
-            resource = seen.key,
+        AccessLine {
+            client: seen.client,
+            method: seen.method,
+            path: &self.path,
+            route: &seen.route.name,
+            resource: seen.key,
             status,
             outcome,
-            duration_us = u64::try_from(seen.started.elapsed().as_micros()).unwrap_or(u64::MAX),
-            req_bytes = self.req_bytes,
+            elapsed: seen.started.elapsed(),
+            req_bytes: self.req_bytes,
             resp_bytes,
-        );
+        }
+        .write();
     }
 }
 
@@ -570,27 +597,6 @@ async fn refuse(
     if let Some(access) = &seen.log {
         access.write(seen, error.status().as_u16(), error.code(), 0);
     }
-    let status = error.status();
-    let body = error.body().to_string();
-    let mut out = Vec::with_capacity(128 + body.len());
-    out.extend_from_slice(b"HTTP/1.1 ");
-    out.extend_from_slice(status.as_str().as_bytes());
-    out.push(b' ');
-    out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
-    out.extend_from_slice(b"\r\n");
-    push_header(&mut out, b"content-type", b"application/json");
-    push_header(&mut out, b"content-length", body.len().to_string().as_bytes());
-    if close {
-        push_header(&mut out, b"connection", b"close");
-    }
-    out.extend_from_slice(b"\r\n");
-    out.extend_from_slice(body.as_bytes());
-    if stream.write_all(&out).await.is_err() {
-        return Next::Gone;
-    }
-    if close {
-        Next::Close
-    } else {
-        Next::KeepAlive
-    }
+    let head_request = *seen.method == Method::HEAD;
+    write_response(stream, error.into_response(), head_request, close, &mut Vec::new()).await
 }

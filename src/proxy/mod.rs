@@ -76,6 +76,40 @@ pub struct Proxy {
     metrics: Arc<Metrics>,
 }
 
+/// One access log line of the proxy listener, whichever transport served
+/// the request.
+struct AccessLine<'a> {
+    client: &'a ClientInfo,
+    method: &'a Method,
+    path: &'a str,
+    route: &'a str,
+    resource: &'a str,
+    status: u16,
+    outcome: &'a str,
+    elapsed: Duration,
+    req_bytes: u64,
+    resp_bytes: u64,
+}
+
+impl AccessLine<'_> {
+    fn write(&self) {
+        tracing::info!(
+            target: "fencegate::access",
+            listener = "proxy",
+            client = %self.client.addr,
+            method = %self.method,
+            path = %self.path,
+            route = self.route,
+            resource = self.resource,
+            status = self.status,
+            outcome = self.outcome,
+            duration_us = u64::try_from(self.elapsed.as_micros()).unwrap_or(u64::MAX),
+            req_bytes = self.req_bytes,
+            resp_bytes = self.resp_bytes,
+        );
+    }
+}
+
 /// What [`Proxy::admit`] decided.
 enum Admit {
     /// Forward; a mutation carries its in-flight registration.
@@ -204,21 +238,19 @@ impl Proxy {
         let Some((method, path, req_bytes)) = logged else {
             return response;
         };
-        let route = seen.route.map_or("none", |r| r.name.as_str());
-        tracing::info!(
-            target: "fencegate::access",
-            listener = "proxy",
-            client = %client.addr,
-            method = %method,
-            path = %path,
-            route,
-            resource = seen.key.as_deref().unwrap_or(""),
-            status = response.status().as_u16(),
-            outcome = code,
-            duration_us = u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX),
-            req_bytes = req_bytes.unwrap_or(0),
-            resp_bytes = content_length(response.headers()).unwrap_or(0),
-        );
+        AccessLine {
+            client: &client,
+            method: &method,
+            path: &path,
+            route: seen.route.map_or("none", |r| r.name.as_str()),
+            resource: seen.key.as_deref().unwrap_or(""),
+            status: response.status().as_u16(),
+            outcome: code,
+            elapsed,
+            req_bytes: req_bytes.unwrap_or(0),
+            resp_bytes: content_length(response.headers()).unwrap_or(0),
+        }
+        .write();
         response
     }
 

@@ -170,22 +170,23 @@ impl Pool {
 
     /// A new raw TCP connection to the upstream (fast path).
     pub async fn connect_raw(&self) -> Result<TcpStream, String> {
-        match tokio::time::timeout(self.connect_timeout, TcpStream::connect(&self.addr)).await {
-            Ok(Ok(tcp)) => {
-                let _ = tcp.set_nodelay(true);
-                Ok(tcp)
-            }
-            Ok(Err(e)) => Err(format!("{}: {e}", self.addr)),
-            Err(_) => {
-                Err(format!("connecting to {} timed out after {} ms", self.addr, self.connect_timeout.as_millis()))
-            }
-        }
+        tokio::time::timeout(self.connect_timeout, self.tcp()).await.unwrap_or_else(|_| Err(self.timed_out()))
+    }
+
+    /// A TCP connection to the upstream, `TCP_NODELAY` set.
+    async fn tcp(&self) -> Result<TcpStream, String> {
+        let tcp = TcpStream::connect(&self.addr).await.map_err(|e| format!("{}: {e}", self.addr))?;
+        let _ = tcp.set_nodelay(true);
+        Ok(tcp)
+    }
+
+    fn timed_out(&self) -> String {
+        format!("connecting to {} timed out after {} ms", self.addr, self.connect_timeout.as_millis())
     }
 
     async fn connect(&self) -> Result<Sender, PoolError> {
         let connect = async {
-            let tcp = TcpStream::connect(&self.addr).await.map_err(|e| format!("{}: {e}", self.addr))?;
-            let _ = tcp.set_nodelay(true);
+            let tcp = self.tcp().await?;
             let sender = match &self.tls {
                 None => handshake(TokioIo::new(tcp)).await?,
                 Some((connector, name)) => {
@@ -201,11 +202,7 @@ impl Pool {
         match tokio::time::timeout(self.connect_timeout, connect).await {
             Ok(Ok(sender)) => Ok(sender),
             Ok(Err(e)) => Err(PoolError::Connect(e)),
-            Err(_) => Err(PoolError::Connect(format!(
-                "connecting to {} timed out after {} ms",
-                self.addr,
-                self.connect_timeout.as_millis()
-            ))),
+            Err(_) => Err(PoolError::Connect(self.timed_out())),
         }
     }
 

@@ -8,6 +8,7 @@
 use std::ops::Range;
 
 use bytes::BytesMut;
+use http::{header, HeaderMap, StatusCode};
 
 /// Each read has at least this much room (hyper's first buffer is as large).
 pub(crate) const READ_RESERVE: usize = 8 * 1024;
@@ -286,6 +287,15 @@ pub(crate) enum ChunkState {
 }
 
 impl ChunkScanner {
+    /// The byte a state waits for, then the next state.
+    fn expect(&mut self, got: u8, want: u8, next: ChunkState) -> Result<(), ()> {
+        if got != want {
+            return Err(());
+        }
+        self.state = next;
+        Ok(())
+    }
+
     /// Feeds `data`; `Ok(Some(n))` when the body ends after `n` of its bytes.
     pub(crate) fn feed(&mut self, data: &[u8]) -> Result<Option<usize>, ()> {
         let mut i = 0;
@@ -311,10 +321,8 @@ impl ChunkScanner {
                     _ => {}
                 },
                 ChunkState::SizeLf => {
-                    if b != b'\n' {
-                        return Err(());
-                    }
-                    self.state = if self.size == 0 { ChunkState::TrailerStart } else { ChunkState::Data };
+                    let next = if self.size == 0 { ChunkState::TrailerStart } else { ChunkState::Data };
+                    self.expect(b, b'\n', next)?;
                 }
                 ChunkState::Data => {
                     let take = usize::try_from(self.size).unwrap_or(usize::MAX).min(data.len() - i);
@@ -325,18 +333,8 @@ impl ChunkScanner {
                     }
                     continue;
                 }
-                ChunkState::DataCr => {
-                    if b != b'\r' {
-                        return Err(());
-                    }
-                    self.state = ChunkState::DataLf;
-                }
-                ChunkState::DataLf => {
-                    if b != b'\n' {
-                        return Err(());
-                    }
-                    self.state = ChunkState::Size;
-                }
+                ChunkState::DataCr => self.expect(b, b'\r', ChunkState::DataLf)?,
+                ChunkState::DataLf => self.expect(b, b'\n', ChunkState::Size)?,
                 ChunkState::TrailerStart => match b {
                     b'\r' => self.state = ChunkState::EndLf,
                     _ => self.state = ChunkState::TrailerLine,
@@ -346,12 +344,7 @@ impl ChunkScanner {
                         self.state = ChunkState::TrailerLf;
                     }
                 }
-                ChunkState::TrailerLf => {
-                    if b != b'\n' {
-                        return Err(());
-                    }
-                    self.state = ChunkState::TrailerStart;
-                }
+                ChunkState::TrailerLf => self.expect(b, b'\n', ChunkState::TrailerStart)?,
                 ChunkState::EndLf => {
                     if b != b'\n' {
                         return Err(());
@@ -390,6 +383,86 @@ pub(crate) fn push_list(out: &mut Vec<u8>, name: &[u8], earlier: Option<&[u8]>, 
     }
     out.extend_from_slice(item);
     out.extend_from_slice(b"\r\n");
+}
+
+/// Appends `n` in decimal (no allocation per response).
+pub(crate) fn push_decimal(out: &mut Vec<u8>, mut n: usize) {
+    let mut digits = [0u8; 20];
+    let mut start = digits.len();
+    loop {
+        start -= 1;
+        digits[start] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 || start == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&digits[start..]);
+}
+
+/// The `Date` header's value, formatted once per second per thread.
+pub(crate) fn date_now() -> [u8; 29] {
+    use std::cell::Cell;
+    use std::time::{SystemTime, UNIX_EPOCH};
+    thread_local! {
+        static CACHED: Cell<(u64, [u8; 29])> = const { Cell::new((u64::MAX, [0; 29])) };
+    }
+    let now = SystemTime::now();
+    let secs = now.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    CACHED.with(|c| {
+        let (at, text) = c.get();
+        if at == secs {
+            return text;
+        }
+        let mut fresh = [0u8; 29];
+        let formatted = httpdate::fmt_http_date(now);
+        if formatted.len() == fresh.len() {
+            fresh.copy_from_slice(formatted.as_bytes());
+        }
+        c.set((secs, fresh));
+        fresh
+    })
+}
+
+/// A response made here (the api's answers, the fast path's errors) as
+/// HTTP/1.1 bytes: status line, its headers (framing and `Connection` are
+/// this function's), `Date` when absent, `Content-Length`, `Connection:
+/// close` when closing, then the body — none for HEAD, 1xx, 204 and 304.
+pub(crate) fn encode_response(
+    out: &mut Vec<u8>,
+    status: StatusCode,
+    headers: &HeaderMap,
+    body: &[u8],
+    head_request: bool,
+    close: bool,
+) {
+    out.clear();
+    out.extend_from_slice(b"HTTP/1.1 ");
+    out.extend_from_slice(status.as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
+    out.extend_from_slice(b"\r\n");
+    for (name, value) in headers {
+        if name != header::CONTENT_LENGTH && name != header::TRANSFER_ENCODING && name != header::CONNECTION {
+            push_header(out, name.as_str().as_bytes(), value.as_bytes());
+        }
+    }
+    if !headers.contains_key(header::DATE) {
+        push_header(out, b"date", &date_now());
+    }
+    let bodiless = status.is_informational() || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED;
+    if !bodiless {
+        out.extend_from_slice(b"content-length: ");
+        push_decimal(out, body.len());
+        out.extend_from_slice(b"\r\n");
+    }
+    if close {
+        push_header(out, b"connection", b"close");
+    }
+    out.extend_from_slice(b"\r\n");
+    if !bodiless && !head_request {
+        out.extend_from_slice(body);
+    }
 }
 
 #[cfg(test)]
@@ -487,5 +560,38 @@ mod tests {
         assert_eq!(s.feed(b"0\r\n\r\n").unwrap(), Some(5));
         assert!(ChunkScanner::default().feed(b"zz\r\n").is_err());
         assert!(ChunkScanner::default().feed(b"2\r\nabX").is_err());
+    }
+
+    #[test]
+    fn decimals() {
+        for n in [0usize, 7, 10, 65_536, usize::MAX] {
+            let mut out = Vec::new();
+            push_decimal(&mut out, n);
+            assert_eq!(out, n.to_string().into_bytes());
+        }
+    }
+
+    #[test]
+    fn the_date_is_an_http_date() {
+        let d = date_now();
+        let text = std::str::from_utf8(&d).unwrap();
+        assert!(httpdate::parse_http_date(text).is_ok(), "{text}");
+    }
+
+    #[test]
+    fn a_local_response_is_framed_here() {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::CONTENT_TYPE, http::HeaderValue::from_static("application/json"));
+        headers.insert(header::CONTENT_LENGTH, http::HeaderValue::from_static("999"));
+        let mut out = Vec::new();
+        encode_response(&mut out, StatusCode::CONFLICT, &headers, b"{}", false, true);
+        let text = String::from_utf8(out.clone()).unwrap();
+        assert!(text.starts_with("HTTP/1.1 409 Conflict\r\n"), "{text}");
+        for line in ["content-type: application/json\r\n", "content-length: 2\r\n", "connection: close\r\n", "date: "] {
+            assert!(text.contains(line), "{line} in {text}");
+        }
+        assert!(!text.contains("999") && text.ends_with("\r\n\r\n{}"), "{text}");
+        encode_response(&mut out, StatusCode::OK, &headers, b"{}", true, false);
+        assert!(String::from_utf8(out).unwrap().ends_with("content-length: 2\r\n\r\n"));
     }
 }
