@@ -16,7 +16,7 @@ use fencegate::store::{Store, SyncObserver, WriterOptions};
 
 fn authority(dir: &std::path::Path, group_commit: bool) -> Arc<Authority> {
     let noop: SyncObserver = Arc::new(|_, _| {});
-    let store = Store::open(dir, WriterOptions { group_commit, max_batch: 1024 }, noop).unwrap();
+    let store = Store::open(dir, WriterOptions { group_commit, max_batch: 1024, nice: 10 }, noop).unwrap();
     let metrics = Arc::new(Metrics::new().unwrap());
     Authority::restore(FenceTable::new(), store, metrics, LocksConfig::default()).unwrap()
 }

@@ -81,7 +81,11 @@ impl Gateway {
         let metrics = Arc::new(Metrics::new().map_err(|e| Error::Internal(format!("metrics: {e}")))?);
         let sync_hist = metrics.store_sync_duration.clone();
         let observe: SyncObserver = Arc::new(move |d, _n| sync_hist.observe(d.as_secs_f64()));
-        let writer = WriterOptions { group_commit: cfg.store.group_commit, max_batch: cfg.store.max_batch };
+        let writer = WriterOptions {
+            group_commit: cfg.store.group_commit,
+            max_batch: cfg.store.max_batch,
+            nice: cfg.store.writer_nice,
+        };
         let store = Store::open(&cfg.data_dir, writer, observe)?;
 
         let started = std::time::Instant::now();

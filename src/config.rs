@@ -72,6 +72,11 @@ pub struct StoreConfig {
     pub group_commit: bool,
     /// Most writes folded into one group commit.
     pub max_batch: usize,
+    /// Niceness of the writer thread (0 to 19; 0 leaves it as started).
+    /// A nicer writer does not preempt the request threads the moment a
+    /// commit is queued or an fsync returns: they go on serving, more
+    /// commits queue meanwhile, and each fsync carries more of them.
+    pub writer_nice: i32,
 }
 
 /// Listener settings shared by both listeners.
@@ -236,7 +241,7 @@ impl Default for LocksConfig {
 
 impl Default for StoreConfig {
     fn default() -> Self {
-        StoreConfig { group_commit: true, max_batch: 1024 }
+        StoreConfig { group_commit: true, max_batch: 1024, writer_nice: 10 }
     }
 }
 
@@ -327,6 +332,9 @@ impl Config {
         }
         if self.store.max_batch == 0 {
             return Err("store.max_batch: must be at least 1".into());
+        }
+        if !(0..=19).contains(&self.store.writer_nice) {
+            return Err(format!("store.writer_nice: {} is not between 0 and 19", self.store.writer_nice));
         }
         if !matches!(self.log_format.as_str(), "text" | "json") {
             return Err(format!("log_format: {:?} is neither \"text\" nor \"json\"", self.log_format));

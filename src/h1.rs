@@ -20,7 +20,7 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use crate::body::full;
-use crate::proxy::fast::{read_head_bytes, write_response, ConnLimits, Handover, Next};
+use crate::proxy::fast::{read_head_bytes, write_response, ConnLimits, Deadline, Handover, Next};
 use crate::proxy::wire::{digits, range_in, reserve, tokens};
 use crate::proxy::ClientInfo;
 use crate::server::Handler;
@@ -109,8 +109,10 @@ pub async fn serve_conn(
     tokio::pin!(stop);
     let mut buf = BytesMut::with_capacity(8 * 1024);
     let mut out = Vec::with_capacity(1024);
+    let mut deadline = Deadline::new(Instant::now() + limits.header_read_timeout);
     loop {
-        match serve_one(handler, &mut stream, client, limits, max_body, &mut stop, &mut buf, &mut out).await {
+        let bufs = (&mut buf, &mut out, &mut deadline);
+        match serve_one(handler, &mut stream, client, limits, max_body, &mut stop, bufs).await {
             // A stop closes a busy connection after its current response.
             Next::KeepAlive if !shutdown.is_triggered() => {}
             Next::KeepAlive | Next::Close => {
@@ -131,12 +133,11 @@ async fn serve_one(
     limits: ConnLimits,
     max_body: u64,
     stop: &mut std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
-    buf: &mut BytesMut,
-    out: &mut Vec<u8>,
+    (buf, out, deadline): (&mut BytesMut, &mut Vec<u8>, &mut Deadline),
 ) -> Next {
     // 1. The head, within the header read timeout (which also bounds an
     //    idle keep-alive connection, as on the general path).
-    let deadline = Instant::now() + limits.header_read_timeout;
+    deadline.set(Instant::now() + limits.header_read_timeout);
     let head = loop {
         if !buf.is_empty() {
             match parse_head(buf, limits, max_body) {
@@ -153,10 +154,10 @@ async fn serve_one(
     let need = head.len.saturating_add(head.content_length);
     while buf.len() < need {
         reserve(buf);
-        match tokio::time::timeout_at(deadline, stream.read_buf(buf)).await {
-            Ok(Ok(n)) if n > 0 => {}
-            Ok(_) => return Next::Gone,
-            Err(_) => return Next::General,
+        match deadline.within(stream.read_buf(buf)).await {
+            Some(Ok(n)) if n > 0 => {}
+            Some(_) => return Next::Gone,
+            None => return Next::General,
         }
     }
     // 3. The request in `http` types, sharing one copy of its bytes.

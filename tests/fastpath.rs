@@ -436,3 +436,50 @@ async fn a_write_whose_client_hung_up_still_holds_back_the_next_grant() {
         assert_eq!(rec.count(), 1, "fast={fast}");
     }
 }
+
+/// Each fast path keeps one timer per connection and moves its deadline
+/// lazily: a kept-alive connection must still be cut off once idle for the
+/// header read timeout (counted from its last response, not its start),
+/// and a route with a shorter upstream timeout than the request before it
+/// on the same connection must still time out on time.
+#[tokio::test(flavor = "multi_thread")]
+async fn deadlines_move_with_each_request_on_a_kept_alive_connection() {
+    let rec = Recorder::start().await;
+    for fast in [true, false] {
+        let config = format!(
+            "[server]\nheader_read_timeout_ms = 1000\nproxy_fast_path = {fast}\napi_fast_path = {fast}\n\
+             [[routes]]\nmatch = \"/slow/{{*p}}\"\nupstream = \"{u}\"\nupstream_timeout_ms = 300\n\
+             [[routes]]\nmatch = \"/{{*path}}\"\nupstream = \"{u}\"\nupstream_timeout_ms = 5000\n",
+            u = rec.url()
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let gw = Gateway::start(&dir.path().join("data"), Opts { config: Some(config), ..Opts::default() });
+        for (addr, path) in [(gw.proxy, "/plain"), (gw.api, "/healthz")] {
+            let mut c = Client::connect(addr).await;
+            // Requests 400 ms apart: the connection outlives its first
+            // deadline because each request moved it.
+            for _ in 0..4 {
+                c.send(format!("GET {path} HTTP/1.1\r\nHost: front\r\n\r\n").as_bytes()).await;
+                assert_eq!(c.read(false).await.status, 200, "fast={fast} {path}");
+                tokio::time::sleep(Duration::from_millis(400)).await;
+            }
+            let idle = Instant::now() - Duration::from_millis(400);
+            while c.fill().await {}
+            let waited = idle.elapsed();
+            assert!(
+                waited >= Duration::from_millis(900) && waited < Duration::from_secs(3),
+                "fast={fast} {path}: an idle kept-alive connection was closed after {waited:?}, not ~1 s"
+            );
+        }
+        // A 5 s route, then a 300 ms one on the same connection.
+        rec.set_delay("/slow/b", 2000);
+        let mut c = Client::connect(gw.proxy).await;
+        c.send(b"GET /a HTTP/1.1\r\nHost: front\r\n\r\n").await;
+        assert_eq!(c.read(false).await.status, 200);
+        let sent = Instant::now();
+        c.send(b"GET /slow/b HTTP/1.1\r\nHost: front\r\n\r\n").await;
+        let r = c.read(false).await;
+        assert_eq!(r.status, 504, "fast={fast}: the shorter upstream timeout did not fire");
+        assert!(sent.elapsed() < Duration::from_millis(1500), "fast={fast}: 504 after {:?}", sent.elapsed());
+    }
+}

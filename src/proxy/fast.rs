@@ -48,6 +48,9 @@ const MAX_RESPONSE_HEAD: usize = 64 * 1024;
 /// [`SHRINK_ABOVE`] are given back after the request.
 const RELAY_RESERVE: usize = 64 * 1024;
 const SHRINK_ABOVE: usize = 128 * 1024;
+/// Where a connection's upstream timer is first armed; each request moves
+/// it to its route's timeout (re-arming it only for a shorter one).
+const UPSTREAM_TIMER: Duration = Duration::from_secs(3600);
 
 /// A connection the fast path hands to the general path: the stream and
 /// every byte read from it that no response has consumed yet.
@@ -71,13 +74,17 @@ enum Failure {
     Aborted,
 }
 
-/// Per-connection buffers, reused request after request.
+/// Per-connection buffers and deadlines, reused request after request.
 struct Conn {
     buf: BytesMut,
     head: Head,
     out: Vec<u8>,
     rbuf: BytesMut,
     resp: RespHead,
+    /// The header read timeout.
+    head_deadline: Deadline,
+    /// The route's upstream timeout (the body's arrival and the exchange).
+    upstream_deadline: Deadline,
 }
 
 /// Serves a plain-text connection until it ends (`None`) or needs the
@@ -99,6 +106,8 @@ pub async fn serve_conn(
         out: Vec::with_capacity(4096),
         rbuf: BytesMut::with_capacity(READ_RESERVE),
         resp: RespHead::default(),
+        head_deadline: Deadline::new(Instant::now() + limits.header_read_timeout),
+        upstream_deadline: Deadline::new(Instant::now() + UPSTREAM_TIMER),
     };
     loop {
         let next = serve_one(proxy, &mut stream, client, limits, &mut stop, &mut c).await;
@@ -133,26 +142,74 @@ pub(crate) enum Next {
     General,
 }
 
-/// Reads more bytes of a request head before `deadline`. While nothing of
-/// a request has arrived the connection is idle, and a stop closes it.
+/// A connection's deadline of one kind (reading a head, an upstream
+/// exchange), moved request after request without a timer operation per
+/// request. A new or reset timer wakes the runtime's I/O driver (a system
+/// call) whenever no timer was pending when the driver last parked, which
+/// under load was almost every request. So one timer is armed for the
+/// connection's life; a later deadline only moves a field, and when the
+/// timer fires early it is re-armed for the current deadline: one timer
+/// operation per timeout period, not per request.
+pub(crate) struct Deadline {
+    timer: std::pin::Pin<Box<tokio::time::Sleep>>,
+    at: Instant,
+}
+
+impl Deadline {
+    pub(crate) fn new(at: Instant) -> Deadline {
+        Deadline { timer: Box::pin(tokio::time::sleep_until(at)), at }
+    }
+
+    /// Moves the deadline. Only a deadline earlier than the armed timer
+    /// (a route with a shorter timeout) re-arms it now.
+    pub(crate) fn set(&mut self, at: Instant) {
+        if at < self.timer.deadline() {
+            self.timer.as_mut().reset(at);
+        }
+        self.at = at;
+    }
+
+    /// Resolves once the current deadline has passed.
+    pub(crate) async fn passed(&mut self) {
+        loop {
+            self.timer.as_mut().await;
+            if Instant::now() >= self.at {
+                return;
+            }
+            self.timer.as_mut().reset(self.at);
+        }
+    }
+
+    /// `fut`, unless the deadline passes first (`None`).
+    pub(crate) async fn within<T>(&mut self, fut: impl std::future::Future<Output = T>) -> Option<T> {
+        tokio::select! {
+            biased;
+            r = fut => Some(r),
+            () = self.passed() => None,
+        }
+    }
+}
+
+/// Reads more bytes of a request head before the deadline. While nothing
+/// of a request has arrived the connection is idle, and a stop closes it.
 /// `Some`: how the connection ends instead.
 pub(crate) async fn read_head_bytes(
     stream: &mut TcpStream,
     buf: &mut BytesMut,
-    deadline: Instant,
+    deadline: &mut Deadline,
     stop: &mut std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
 ) -> Option<Next> {
     reserve(buf);
     let read = if buf.is_empty() {
         tokio::select! {
-            r = tokio::time::timeout_at(deadline, stream.read_buf(buf)) => r,
+            r = deadline.within(stream.read_buf(buf)) => r,
             () = stop.as_mut() => return Some(Next::Close),
         }
     } else {
-        tokio::time::timeout_at(deadline, stream.read_buf(buf)).await
+        deadline.within(stream.read_buf(buf)).await
     };
     match read {
-        Ok(Ok(n)) if n > 0 => None,
+        Some(Ok(n)) if n > 0 => None,
         _ => Some(Next::Gone),
     }
 }
@@ -188,7 +245,7 @@ async fn serve_one(
 ) -> Next {
     // 1. The head, within the header read timeout (which also bounds an
     //    idle keep-alive connection, as on the general path).
-    let deadline = Instant::now() + limits.header_read_timeout;
+    c.head_deadline.set(Instant::now() + limits.header_read_timeout);
     loop {
         if !c.buf.is_empty() {
             match parse_head(&c.buf, limits.max_header_bytes, &mut c.head) {
@@ -197,7 +254,7 @@ async fn serve_one(
                 Parsed::Partial => {}
             }
         }
-        if let Some(end) = read_head_bytes(stream, &mut c.buf, deadline, stop).await {
+        if let Some(end) = read_head_bytes(stream, &mut c.buf, &mut c.head_deadline, stop).await {
             return end;
         }
     }
@@ -225,14 +282,14 @@ async fn serve_one(
 
     // 3. The whole body (small by the check above) before the admission.
     let need = head.len + usize::try_from(head.content_length).unwrap_or(usize::MAX);
-    let body_deadline = started + route.upstream_timeout;
+    c.upstream_deadline.set(started + route.upstream_timeout);
     while c.buf.len() < need {
         reserve(&mut c.buf);
-        match tokio::time::timeout_at(body_deadline, stream.read_buf(&mut c.buf)).await {
-            Ok(Ok(n)) if n > 0 => {}
-            Ok(_) => return Next::Gone,
+        match c.upstream_deadline.within(stream.read_buf(&mut c.buf)).await {
+            Some(Ok(n)) if n > 0 => {}
+            Some(_) => return Next::Gone,
             // A slow body: the general path reads the rest and decides.
-            Err(_) => return Next::General,
+            None => return Next::General,
         }
     }
     let head = &c.head;
@@ -277,11 +334,10 @@ async fn serve_one(
     out.extend_from_slice(&buf[head.len..need]);
     let client_close = head.close;
 
-    let sent = tokio::time::timeout(
-        route.upstream_timeout,
-        exchange(pool, &c.out, guard.as_ref(), head_request, &mut c.rbuf, &mut c.resp),
-    )
-    .await;
+    let sent = c
+        .upstream_deadline
+        .within(exchange(pool, &c.out, guard.as_ref(), head_request, &mut c.rbuf, &mut c.resp))
+        .await;
     // Admission took well under a microsecond: the request's start is the
     // upstream exchange's start too (one clock read less per request).
     let elapsed = started.elapsed().as_secs_f64();
@@ -290,8 +346,8 @@ async fn serve_one(
     drop(guard);
     c.buf.advance(need);
     let mut upstream = match sent {
-        Ok(Ok(up)) => up,
-        Ok(Err(failure)) => {
+        Some(Ok(up)) => up,
+        Some(Err(failure)) => {
             let error = match failure {
                 Failure::Connect(e) => {
                     tracing::warn!(route = %route.name, error = %e, "upstream connect failed");
@@ -310,7 +366,7 @@ async fn serve_one(
             let seen = Seen { client, method: &method, route, key: &key, started, log };
             return refuse(proxy, &seen, mutation, error, stream, client_close).await;
         }
-        Err(_) => {
+        None => {
             let timeout_ms = u64::try_from(route.upstream_timeout.as_millis()).unwrap_or(u64::MAX);
             let error = (Error::UpstreamTimeout { timeout_ms }, "upstream_error");
             let seen = Seen { client, method: &method, route, key: &key, started, log };

@@ -109,6 +109,8 @@ pub struct WriterOptions {
     pub group_commit: bool,
     /// Most commits folded into one batch.
     pub max_batch: usize,
+    /// Niceness the writer thread sets itself (0: left as started).
+    pub nice: i32,
 }
 
 impl Store {

@@ -7,7 +7,8 @@ use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use rocksdb::{ColumnFamilyDescriptor, IteratorMode, Options, WriteBatch, WriteOptions, DB};
+use rocksdb::{ColumnFamilyDescriptor, IteratorMode, MemtableFactory, Options, WriteBatch, WriteOptions, DB};
+use tokio::sync::{mpsc, oneshot};
 
 use super::{decode_u64, Commit, GrantRecord, Op, SyncObserver, WriterOptions};
 use crate::error::Error;
@@ -156,7 +157,22 @@ impl Rocks {
         // memory and background work small on a 2-core machine.
         opts.set_max_background_jobs(2);
         opts.set_keep_log_file_num(4);
-        let cfs = [CF_FENCES, CF_GRANTS, CF_COUNTERS].map(|name| ColumnFamilyDescriptor::new(name, Options::default()));
+        // Fences and grants are written all the time and read only by the
+        // scans at start, so their memtables are plain vectors (an insert is
+        // an append; sorted once, when flushed or scanned) instead of skip
+        // lists, whose insert was the writer's largest cost. Vectors take
+        // no concurrent inserts; there is one writer anyway.
+        opts.set_allow_concurrent_memtable_write(false);
+        let write_only = || {
+            let mut o = Options::default();
+            o.set_memtable_factory(MemtableFactory::Vector);
+            o
+        };
+        let cfs = [
+            ColumnFamilyDescriptor::new(CF_FENCES, write_only()),
+            ColumnFamilyDescriptor::new(CF_GRANTS, write_only()),
+            ColumnFamilyDescriptor::new(CF_COUNTERS, Options::default()),
+        ];
         let db = DB::open_cf_descriptors(&opts, dir.join("db"), cfs)
             .map_err(|e| Error::Store(format!("opening RocksDB in {}: {e}", dir.display())))?;
         let db = Arc::new(db);
@@ -164,11 +180,18 @@ impl Rocks {
         let queue = Arc::new(Queue { state: Mutex::default(), wake: Condvar::new() });
         let writer_db = db.clone();
         let writer_queue = queue.clone();
+        let answerer = Answerer::start();
         let handle = std::thread::Builder::new()
             .name("fencegate-store-writer".into())
             .spawn(move || {
                 let _gone = WriterGone(writer_queue.clone());
-                writer_loop(&writer_db, &writer_queue, writer, &observe);
+                if writer.nice != 0 {
+                    // On Linux the calling thread alone (pid 0 is the caller's thread id).
+                    if let Err(e) = rustix::process::setpriority_process(None, writer.nice) {
+                        tracing::warn!(error = %e, nice = writer.nice, "could not set the store writer's niceness");
+                    }
+                }
+                writer_loop(&writer_db, &writer_queue, writer, &observe, &answerer);
             })
             .map_err(|e| Error::Store(format!("starting the store writer: {e}")))?;
         Ok(Rocks { db, queue, writer: Some(handle), was_clean })
@@ -272,20 +295,71 @@ fn bump_boots(db: &DB) -> Result<bool, Error> {
     Ok(was_clean)
 }
 
+/// One group commit's answers: its waiters and the result they all get.
+struct Answers {
+    waiters: Vec<oneshot::Sender<Result<(), Error>>>,
+    result: Result<(), Error>,
+}
+
+impl Answers {
+    fn deliver(self) {
+        for waiter in self.waiters {
+            let _ = waiter.send(self.result.clone());
+        }
+    }
+}
+
+/// Who answers a group's waiters. Answering a waiter from the writer
+/// thread wakes the runtime once per waiter (a system call each, and a
+/// context switch each time the runtime was idle); a task on the runtime
+/// that opened the store takes the whole group in one wake-up and answers
+/// the waiters from inside the runtime, where waking a task is a queue
+/// push. Without a runtime (or once it is gone) the writer answers itself.
+enum Answerer {
+    Runtime(mpsc::UnboundedSender<Answers>),
+    Direct,
+}
+
+impl Answerer {
+    fn start() -> Answerer {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return Answerer::Direct;
+        };
+        let (tx, mut rx) = mpsc::unbounded_channel::<Answers>();
+        runtime.spawn(async move {
+            while let Some(answers) = rx.recv().await {
+                answers.deliver();
+            }
+        });
+        Answerer::Runtime(tx)
+    }
+
+    fn answer(&self, answers: Answers) {
+        if answers.waiters.is_empty() {
+            return;
+        }
+        match self {
+            Answerer::Runtime(tx) => {
+                if let Err(mpsc::error::SendError(answers)) = tx.send(answers) {
+                    answers.deliver();
+                }
+            }
+            Answerer::Direct => answers.deliver(),
+        }
+    }
+}
+
 /// The single writer: waits for a commit someone waits for (or a lazy one
 /// that waited long enough), takes what is queued (up to `max_batch`, in
 /// order), writes it as one batch with one fsync, answers everyone.
-fn writer_loop(db: &DB, queue: &Queue, opts: WriterOptions, observe: &SyncObserver) {
+fn writer_loop(db: &DB, queue: &Queue, opts: WriterOptions, observe: &SyncObserver, answerer: &Answerer) {
     let mut wo = WriteOptions::default();
     wo.set_sync(true);
     let limit = if opts.group_commit { opts.max_batch.max(1) } else { 1 };
     while let Some(group) = queue.next_group(limit) {
         let result = write_group(db, &group, &wo, observe);
-        for commit in group {
-            if let Some(done) = commit.done {
-                let _ = done.send(result.clone());
-            }
-        }
+        let waiters = group.into_iter().filter_map(|commit| commit.done).collect();
+        answerer.answer(Answers { waiters, result });
     }
 }
 
@@ -323,7 +397,7 @@ mod tests {
 
     fn open(dir: &Path) -> Store {
         let noop: SyncObserver = Arc::new(|_, _| {});
-        Store::open(dir, WriterOptions { group_commit: true, max_batch: 64 }, noop).unwrap()
+        Store::open(dir, WriterOptions { group_commit: true, max_batch: 64, nice: 0 }, noop).unwrap()
     }
 
     #[tokio::test]
@@ -401,6 +475,32 @@ mod tests {
             assert!(started.elapsed() < std::time::Duration::from_secs(5), "the lazy write never landed");
             tokio::time::sleep(std::time::Duration::from_millis(5)).await;
         }
+    }
+
+    /// The `nice` field of a thread's `/proc/.../stat`.
+    fn nice_of(stat: &str) -> Option<i32> {
+        stat.rsplit_once(')')?.1.split_whitespace().nth(16)?.parse().ok()
+    }
+
+    #[tokio::test]
+    async fn the_writer_thread_alone_takes_the_niceness() {
+        let dir = tempfile::tempdir().unwrap();
+        let own = || nice_of(&std::fs::read_to_string("/proc/thread-self/stat").unwrap()).unwrap();
+        let before = own();
+        let noop: SyncObserver = Arc::new(|_, _| {});
+        let s = Store::open(dir.path(), WriterOptions { group_commit: true, max_batch: 64, nice: 7 }, noop).unwrap();
+        s.commit(vec![Op::Fence { key: Arc::from("k"), token: 1 }]).await.unwrap();
+        let writers: Vec<i32> = std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .filter_map(|t| {
+                let path = t.ok()?.path();
+                let comm = std::fs::read_to_string(path.join("comm")).ok()?;
+                (comm.trim() == "fencegate-store")
+                    .then(|| nice_of(&std::fs::read_to_string(path.join("stat")).ok()?))?
+            })
+            .collect();
+        assert!(writers.contains(&7), "no writer thread at nice 7: {writers:?}");
+        assert_eq!(own(), before, "the caller's thread changed niceness");
     }
 
     #[tokio::test]
