@@ -21,7 +21,7 @@
 mod expiry;
 pub mod types;
 
-use std::collections::{BinaryHeap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -71,6 +71,16 @@ impl KeyState {
     fn new() -> KeyState {
         KeyState { grant: None, waiters: VecDeque::new(), handoff: None, holder_tx: watch::channel(0).0 }
     }
+    /// Sets the holder's token and wakes its watchers. With none, the
+    /// value alone changes (a later watcher reads it when it subscribes),
+    /// which spares every grant and release the notification machinery.
+    fn publish(&self, token: u64) {
+        let watched = self.holder_tx.receiver_count() > 0;
+        self.holder_tx.send_if_modified(|v| {
+            *v = token;
+            watched
+        });
+    }
     fn is_free(&self) -> bool {
         self.grant.is_none() && self.handoff.is_none() && self.waiters.is_empty()
     }
@@ -105,7 +115,7 @@ pub struct Authority {
     store: Store,
     metrics: Arc<Metrics>,
     limits: LocksConfig,
-    expiry: Mutex<BinaryHeap<expiry::Due>>,
+    expiry: Mutex<expiry::Schedule>,
     expiry_wake: Notify,
     next_waiter: AtomicU64,
 }
@@ -136,7 +146,7 @@ impl Authority {
             store,
             metrics,
             limits,
-            expiry: Mutex::new(BinaryHeap::new()),
+            expiry: Mutex::default(),
             expiry_wake: Notify::new(),
             next_waiter: AtomicU64::new(1),
         });
@@ -149,7 +159,7 @@ impl Authority {
             let ttl = Duration::from_millis(rec.ttl_ms);
             let key: Arc<str> = Arc::from(key.as_str());
             let mut st = KeyState::new();
-            st.holder_tx.send_replace(rec.token);
+            st.publish(rec.token);
             st.grant = Some(Grant {
                 token: rec.token,
                 lease_id: rec.lease_id,
@@ -159,7 +169,7 @@ impl Authority {
                 granted_at: now,
             });
             auth.fences.set_live(&key, rec.token, true);
-            auth.schedule_expiry(&key, now + ttl, rec.token);
+            auth.schedule_expiry(&key, now + ttl);
             auth.metrics.leases_active.inc();
             auth.keys.insert(key, st);
         }
@@ -285,8 +295,8 @@ impl Authority {
             deadline: now + ttl,
             granted_at: now,
         });
-        st.holder_tx.send_replace(token);
-        self.schedule_expiry(key, now + ttl, token);
+        st.publish(token);
+        self.schedule_expiry(key, now + ttl);
         self.metrics.grants.inc();
         self.metrics.fence_advances.inc();
         self.metrics.leases_active.inc();
@@ -341,7 +351,13 @@ impl Authority {
                 self.store.submit_lazy(vec![Op::Grant { key: key.clone(), record }]);
             }
         }
-        grant.deadline = now + grant.ttl;
+        let deadline = now + grant.ttl;
+        let sooner = deadline < grant.deadline;
+        grant.deadline = deadline;
+        if sooner {
+            // A shorter TTL: the key's entry may lie after the new deadline.
+            self.schedule_expiry(&key, deadline);
+        }
         Ok(RenewView { key: req.key, fencing_token: grant.token, ttl_ms: millis(grant.ttl) })
     }
 
@@ -455,7 +471,7 @@ impl Authority {
             Ended::Released => tracing::debug!(key = %key, token = grant.token, "lease released"),
             Ended::Failed => {}
         }
-        st.holder_tx.send_replace(0);
+        st.publish(0);
         self.wake_next(st);
     }
 

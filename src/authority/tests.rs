@@ -276,3 +276,33 @@ async fn bounds_are_enforced() {
     let bad_holder = AcquireRequest { key: "k".into(), ttl_ms: 1000, wait_ms: 0, holder: Some("a\u{0}".into()) };
     assert!(matches!(r.auth.acquire(bad_holder).await, Err(Error::BadRequest(_))));
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_renewal_with_a_shorter_ttl_expires_on_the_new_deadline() {
+    let r = rig();
+    let held = r.auth.acquire(acq("k", 60_000, 0)).await.unwrap();
+    let waiter = tokio::spawn({
+        let auth = r.auth.clone();
+        async move { auth.acquire(acq("k", 1000, 30_000)).await }
+    });
+    sleep(Duration::from_millis(10)).await;
+    r.auth.renew(RenewRequest { key: "k".into(), lease_id: held.lease_id, ttl_ms: Some(1000) }).unwrap();
+    sleep(Duration::from_millis(1100)).await;
+    assert!(waiter.is_finished(), "the waiter still waits for the 60 s deadline the renewal replaced");
+    assert_eq!(waiter.await.unwrap().unwrap().fencing_token, 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_expiry_schedule_holds_one_entry_per_key_not_per_grant() {
+    let r = rig();
+    for _ in 0..1000 {
+        let g = r.auth.acquire(acq("churn", 30_000, 0)).await.unwrap();
+        r.auth.release(ReleaseRequest { key: "churn".into(), lease_id: g.lease_id }).unwrap();
+    }
+    let last = r.auth.acquire(acq("churn", 30_000, 0)).await.unwrap();
+    assert_eq!(r.auth.scheduled(), (1, 1));
+    // The one entry still expires the last grant on time.
+    sleep(Duration::from_millis(30_100)).await;
+    assert!(r.auth.keys.get("churn").is_none_or(|st| st.grant.is_none()), "the last grant outlived its TTL");
+    assert_eq!(r.auth.fences.fence("churn"), last.fencing_token);
+}

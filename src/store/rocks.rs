@@ -157,6 +157,11 @@ impl Rocks {
         // memory and background work small on a 2-core machine.
         opts.set_max_background_jobs(2);
         opts.set_keep_log_file_num(4);
+        // A log file is deleted only once every column family with data in
+        // it was flushed, and `counters` is written once per boot: without
+        // a bound the logs piled up to RocksDB's default (four times all
+        // memtables, 1.5 GiB here), all replayed after a crash.
+        opts.set_max_total_wal_size(128 << 20);
         // Fences and grants are written all the time and read only by the
         // scans at start, so their memtables are plain vectors (an insert is
         // an append; sorted once, when flushed or scanned) instead of skip
