@@ -181,9 +181,14 @@ impl Api {
             self.metrics.lock_request("release", "invalid");
         })?;
         authorize(p, &body.key)?;
+        #[derive(Serialize)]
+        struct Released {
+            key: String,
+            released: bool,
+        }
         let key = body.key.clone();
         self.authority.release(body)?;
-        Ok(json_response(StatusCode::OK, &serde_json::json!({"key": key, "released": true})))
+        Ok(json_response(StatusCode::OK, &Released { key, released: true }))
     }
 
     fn status(&self, query: Option<&str>, p: Option<&Principal>) -> Result<Response<BoxBody>, Error> {

@@ -63,29 +63,41 @@ struct KeyState {
     waiters: VecDeque<Waiter>,
     /// The waiter that was woken and owns the next grant.
     handoff: Option<u64>,
-    /// Token of the current holder, 0 for none (watch).
-    holder_tx: watch::Sender<u64>,
+    /// Token of the current holder, 0 for none, for watchers; only while
+    /// someone watches (see [`KeyState::publish`]).
+    holder_tx: Option<watch::Sender<u64>>,
 }
 
 impl KeyState {
     fn new() -> KeyState {
-        KeyState { grant: None, waiters: VecDeque::new(), handoff: None, holder_tx: watch::channel(0).0 }
+        KeyState { grant: None, waiters: VecDeque::new(), handoff: None, holder_tx: None }
     }
-    /// Sets the holder's token and wakes its watchers. With none, the
-    /// value alone changes (a later watcher reads it when it subscribes),
-    /// which spares every grant and release the notification machinery.
-    fn publish(&self, token: u64) {
-        let watched = self.holder_tx.receiver_count() > 0;
-        self.holder_tx.send_if_modified(|v| {
-            *v = token;
-            watched
-        });
+    /// Sets the holder's token and wakes its watchers. The channel is made
+    /// by the first watcher and dropped at the first change nobody watches,
+    /// so grants and releases of an unwatched key touch no channel.
+    fn publish(&mut self, token: u64) {
+        if let Some(tx) = &self.holder_tx {
+            if tx.receiver_count() == 0 {
+                self.holder_tx = None;
+            } else {
+                tx.send_replace(token);
+            }
+        }
+    }
+    /// A watcher of the holder's token.
+    fn subscribe(&mut self) -> watch::Receiver<u64> {
+        if let Some(tx) = &self.holder_tx {
+            return tx.subscribe();
+        }
+        let (tx, rx) = watch::channel(self.grant.as_ref().map_or(0, |g| g.token));
+        self.holder_tx = Some(tx);
+        rx
     }
     fn is_free(&self) -> bool {
         self.grant.is_none() && self.handoff.is_none() && self.waiters.is_empty()
     }
     fn is_idle(&self) -> bool {
-        self.is_free() && self.holder_tx.receiver_count() == 0
+        self.is_free() && self.holder_tx.as_ref().is_none_or(|tx| tx.receiver_count() == 0)
     }
     fn retry_after_ms(&self, now: Instant) -> u64 {
         self.grant.as_ref().map_or(0, |g| millis(g.deadline.saturating_duration_since(now)))
@@ -423,7 +435,7 @@ impl Authority {
     pub async fn watch(&self, key: &str, after: u64, timeout: Duration) -> Result<StatusView, Error> {
         validate_key(key)?;
         let timeout = timeout.min(Duration::from_millis(self.limits.max_watch_timeout_ms));
-        let mut rx = self.keys.entry(Arc::from(key)).or_insert_with(KeyState::new).holder_tx.subscribe();
+        let mut rx = self.keys.entry(Arc::from(key)).or_insert_with(KeyState::new).subscribe();
         let deadline = Instant::now() + timeout;
         loop {
             if *rx.borrow_and_update() != after {

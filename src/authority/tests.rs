@@ -306,3 +306,28 @@ async fn the_expiry_schedule_holds_one_entry_per_key_not_per_grant() {
     assert!(r.auth.keys.get("churn").is_none_or(|st| st.grant.is_none()), "the last grant outlived its TTL");
     assert_eq!(r.auth.fences.fence("churn"), last.fencing_token);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_watcher_after_unwatched_changes_sees_the_current_holder() {
+    let r = rig();
+    let g1 = r.auth.acquire(acq("k", 10_000, 0)).await.unwrap();
+    // A watcher comes and goes; then changes happen while nobody watches.
+    let s = r.auth.watch("k", g1.fencing_token, Duration::from_millis(50)).await.unwrap();
+    assert_eq!(s.fencing_token, Some(g1.fencing_token));
+    r.auth.release(ReleaseRequest { key: "k".into(), lease_id: g1.lease_id }).unwrap();
+    let g2 = r.auth.acquire(acq("k", 10_000, 0)).await.unwrap();
+    // A new watcher of the old token learns of the new holder at once...
+    let started = Instant::now();
+    let s = r.auth.watch("k", g1.fencing_token, Duration::from_secs(30)).await.unwrap();
+    assert!(started.elapsed() < Duration::from_millis(10));
+    assert_eq!(s.fencing_token, Some(g2.fencing_token));
+    // ...and one of the current token is woken by the next change.
+    let w = tokio::spawn({
+        let auth = r.auth.clone();
+        async move { auth.watch("k", g2.fencing_token, Duration::from_secs(30)).await }
+    });
+    sleep(Duration::from_millis(100)).await;
+    assert!(!w.is_finished());
+    r.auth.release(ReleaseRequest { key: "k".into(), lease_id: g2.lease_id }).unwrap();
+    assert!(!w.await.unwrap().unwrap().held);
+}
