@@ -111,8 +111,9 @@ pub async fn serve_conn(
     let mut out = Vec::with_capacity(1024);
     let mut deadline = Deadline::new(Instant::now() + limits.header_read_timeout);
     loop {
-        let bufs = (&mut buf, &mut out, &mut deadline);
-        match serve_one(handler, &mut stream, client, limits, max_body, &mut stop, bufs).await {
+        match serve_one(handler, &mut stream, client, limits, max_body, &mut stop, &mut buf, &mut out, &mut deadline)
+            .await
+        {
             // A stop closes a busy connection after its current response.
             Next::KeepAlive if !shutdown.is_triggered() => {}
             Next::KeepAlive | Next::Close => {
@@ -133,7 +134,9 @@ async fn serve_one(
     limits: ConnLimits,
     max_body: u64,
     stop: &mut std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
-    (buf, out, deadline): (&mut BytesMut, &mut Vec<u8>, &mut Deadline),
+    buf: &mut BytesMut,
+    out: &mut Vec<u8>,
+    deadline: &mut Deadline,
 ) -> Next {
     // 1. The head, within the header read timeout (which also bounds an
     //    idle keep-alive connection, as on the general path).

@@ -48,9 +48,6 @@ const MAX_RESPONSE_HEAD: usize = 64 * 1024;
 /// [`SHRINK_ABOVE`] are given back after the request.
 const RELAY_RESERVE: usize = 64 * 1024;
 const SHRINK_ABOVE: usize = 128 * 1024;
-/// Where a connection's upstream timer is first armed; each request moves
-/// it to its route's timeout (re-arming it only for a shorter one).
-const UPSTREAM_TIMER: Duration = Duration::from_secs(3600);
 
 /// A connection the fast path hands to the general path: the stream and
 /// every byte read from it that no response has consumed yet.
@@ -106,8 +103,10 @@ pub async fn serve_conn(
         out: Vec::with_capacity(4096),
         rbuf: BytesMut::with_capacity(READ_RESERVE),
         resp: RespHead::default(),
+        // Each request moves both to its own deadline (re-arming the timer
+        // only for an earlier one); the header timeout is just a start.
         head_deadline: Deadline::new(Instant::now() + limits.header_read_timeout),
-        upstream_deadline: Deadline::new(Instant::now() + UPSTREAM_TIMER),
+        upstream_deadline: Deadline::new(Instant::now() + limits.header_read_timeout),
     };
     loop {
         let next = serve_one(proxy, &mut stream, client, limits, &mut stop, &mut c).await;
