@@ -472,7 +472,6 @@ impl Authority {
     fn end_locked(&self, key: &Arc<str>, st: &mut KeyState, why: Ended) {
         let Some(grant) = st.grant.take() else { return };
         self.fences.set_live(key, grant.token, false);
-        self.store.submit_lazy(vec![Op::DropGrant { key: key.clone() }]);
         self.metrics.leases_active.dec();
         self.metrics.lease_holds.observe(grant.granted_at.elapsed().as_secs_f64());
         match why {
@@ -483,6 +482,9 @@ impl Authority {
             Ended::Released => tracing::debug!(key = %key, token = grant.token, "lease released"),
             Ended::Failed => {}
         }
+        let Grant { token, lease_id, holder, ttl, .. } = grant;
+        let ended = GrantRecord { token, lease_id, holder, ttl_ms: millis(ttl) };
+        self.store.submit_lazy(vec![Op::DropGrant { key: key.clone(), ended }]);
         st.publish(0);
         self.wake_next(st);
     }

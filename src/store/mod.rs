@@ -4,8 +4,11 @@
 //! - `fences`   key → highest token granted or accepted (u64, big-endian).
 //!   The fence doubles as the per-key token counter: the next embedded
 //!   grant is `fence + 1`, so a token is never reused.
-//! - `grants`   key → the live grant (JSON [`GrantRecord`]); deleted on
-//!   release and expiry.
+//! - `grants`   key → the key's last grant, live or released (see
+//!   [`encode_grant`]). A release overwrites the record with a released
+//!   one of the same length instead of deleting it, so that RocksDB
+//!   updates it in place in the memtable; compactions drop released
+//!   records.
 //! - `counters` global counters (`boots`: how many times this data
 //!   directory was opened).
 //!
@@ -44,8 +47,9 @@ pub enum Op {
     Fence { key: Arc<str>, token: u64 },
     /// Record `key`'s live grant.
     Grant { key: Arc<str>, record: GrantRecord },
-    /// Forget `key`'s grant (released or expired).
-    DropGrant { key: Arc<str> },
+    /// Forget `key`'s grant (released or expired). `ended` is the grant
+    /// that ends: the released record written in its place has its length.
+    DropGrant { key: Arc<str>, ended: GrantRecord },
 }
 
 #[cfg_attr(not(feature = "rocksdb"), allow(dead_code))]
@@ -88,7 +92,7 @@ impl MemoryStore {
                 Op::Grant { key, record } => {
                     self.grants.insert(key.to_string(), record);
                 }
-                Op::DropGrant { key } => {
+                Op::DropGrant { key, .. } => {
                     self.grants.remove(&*key);
                 }
             }
@@ -248,4 +252,119 @@ pub async fn wait_durable(rx: oneshot::Receiver<Result<(), Error>>) -> Result<()
 #[cfg_attr(not(feature = "rocksdb"), allow(dead_code))]
 fn decode_u64(v: &[u8]) -> Option<u64> {
     Some(u64::from_be_bytes(v.try_into().ok()?))
+}
+
+/// First byte of a `grants` value: the grant is live.
+const GRANT_LIVE: u8 = 1;
+/// First byte of a `grants` value: the grant was released or expired.
+#[cfg_attr(not(feature = "rocksdb"), allow(dead_code))]
+const GRANT_RELEASED: u8 = 0;
+/// State byte, token, TTL, the lease id's length.
+const GRANT_HEAD: usize = 1 + 8 + 8 + 2;
+
+/// Appends the `grants` value of `record` to `out`: a state byte
+/// ([`GRANT_LIVE`] or [`GRANT_RELEASED`]), the token and the TTL in
+/// milliseconds (u64 big-endian), the lease id's length (u16 big-endian)
+/// and bytes, then the holder's bytes. A grant and its released record
+/// have the same length, and so do consecutive grants of one holder: the
+/// memtable overwrites them in place instead of growing by an entry per
+/// write.
+#[cfg_attr(not(feature = "rocksdb"), allow(dead_code))]
+fn encode_grant(record: &GrantRecord, live: bool, out: &mut Vec<u8>) -> Result<(), Error> {
+    let lease_len = u16::try_from(record.lease_id.len()).map_err(|_| {
+        Error::Store(format!("a lease id of {} bytes does not fit a grant record", record.lease_id.len()))
+    })?;
+    out.reserve(GRANT_HEAD + record.lease_id.len() + record.holder.len());
+    out.push(if live { GRANT_LIVE } else { GRANT_RELEASED });
+    out.extend_from_slice(&record.token.to_be_bytes());
+    out.extend_from_slice(&record.ttl_ms.to_be_bytes());
+    out.extend_from_slice(&lease_len.to_be_bytes());
+    out.extend_from_slice(record.lease_id.as_bytes());
+    out.extend_from_slice(record.holder.as_bytes());
+    Ok(())
+}
+
+/// Reads a `grants` value: `Some` for a live grant, `None` for a released
+/// one. Values written before [`encode_grant`] existed are JSON objects
+/// of live grants.
+#[cfg_attr(not(feature = "rocksdb"), allow(dead_code))]
+fn decode_grant(v: &[u8]) -> Result<Option<GrantRecord>, String> {
+    let u64_at = |at: usize| v.get(at..at + 8).and_then(decode_u64);
+    match v.first() {
+        Some(b'{') => serde_json::from_slice(v).map(Some).map_err(|e| e.to_string()),
+        Some(&state @ (GRANT_LIVE | GRANT_RELEASED)) => {
+            let (Some(token), Some(ttl_ms), Some(len)) = (u64_at(1), u64_at(9), v.get(17..GRANT_HEAD)) else {
+                return Err(format!("a grant record of {} bytes is too short", v.len()));
+            };
+            let lease_end = GRANT_HEAD + usize::from(u16::from_be_bytes([len[0], len[1]]));
+            let (Some(lease_id), Some(holder)) = (v.get(GRANT_HEAD..lease_end), v.get(lease_end..)) else {
+                return Err("a grant record's lease id runs past its end".into());
+            };
+            if state == GRANT_RELEASED {
+                return Ok(None);
+            }
+            let text = |b: &[u8], what: &str| String::from_utf8(b.to_vec()).map_err(|_| format!("{what} is not UTF-8"));
+            Ok(Some(GrantRecord {
+                token,
+                lease_id: text(lease_id, "a lease id")?,
+                holder: text(holder, "a holder")?,
+                ttl_ms,
+            }))
+        }
+        Some(other) => Err(format!("unknown grant record format {other:#04x}")),
+        None => Err("an empty grant record".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{decode_grant, encode_grant, GrantRecord, GRANT_HEAD};
+
+    fn record(holder: &str) -> GrantRecord {
+        GrantRecord {
+            token: 42,
+            lease_id: "0123456789abcdef0123456789abcdef".into(),
+            holder: holder.into(),
+            ttl_ms: 30_000,
+        }
+    }
+
+    #[test]
+    fn a_grant_record_round_trips_and_its_release_has_its_length() {
+        let live = record("worker-7");
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        encode_grant(&live, true, &mut a).unwrap();
+        encode_grant(&live, false, &mut b).unwrap();
+        assert_eq!(decode_grant(&a), Ok(Some(live.clone())));
+        assert_eq!(decode_grant(&b), Ok(None));
+        assert_eq!(a.len(), b.len(), "the released record overwrites the live one in place");
+        let mut next = Vec::new();
+        encode_grant(&GrantRecord { token: 43, lease_id: "f".repeat(32), ..live }, true, &mut next).unwrap();
+        assert_eq!(next.len(), a.len(), "the same holder's next grant fits the same slot");
+    }
+
+    #[test]
+    fn grant_records_written_as_json_still_read() {
+        let live = record("");
+        let json = serde_json::to_vec(&live).unwrap();
+        assert_eq!(decode_grant(&json), Ok(Some(live)));
+    }
+
+    #[test]
+    fn damaged_grant_records_are_errors_not_panics() {
+        let mut good = Vec::new();
+        encode_grant(&record("h"), true, &mut good).unwrap();
+        // Cut anywhere before the holder: an error (a cut holder is just shorter).
+        for cut in 0..GRANT_HEAD + 32 {
+            assert!(decode_grant(&good[..cut]).is_err(), "cut at {cut}");
+        }
+        assert!(decode_grant(&[7, 0, 0]).is_err());
+        let mut bad = good.clone();
+        let last = bad.len() - 1;
+        bad[last] = 0xff;
+        assert!(decode_grant(&bad).is_err(), "a holder that is not UTF-8");
+        assert!(decode_grant(b"{not json").is_err());
+        let long = GrantRecord { lease_id: "x".repeat(70_000), ..record("h") };
+        assert!(encode_grant(&long, true, &mut Vec::new()).is_err());
+    }
 }

@@ -7,10 +7,13 @@ use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use rocksdb::{ColumnFamilyDescriptor, IteratorMode, MemtableFactory, Options, WriteBatch, WriteOptions, DB};
+use rocksdb::compaction_filter::Decision as CompactionDecision;
+use rocksdb::{ColumnFamilyDescriptor, IteratorMode, Options, WriteBatch, WriteOptions, DB};
 use tokio::sync::{mpsc, oneshot};
 
-use super::{decode_u64, Commit, GrantRecord, Op, SyncObserver, WriterOptions};
+use super::{
+    decode_grant, decode_u64, encode_grant, Commit, GrantRecord, Op, SyncObserver, WriterOptions, GRANT_RELEASED,
+};
 use crate::error::Error;
 
 const CF_FENCES: &str = "fences";
@@ -160,22 +163,44 @@ impl Rocks {
         // A log file is deleted only once every column family with data in
         // it was flushed, and `counters` is written once per boot: without
         // a bound the logs piled up to RocksDB's default (four times all
-        // memtables, 1.5 GiB here), all replayed after a crash.
-        opts.set_max_total_wal_size(128 << 20);
-        // Fences and grants are written all the time and read only by the
-        // scans at start, so their memtables are plain vectors (an insert is
-        // an append; sorted once, when flushed or scanned) instead of skip
-        // lists, whose insert was the writer's largest cost. Vectors take
-        // no concurrent inserts; there is one writer anyway.
+        // memtables, 1.5 GiB here), all replayed after a crash. The
+        // memtables are updated in place (below) and hardly fill, so this
+        // bound is also what switches logs, and so all a crash replays.
+        opts.set_max_total_wal_size(16 << 20);
+        // Reuse old log files instead of appending to new ones: a write
+        // that grows a file makes every fdatasync write its inode too (a
+        // second I/O per group commit), one that overwrites a recycled
+        // file does not. Measured: a sixth less writer CPU per lock cycle
+        // and ~10% more cycles/s at 64 clients once a log was recycled.
+        opts.set_recycle_log_file_num(2);
+        // Fences and grants are overwritten far more often than new keys
+        // come: a lock cycle rewrites its key's fence and grant, and a
+        // release writes a released grant record of the same length (see
+        // `encode_grant`). Updating the memtable in place keeps it at one
+        // entry per key instead of one per write, so it never fills: no
+        // flush (with its CPU, on a core the requests share) and no memory
+        // growing with the write rate. The log still holds every write, and
+        // `max_total_wal_size` still bounds it. In-place updates need a
+        // single memtable writer; there is one writer thread anyway.
         opts.set_allow_concurrent_memtable_write(false);
-        let write_only = || {
+        let overwritten = || {
             let mut o = Options::default();
-            o.set_memtable_factory(MemtableFactory::Vector);
+            o.set_inplace_update_support(true);
             o
         };
+        let mut grants = overwritten();
+        // Released grants matter only until the next start; a compaction
+        // turns them into deletions (as a delete would have been).
+        grants.set_compaction_filter("fencegate-released-grants", |_level: u32, _key: &[u8], value: &[u8]| {
+            if value.first() == Some(&GRANT_RELEASED) {
+                CompactionDecision::Remove
+            } else {
+                CompactionDecision::Keep
+            }
+        });
         let cfs = [
-            ColumnFamilyDescriptor::new(CF_FENCES, write_only()),
-            ColumnFamilyDescriptor::new(CF_GRANTS, write_only()),
+            ColumnFamilyDescriptor::new(CF_FENCES, overwritten()),
+            ColumnFamilyDescriptor::new(CF_GRANTS, grants),
             ColumnFamilyDescriptor::new(CF_COUNTERS, Options::default()),
         ];
         let db = DB::open_cf_descriptors(&opts, dir.join("db"), cfs)
@@ -263,9 +288,11 @@ impl Rocks {
             let (k, v) = item.map_err(|e| Error::Store(format!("reading grants: {e}")))?;
             let key =
                 String::from_utf8(k.to_vec()).map_err(|_| Error::Store("reading grants: a key is not UTF-8".into()))?;
-            let record: GrantRecord =
-                serde_json::from_slice(&v).map_err(|e| Error::Store(format!("reading grant of {key}: {e}")))?;
-            out.push((key, record));
+            match decode_grant(&v) {
+                Ok(Some(record)) => out.push((key, record)),
+                Ok(None) => {}
+                Err(e) => return Err(Error::Store(format!("reading grant of {key}: {e}"))),
+            }
         }
         Ok(out)
     }
@@ -382,7 +409,7 @@ fn last_writes(group: &[Commit]) -> Vec<&Op> {
         .rev()
         .filter(|op| match op {
             Op::Fence { key, .. } => seen.insert((true, key)),
-            Op::Grant { key, .. } | Op::DropGrant { key } => seen.insert((false, key)),
+            Op::Grant { key, .. } | Op::DropGrant { key, .. } => seen.insert((false, key)),
         })
         .collect();
     last.reverse();
@@ -394,15 +421,15 @@ fn write_group(db: &DB, group: &[Commit], wo: &WriteOptions, observe: &SyncObser
         return Err(Error::Store("column families missing".into()));
     };
     let mut batch = WriteBatch::default();
+    let mut value = Vec::new();
     for op in last_writes(group) {
         match op {
             Op::Fence { key, token } => batch.put_cf(fences, key.as_bytes(), token.to_be_bytes()),
-            Op::Grant { key, record } => {
-                let value =
-                    serde_json::to_vec(record).map_err(|e| Error::Store(format!("encoding grant of {key}: {e}")))?;
-                batch.put_cf(grants, key.as_bytes(), value);
+            Op::Grant { key, record: grant } | Op::DropGrant { key, ended: grant } => {
+                value.clear();
+                encode_grant(grant, matches!(op, Op::Grant { .. }), &mut value)?;
+                batch.put_cf(grants, key.as_bytes(), &value);
             }
-            Op::DropGrant { key } => batch.delete_cf(grants, key.as_bytes()),
         }
     }
     let started = Instant::now();
@@ -456,7 +483,7 @@ mod tests {
             let key: Arc<str> = Arc::from("k");
             let record = GrantRecord { token: 1, lease_id: "x".into(), holder: String::new(), ttl_ms: 500 };
             s.commit(vec![Op::Grant { key: key.clone(), record }]).await.unwrap();
-            s.commit(vec![Op::DropGrant { key }]).await.unwrap();
+            s.commit(vec![drop_grant(&key)]).await.unwrap();
         }
         assert!(open(dir.path()).grants().unwrap().is_empty());
     }
@@ -464,6 +491,119 @@ mod tests {
     fn grant(key: &Arc<str>, lease: &str) -> Op {
         let record = GrantRecord { token: 1, lease_id: lease.into(), holder: String::new(), ttl_ms: 500 };
         Op::Grant { key: key.clone(), record }
+    }
+
+    fn drop_grant(key: &Arc<str>) -> Op {
+        let ended = GrantRecord { token: 1, lease_id: "a".into(), holder: String::new(), ttl_ms: 500 };
+        Op::DropGrant { key: key.clone(), ended }
+    }
+
+    fn rocks(s: &Store) -> &super::Rocks {
+        match &s.inner {
+            super::super::Inner::Rocks(r) => r,
+            super::super::Inner::Memory(_) => panic!("not a RocksDB store"),
+        }
+    }
+
+    fn memtable_entries(s: &Store, name: &str) -> u64 {
+        let db = &rocks(s).db;
+        let cf = db.cf_handle(name).unwrap();
+        db.property_int_value_cf(cf, "rocksdb.num-entries-active-mem-table").unwrap().unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_key_locked_over_and_over_keeps_one_memtable_entry() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = open(dir.path());
+        let k: Arc<str> = Arc::from("k");
+        let cycle = |token: u64| {
+            let record = GrantRecord { token, lease_id: format!("{token:032x}"), holder: "h".into(), ttl_ms: 500 };
+            let ended = record.clone();
+            (
+                vec![Op::Fence { key: k.clone(), token }, Op::Grant { key: k.clone(), record }],
+                vec![Op::DropGrant { key: k.clone(), ended }],
+            )
+        };
+        for token in 1..=2_000 {
+            let (grant, release) = cycle(token);
+            s.commit(grant).await.unwrap();
+            s.commit(release).await.unwrap();
+        }
+        let entries = memtable_entries(&s, super::CF_GRANTS);
+        assert_eq!(entries, 1, "4,000 grant writes of one key left {entries} memtable entries");
+        let entries = memtable_entries(&s, super::CF_FENCES);
+        assert_eq!(entries, 1, "2,000 fence writes of one key left {entries} memtable entries");
+        assert!(leases(&s).is_empty());
+        s.commit(cycle(2_001).0).await.unwrap();
+        assert_eq!(leases(&s), vec![format!("{:032x}", 2_001)]);
+    }
+
+    #[tokio::test]
+    async fn compactions_drop_released_grants_and_keep_live_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = open(dir.path());
+        let (gone, kept): (Arc<str>, Arc<str>) = (Arc::from("gone"), Arc::from("kept"));
+        s.commit(vec![grant(&gone, "a"), grant(&kept, "b")]).await.unwrap();
+        s.commit(vec![drop_grant(&gone)]).await.unwrap();
+        let db = &rocks(&s).db;
+        let cf = db.cf_handle(super::CF_GRANTS).unwrap();
+        let raw =
+            || db.iterator_cf(cf, rocksdb::IteratorMode::Start).map(|kv| kv.unwrap().0.to_vec()).collect::<Vec<_>>();
+        assert_eq!(raw(), vec![b"gone".to_vec(), b"kept".to_vec()], "a release is a put of a released record");
+        db.flush_cf(cf).unwrap();
+        db.compact_range_cf(cf, None::<&[u8]>, None::<&[u8]>);
+        assert_eq!(raw(), vec![b"kept".to_vec()]);
+        assert_eq!(leases(&s), vec!["b"]);
+    }
+
+    #[tokio::test]
+    async fn grants_written_as_json_by_earlier_versions_come_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let record = GrantRecord { token: 5, lease_id: "l".into(), holder: "h".into(), ttl_ms: 700 };
+        {
+            let s = open(dir.path());
+            let db = &rocks(&s).db;
+            let cf = db.cf_handle(super::CF_GRANTS).unwrap();
+            db.put_cf(cf, b"old", serde_json::to_vec(&record).unwrap()).unwrap();
+        }
+        assert_eq!(open(dir.path()).grants().unwrap(), vec![("old".to_string(), record)]);
+    }
+
+    #[tokio::test]
+    async fn what_is_left_in_a_recycled_log_is_not_replayed() {
+        let dir = tempfile::tempdir().unwrap();
+        let keys: Vec<Arc<str>> = (0..1_000).map(|i| Arc::from(format!("{i:04}{}", "k".repeat(1_000)))).collect();
+        let round = |token: u64, n: usize| keys[..n].iter().map(|k| Op::Fence { key: k.clone(), token }).collect();
+        {
+            let s = open(dir.path());
+            // ~1 MiB of log per round: 60 rounds switch logs at the
+            // 16 MiB bound and write over recycled ones.
+            for token in 1..=60 {
+                s.commit(round(token, keys.len())).await.unwrap();
+            }
+            // The last round reaches only the first half: the tail of the
+            // log it went into holds older rounds of every key.
+            s.commit(round(61, 500)).await.unwrap();
+        }
+        let logs = std::fs::read_dir(dir.path().join("db"))
+            .unwrap()
+            .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().ends_with(".log"))
+            .count();
+        assert!(logs <= 4, "{logs} log files: old logs are not recycled");
+        // RocksDB's info log names each reuse; without one this test
+        // would not exercise what it is named for.
+        let info = std::fs::read_to_string(dir.path().join("db/LOG")).unwrap();
+        assert!(info.contains("from recycle list"), "no log file was reused");
+        let s = open(dir.path());
+        let mut seen = std::collections::HashMap::new();
+        s.for_each_fence(|k, t| {
+            seen.insert(k.to_string(), t);
+        })
+        .unwrap();
+        assert_eq!(seen.len(), keys.len());
+        for (i, k) in keys.iter().enumerate() {
+            assert_eq!(seen[&**k], if i < 500 { 61 } else { 60 }, "key {i}");
+        }
     }
 
     fn leases(s: &Store) -> Vec<String> {
@@ -477,12 +617,12 @@ mod tests {
         let k: Arc<str> = Arc::from("k");
         s.commit(vec![grant(&k, "a")]).await.unwrap();
         // Released lazily, then granted again: the drop must land first.
-        s.submit_lazy(vec![Op::DropGrant { key: k.clone() }]);
+        s.submit_lazy(vec![drop_grant(&k)]);
         s.commit(vec![grant(&k, "b")]).await.unwrap();
         assert_eq!(leases(&s), vec!["b"]);
         // A lazy drop queued before a durable write elsewhere is written
         // with it, not after the lazy delay.
-        s.submit_lazy(vec![Op::DropGrant { key: k.clone() }]);
+        s.submit_lazy(vec![drop_grant(&k)]);
         s.commit(vec![Op::Fence { key: Arc::from("other"), token: 1 }]).await.unwrap();
         assert!(leases(&s).is_empty());
     }
@@ -494,17 +634,17 @@ mod tests {
         let commit = |ops| super::Commit { ops, done: None };
         let group = vec![
             commit(vec![Op::Fence { key: k.clone(), token: 1 }, grant(&k, "a")]),
-            commit(vec![Op::DropGrant { key: k.clone() }]),
+            commit(vec![drop_grant(&k)]),
             commit(vec![Op::Fence { key: other.clone(), token: 9 }]),
             commit(vec![Op::Fence { key: k.clone(), token: 2 }, grant(&k, "b")]),
-            commit(vec![Op::DropGrant { key: other.clone() }]),
+            commit(vec![drop_grant(&other)]),
         ];
         let shown: Vec<String> = super::last_writes(&group)
             .into_iter()
             .map(|op| match op {
                 Op::Fence { key, token } => format!("fence {key} {token}"),
                 Op::Grant { key, record } => format!("grant {key} {}", record.lease_id),
-                Op::DropGrant { key } => format!("drop {key}"),
+                Op::DropGrant { key, .. } => format!("drop {key}"),
             })
             .collect();
         assert_eq!(shown, ["fence other 9", "fence k 2", "grant k b", "drop other"]);
@@ -515,9 +655,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let s = open(dir.path());
         let k: Arc<str> = Arc::from("k");
-        s.commit(vec![grant(&k, "a"), Op::DropGrant { key: k.clone() }]).await.unwrap();
+        s.commit(vec![grant(&k, "a"), drop_grant(&k)]).await.unwrap();
         assert!(leases(&s).is_empty());
-        s.commit(vec![Op::DropGrant { key: k.clone() }, grant(&k, "b")]).await.unwrap();
+        s.commit(vec![drop_grant(&k), grant(&k, "b")]).await.unwrap();
         assert_eq!(leases(&s), vec!["b"]);
     }
 
@@ -529,7 +669,7 @@ mod tests {
         s.commit(vec![grant(&k, "a")]).await.unwrap();
         // Let the writer go idle: the lazy write alone must wake it.
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-        s.submit_lazy(vec![Op::DropGrant { key: k.clone() }]);
+        s.submit_lazy(vec![drop_grant(&k)]);
         let started = std::time::Instant::now();
         while !leases(&s).is_empty() {
             assert!(started.elapsed() < std::time::Duration::from_secs(5), "the lazy write never landed");
@@ -570,7 +710,7 @@ mod tests {
         {
             let s = open(dir.path());
             s.commit(vec![grant(&k, "a")]).await.unwrap();
-            s.submit_lazy(vec![Op::DropGrant { key: k.clone() }]);
+            s.submit_lazy(vec![drop_grant(&k)]);
         }
         assert!(leases(&open(dir.path())).is_empty());
     }
