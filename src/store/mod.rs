@@ -197,7 +197,7 @@ impl Store {
         }
     }
 
-    /// Every stored grant.
+    /// Every live grant (released ones are skipped).
     pub fn grants(&self) -> Result<Vec<(String, GrantRecord)>, Error> {
         match &self.inner {
             #[cfg(feature = "rocksdb")]
