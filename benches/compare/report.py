@@ -41,16 +41,21 @@ def rx(x):
     return "–" if x is None else f"{x:.2f}×"
 
 
+def per_rep(num, den):
+    """the ratio of each repetition measured for both"""
+    return [num[i] / den[i] for i in num if i in den and den[i] and num[i] is not None]
+
+
 def paired(num, den):
     """median of the per-repetition ratios: repetition i of both targets ran
     back to back, so noise that hits the machine for a while hits both"""
-    return med([num[i] / den[i] for i in num if i in den and den[i] and num[i] is not None])
+    return med(per_rep(num, den))
 
 
 def ratio_cell(num, den):
     """ratio of medians, with the range of per-rep ratios"""
     r = ratio(med(num.values()), med(den.values()))
-    per = [num[i] / den[i] for i in num if i in den and den[i]]
+    per = per_rep(num, den)
     if r is None:
         return "–", None
     if len(per) > 1:

@@ -481,21 +481,22 @@ mod tests {
         {
             let s = open(dir.path());
             let key: Arc<str> = Arc::from("k");
-            let record = GrantRecord { token: 1, lease_id: "x".into(), holder: String::new(), ttl_ms: 500 };
-            s.commit(vec![Op::Grant { key: key.clone(), record }]).await.unwrap();
+            s.commit(vec![grant(&key, "x")]).await.unwrap();
             s.commit(vec![drop_grant(&key)]).await.unwrap();
         }
         assert!(open(dir.path()).grants().unwrap().is_empty());
     }
 
+    fn record(lease: &str) -> GrantRecord {
+        GrantRecord { token: 1, lease_id: lease.into(), holder: String::new(), ttl_ms: 500 }
+    }
+
     fn grant(key: &Arc<str>, lease: &str) -> Op {
-        let record = GrantRecord { token: 1, lease_id: lease.into(), holder: String::new(), ttl_ms: 500 };
-        Op::Grant { key: key.clone(), record }
+        Op::Grant { key: key.clone(), record: record(lease) }
     }
 
     fn drop_grant(key: &Arc<str>) -> Op {
-        let ended = GrantRecord { token: 1, lease_id: "a".into(), holder: String::new(), ttl_ms: 500 };
-        Op::DropGrant { key: key.clone(), ended }
+        Op::DropGrant { key: key.clone(), ended: record("a") }
     }
 
     fn rocks(s: &Store) -> &super::Rocks {
