@@ -36,7 +36,7 @@ fn hot_paths(c: &mut Criterion) {
         table.load(&format!("orders/{i}"), 5);
     }
     table.set_live("orders/777", 5, true);
-    let policy = CheckPolicy { strict: true, external: false };
+    let policy = CheckPolicy::embedded(true);
     c.bench_function("fence_check_and_register", |b| {
         b.iter(|| match table.check("orders/777", 5, policy) {
             Ok(Admission::Admitted(guard)) => drop(guard),

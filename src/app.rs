@@ -59,6 +59,10 @@ pub struct Gateway {
     pub authority: Arc<Authority>,
     pub metrics: Arc<Metrics>,
     store: Store,
+    fences: Arc<FenceTable>,
+    /// The longest upstream timeout of any route: how long a forwarded
+    /// mutation can stay in flight.
+    longest_upstream_timeout: Duration,
     trigger: Trigger,
     /// Each task ends with true if it stopped cleanly (listeners: drained).
     tasks: JoinSet<bool>,
@@ -103,6 +107,8 @@ impl Gateway {
         let auth = Arc::new(Auth::load(&cfg.auth)?);
         let proxy = Arc::new(Proxy::new(&cfg, authority.clone(), store.clone(), metrics.clone(), auth.clone())?);
 
+        let longest_upstream_timeout =
+            Duration::from_millis(cfg.effective_routes().iter().map(|r| r.upstream_timeout_ms).max().unwrap_or(0));
         if !store.was_clean() {
             // The previous process died: requests it forwarded to an HTTP
             // upstream may be applied for up to that route's timeout.
@@ -175,7 +181,17 @@ impl Gateway {
             true
         });
         tracing::info!(proxy = %proxy_addr, api = %api_addr, data_dir = %cfg.data_dir.display(), "fencegate serving");
-        Ok(Gateway { proxy_addr, api_addr, authority, metrics, store, trigger, tasks })
+        Ok(Gateway {
+            proxy_addr,
+            api_addr,
+            authority,
+            metrics,
+            store,
+            fences: fences_for_quarantine,
+            longest_upstream_timeout,
+            trigger,
+            tasks,
+        })
     }
 
     /// Starts graceful shutdown.
@@ -183,12 +199,34 @@ impl Gateway {
         self.trigger.trigger();
     }
 
-    /// Waits until every listener has drained and every task has ended,
-    /// then records the clean stop (a next start needs no quarantine).
+    /// Waits until every listener has drained, every task has ended and no
+    /// mutation is in flight to an upstream, then records the clean stop (a
+    /// next start needs no quarantine).
+    ///
+    /// Connections are not the whole story: a registered mutation's
+    /// exchange outlives its client (it runs as its own task), so a client
+    /// that gave up leaves a write the upstream may still apply. The stop
+    /// is clean only once every such registration has ended — waited for
+    /// up to the longest upstream timeout; cut short, the stop is not
+    /// recorded as clean and the next start quarantines.
     pub async fn wait(mut self) {
         let mut clean = true;
         while let Some(done) = self.tasks.join_next().await {
             clean &= done.unwrap_or(false);
+        }
+        let inflight = self.fences.inflight_total();
+        if inflight > 0 {
+            tracing::info!(inflight, "waiting for mutations still in flight to an upstream");
+        }
+        // A little beyond the timeout: the exchange that times out drops
+        // its registration just after it.
+        let bound = self.longest_upstream_timeout + Duration::from_millis(500);
+        if !self.fences.wait_idle(bound).await {
+            tracing::warn!(
+                inflight = self.fences.inflight_total(),
+                "mutations still in flight at the stop: not recorded as clean"
+            );
+            clean = false;
         }
         if !clean {
             tracing::warn!("not every request drained: the next start will wait out the upstream timeout");

@@ -149,6 +149,11 @@ pub struct RouteConfig {
     /// `embedded` (default) or `external`.
     #[serde(default = "default_authority")]
     pub fence_authority: FenceAuthority,
+    /// `external` routes: the largest step a token may take above the
+    /// key's fence; beyond it 403 (a token near `u64::MAX` would otherwise
+    /// fence the key out for good).
+    #[serde(default = "default_max_token_step")]
+    pub max_token_step: u64,
     /// Refuse a token equal to the fence whose grant has ended.
     #[serde(default = "default_true")]
     pub strict: bool,
@@ -187,6 +192,9 @@ pub struct RouteConfig {
 
 fn default_mutating_methods() -> Vec<String> {
     ["PUT", "POST", "PATCH", "DELETE"].map(String::from).to_vec()
+}
+fn default_max_token_step() -> u64 {
+    1_000_000_000_000
 }
 fn default_authority() -> FenceAuthority {
     FenceAuthority::Embedded
@@ -358,6 +366,16 @@ impl Config {
         for (i, r) in self.routes.iter().enumerate() {
             let at = format!("routes[{i}]");
             r.validate().map_err(|e| format!("{at}.{e}"))?;
+            // The activation barrier gives up after activation_timeout_ms;
+            // an older mutation is certain to be over only after its
+            // route's upstream timeout. The barrier must outlast it.
+            if r.upstream_timeout_ms >= l.activation_timeout_ms {
+                return Err(format!(
+                    "{at}.upstream_timeout_ms: {} must be below locks.activation_timeout_ms ({}), or a new holder \
+                     could be answered while an older holder's write is still in flight",
+                    r.upstream_timeout_ms, l.activation_timeout_ms
+                ));
+            }
             if !names.insert(r.route_name(i)) {
                 return Err(format!("{at}.name: {:?} is used twice", r.route_name(i)));
             }
@@ -376,6 +394,7 @@ impl RouteConfig {
             upstream,
             mutating_methods: default_mutating_methods(),
             fence_authority: FenceAuthority::Embedded,
+            max_token_step: default_max_token_step(),
             strict: true,
             enforce: true,
             upstream_timeout_ms: default_upstream_timeout_ms(),
@@ -421,6 +440,9 @@ impl RouteConfig {
         }
         if self.connect_timeout_ms == 0 {
             return Err("connect_timeout_ms: must be at least 1".into());
+        }
+        if self.max_token_step == 0 {
+            return Err("max_token_step: must be at least 1".into());
         }
         Ok(())
     }
@@ -479,6 +501,16 @@ upstream = "http://127.0.0.1:9"
         assert_eq!(c.listen.port(), 2);
         assert_eq!(c.routes.len(), 1);
         assert_eq!(c.routes[0].match_path, "/{*path}");
+    }
+
+    #[test]
+    fn upstream_timeout_must_be_below_the_activation_timeout() {
+        let text = "[locks]\nactivation_timeout_ms = 5000\n[[routes]]\nmatch = \"/{*p}\"\nupstream = \"http://127.0.0.1:9\"\nupstream_timeout_ms = 5000\n";
+        let err = Config::from_toml(text).unwrap().validate().unwrap_err();
+        assert!(err.starts_with("routes[0].upstream_timeout_ms"), "{err}");
+        assert!(err.contains("locks.activation_timeout_ms"), "{err}");
+        let ok = text.replace("upstream_timeout_ms = 5000", "upstream_timeout_ms = 4999");
+        Config::from_toml(&ok).unwrap().validate().unwrap();
     }
 
     #[test]

@@ -53,6 +53,11 @@ pub enum Error {
     /// A token above the fence that this gateway never issued for this key.
     #[error("fencing token {token} was never issued for {key} (fence is at {fence})")]
     UnissuedFencingToken { key: String, token: u64, fence: u64 },
+    /// External route: a token too far above the fence to be believed.
+    #[error(
+        "fencing token {token} for {key} is more than max_token_step ({max_step}) above the fence {fence}: refused"
+    )]
+    TokenStepTooLarge { key: String, token: u64, fence: u64, max_step: u64 },
     /// The token is the current fence but its grant was released or expired.
     #[error("the lease behind fencing token {token} for {key} has ended")]
     LeaseExpired { key: String, token: u64 },
@@ -102,7 +107,9 @@ impl Error {
             | Error::LeaseExpired { .. } => StatusCode::CONFLICT,
             Error::LeaseLost { .. } => StatusCode::GONE,
             Error::FencingTokenRequired { .. } => StatusCode::PRECONDITION_REQUIRED,
-            Error::UnissuedFencingToken { .. } | Error::Forbidden(_) => StatusCode::FORBIDDEN,
+            Error::UnissuedFencingToken { .. } | Error::TokenStepTooLarge { .. } | Error::Forbidden(_) => {
+                StatusCode::FORBIDDEN
+            }
             Error::Unauthorized => StatusCode::UNAUTHORIZED,
             Error::UpstreamUnavailable(_) => StatusCode::BAD_GATEWAY,
             Error::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
@@ -126,7 +133,7 @@ impl Error {
             Error::FencingTokenRequired { .. } => "fencing_token_required",
             Error::MalformedFencingToken(_) => "malformed_fencing_token",
             Error::StaleFencingToken { .. } => "stale_fencing_token",
-            Error::UnissuedFencingToken { .. } => "unissued_fencing_token",
+            Error::UnissuedFencingToken { .. } | Error::TokenStepTooLarge { .. } => "unissued_fencing_token",
             Error::LeaseExpired { .. } => "lease_expired",
             Error::Unauthorized => "unauthorized",
             Error::Forbidden(_) => "forbidden",
@@ -148,6 +155,11 @@ impl Error {
             Error::StaleFencingToken { token, fence, .. } | Error::UnissuedFencingToken { token, fence, .. } => {
                 body["token"] = json!(token);
                 body["fence"] = json!(fence);
+            }
+            Error::TokenStepTooLarge { token, fence, max_step, .. } => {
+                body["token"] = json!(token);
+                body["fence"] = json!(fence);
+                body["max_token_step"] = json!(max_step);
             }
             Error::LeaseExpired { token, .. } => {
                 body["token"] = json!(token);
@@ -190,6 +202,11 @@ mod tests {
             (Error::StaleFencingToken { key: "k".into(), token: 1, fence: 2 }, 409, "stale_fencing_token"),
             (Error::UnissuedFencingToken { key: "k".into(), token: 9, fence: 2 }, 403, "unissued_fencing_token"),
             (Error::LeaseExpired { key: "k".into(), token: 2 }, 409, "lease_expired"),
+            (
+                Error::TokenStepTooLarge { key: "k".into(), token: u64::MAX, fence: 2, max_step: 10 },
+                403,
+                "unissued_fencing_token",
+            ),
             (Error::Locked { key: "k".into(), retry_after_ms: 1500 }, 409, "locked"),
             (Error::LeaseLost { key: "k".into() }, 410, "lease_lost"),
             (Error::NotOwner { key: "k".into() }, 409, "not_owner"),

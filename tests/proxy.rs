@@ -261,6 +261,31 @@ fence_authority = "external"
     assert_eq!(s["fence"], 250);
 }
 
+/// One request with token u64::MAX must not fence a key out for good: an
+/// external token more than `max_token_step` above the fence is refused.
+#[tokio::test(flavor = "multi_thread")]
+async fn external_tokens_too_far_above_the_fence_are_refused() {
+    let cfg = r#"
+[[routes]]
+match = "/{*path}"
+upstream = "UPSTREAM"
+fence_authority = "external"
+max_token_step = 1000
+"#;
+    let (_d, gw, rec, http) = setup_with(Some(cfg.into())).await;
+    let r = put(&http, &gw, "/k", Some("18446744073709551615")).await;
+    assert_eq!(r.status, StatusCode::FORBIDDEN);
+    assert_eq!(r.error_code(), "unissued_fencing_token");
+    assert_eq!(r.json()["max_token_step"], 1000);
+    assert_eq!(put(&http, &gw, "/k", Some("1001")).await.status, StatusCode::FORBIDDEN, "fresh key: fence 0");
+    assert_eq!(put(&http, &gw, "/k", Some("1000")).await.status, StatusCode::OK);
+    assert_eq!(put(&http, &gw, "/k", Some("2000")).await.status, StatusCode::OK);
+    assert_eq!(put(&http, &gw, "/k", Some("3001")).await.status, StatusCode::FORBIDDEN);
+    let s = http.get(&gw.api_url("/v1/locks/status?key=k")).await.json();
+    assert_eq!(s["fence"], 2000);
+    assert_eq!(rec.count(), 2);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn shadow_mode_counts_but_forwards() {
     let cfg = r#"

@@ -76,7 +76,8 @@ async fn grant_after_kill9_waits_out_the_dead_process_requests() {
     let started = std::time::Instant::now();
     let after_clean = acquire(&http, &gw.api_url(""), "q/2", 1000, 0).await.unwrap();
     assert!(started.elapsed() < std::time::Duration::from_millis(500));
-    assert_eq!(after_clean.token, 1);
+    // One sequence for every key: above every token issued before.
+    assert_eq!(after_clean.token, new.token + 1);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -108,4 +109,53 @@ async fn a_start_that_cannot_bind_leaves_no_unclean_stop_behind() {
     acquire(&http, &gw.api_url(""), "after/failed-start", 1000, 0).await.unwrap();
     assert!(started.elapsed() < std::time::Duration::from_millis(1000), "the failed start left a quarantine");
     assert!(!gw.log_text().contains("did not stop cleanly"), "{}", gw.log_text());
+}
+
+/// A clean stop must not be recorded while a mutation is still in flight to
+/// the upstream (its client may have given up long ago: the exchange runs
+/// on). Otherwise the next start has no quarantine, a new holder is granted
+/// at once, and the old holder's write is applied after the new one's.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_clean_stop_waits_for_a_write_still_in_flight_upstream() {
+    let rec = common::Recorder::start().await;
+    // Both paths are the one resource "q": the old write goes to the slow
+    // one, which applies it 3 s after it arrived, whatever the client does.
+    rec.set_delay("/q/slow", 3000);
+    rec.apply_even_if_abandoned("/q/slow");
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let cfg = format!(
+        "[[routes]]\nmatch = \"/{{k}}/{{*rest}}\"\nresource = \"{{k}}\"\nupstream = \"{}\"\nupstream_timeout_ms = 6000\n",
+        rec.url()
+    );
+    let opts = Opts { config: Some(cfg), ..Opts::default() };
+    let http = Http::default();
+    let gw = Gateway::start(&data, opts.clone());
+    let old = acquire(&http, &gw.api_url(""), "q", 30_000, 0).await.unwrap();
+    let body = "o".repeat(70_000);
+    let (slow_url, old_token) = (gw.proxy_url("/q/slow"), old.token.to_string());
+    let headers = [("x-fencing-token", old_token.as_str())];
+    let write = http.try_send(http::Method::PUT, &slow_url, &headers, body);
+    // The client gives up; the gateway's exchange goes on.
+    assert!(tokio::time::timeout(std::time::Duration::from_millis(500), write).await.is_err());
+    common::release(&http, &gw.api_url(""), &old).await;
+    let stopping = std::time::Instant::now();
+    assert!(gw.terminate().success());
+    let stop_took = stopping.elapsed();
+
+    let gw = Gateway::start(&data, opts);
+    let new = acquire(&http, &gw.api_url(""), "q", 30_000, 10_000).await.unwrap();
+    let (fast_url, new_token) = (gw.proxy_url("/q/fast"), new.token.to_string());
+    let r = http.send(http::Method::PUT, &fast_url, &[("x-fencing-token", &new_token)], "new").await;
+    assert_eq!(r.status, http::StatusCode::OK);
+    // Let the old write land if it is still on its way.
+    tokio::time::sleep(std::time::Duration::from_millis(3500)).await;
+    let order: Vec<String> = rec.requests().iter().map(|s| s.path.clone()).collect();
+    let old_at = order.iter().position(|p| p == "/q/slow");
+    let new_at = order.iter().position(|p| p == "/q/fast").expect("the new write landed");
+    assert!(
+        old_at.is_none_or(|o| o < new_at),
+        "the old holder's write was applied after the new holder's: {order:?} (stop took {stop_took:?})"
+    );
+    assert!(stop_took >= std::time::Duration::from_millis(1500), "the stop waited for the write: {stop_took:?}");
 }

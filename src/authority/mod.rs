@@ -2,7 +2,8 @@
 //! watch (SPEC 3).
 //!
 //! Guarantees, in the manner of etcd's mutex:
-//! - At most one live grant per key. A grant's fencing token is `fence + 1`
+//! - At most one live grant per key. A grant's fencing token is the next of
+//!   one sequence for every key (so it names exactly one grant of one key),
 //!   and is installed as the key's fence *before* the grant is returned,
 //!   durably (fsynced through the store's group commit), and the grant's
 //!   response waits until every in-flight mutation with an older token for
@@ -43,6 +44,9 @@ pub use types::{validate_key, AcquireRequest, GrantView, ReleaseRequest, RenewRe
 #[derive(Debug, Clone)]
 struct Grant {
     token: u64,
+    /// Fsynced: only then is the grant shown to readers (status, watch).
+    /// A grant that a crash could undo must not be acted upon by anyone.
+    durable: bool,
     lease_id: String,
     holder: String,
     ttl: Duration,
@@ -89,7 +93,8 @@ impl KeyState {
         if let Some(tx) = &self.holder_tx {
             return tx.subscribe();
         }
-        let (tx, rx) = watch::channel(self.grant.as_ref().map_or(0, |g| g.token));
+        let published = self.grant.as_ref().filter(|g| g.durable).map_or(0, |g| g.token);
+        let (tx, rx) = watch::channel(published);
         self.holder_tx = Some(tx);
         rx
     }
@@ -174,6 +179,7 @@ impl Authority {
             st.publish(rec.token);
             st.grant = Some(Grant {
                 token: rec.token,
+                durable: true,
                 lease_id: rec.lease_id,
                 holder: rec.holder,
                 ttl,
@@ -265,12 +271,17 @@ impl Authority {
             }
         };
 
+        // From here until the answer is handed over, a dropped future (the
+        // client hung up) ends the grant instead of leaving it for its TTL.
+        let mut orphan = OrphanGuard { auth: self, key: key.clone(), token, armed: true };
         // Durable before anyone sees the token.
         if let Err(e) = wait_durable(durable).await {
             tracing::error!(key = %key, token, error = %e, "grant not durable; withdrawn");
+            orphan.armed = false;
             self.end(&key, token, Ended::Failed);
             return Err(e);
         }
+        self.publish_durable(&key, token);
         // Activation: older in-flight mutations finish (or are aborted)
         // before the new holder hears it holds the lock.
         let timeout = Duration::from_millis(self.limits.activation_timeout_ms);
@@ -280,7 +291,19 @@ impl Authority {
             self.metrics.activation_overruns.inc();
             tracing::warn!(key = %key, token, "activation gave up waiting for older in-flight mutations");
         }
+        orphan.armed = false;
         Ok(GrantView { key: req.key, fencing_token: token, lease_id, ttl_ms: req.ttl_ms, holder })
+    }
+
+    /// The grant `token` of `key` is fsynced: readers may see it now.
+    fn publish_durable(&self, key: &Arc<str>, token: u64) {
+        self.fences.mark_durable(key, token);
+        if let Some(mut st) = self.keys.get_mut(key) {
+            if let Some(g) = st.grant.as_mut().filter(|g| g.token == token) {
+                g.durable = true;
+                st.publish(token);
+            }
+        }
     }
 
     /// Issues the next token to a new grant. Caller holds the key's state
@@ -301,13 +324,14 @@ impl Authority {
         let now = Instant::now();
         st.grant = Some(Grant {
             token,
+            durable: false,
             lease_id: lease_id.to_string(),
             holder: holder.to_string(),
             ttl,
             deadline: now + ttl,
             granted_at: now,
         });
-        st.publish(token);
+        // Published to watchers only once durable (see `publish_durable`).
         self.schedule_expiry(key, now + ttl);
         self.metrics.grants.inc();
         self.metrics.fence_advances.inc();
@@ -407,9 +431,11 @@ impl Authority {
     /// The key's fence and current holder. Never the lease id.
     pub fn status(&self, key: &str) -> Result<StatusView, Error> {
         validate_key(key)?;
-        let fence = self.fences.fence(key);
+        // Only what is fsynced: a crash now must not take back what a
+        // reader was shown.
+        let fence = self.fences.durable_fence(key);
         let now = Instant::now();
-        let grant = self.keys.get(key).and_then(|st| st.grant.clone()).filter(|g| g.deadline > now);
+        let grant = self.keys.get(key).and_then(|st| st.grant.clone()).filter(|g| g.durable && g.deadline > now);
         Ok(match grant {
             Some(g) => StatusView {
                 key: key.to_string(),
@@ -435,19 +461,26 @@ impl Authority {
     pub async fn watch(&self, key: &str, after: u64, timeout: Duration) -> Result<StatusView, Error> {
         validate_key(key)?;
         let timeout = timeout.min(Duration::from_millis(self.limits.max_watch_timeout_ms));
-        let mut rx = self.keys.entry(Arc::from(key)).or_insert_with(KeyState::new).subscribe();
+        // The guard unsubscribes and forgets the key's state however the
+        // watch ends, including a client that hung up (the future dropped).
+        let mut w = WatchGuard {
+            auth: self,
+            key,
+            rx: Some(self.keys.entry(Arc::from(key)).or_insert_with(KeyState::new).subscribe()),
+        };
         let deadline = Instant::now() + timeout;
-        loop {
-            if *rx.borrow_and_update() != after {
-                break;
-            }
-            match tokio::time::timeout_at(deadline, rx.changed()).await {
-                Ok(Ok(())) => continue,
-                _ => break,
+        if let Some(rx) = w.rx.as_mut() {
+            loop {
+                if *rx.borrow_and_update() != after {
+                    break;
+                }
+                match tokio::time::timeout_at(deadline, rx.changed()).await {
+                    Ok(Ok(())) => continue,
+                    _ => break,
+                }
             }
         }
-        drop(rx);
-        self.gc(key);
+        drop(w);
         self.status(key)
     }
 
@@ -471,6 +504,7 @@ impl Authority {
     /// Ends the current grant of a locked state and wakes the next waiter.
     fn end_locked(&self, key: &Arc<str>, st: &mut KeyState, why: Ended) {
         let Some(grant) = st.grant.take() else { return };
+        let was_published = grant.durable;
         self.fences.set_live(key, grant.token, false);
         self.metrics.leases_active.dec();
         self.metrics.lease_holds.observe(grant.granted_at.elapsed().as_secs_f64());
@@ -485,7 +519,9 @@ impl Authority {
         let Grant { token, lease_id, holder, ttl, .. } = grant;
         let ended = GrantRecord { token, lease_id, holder, ttl_ms: millis(ttl) };
         self.store.submit_lazy(vec![Op::DropGrant { key: key.clone(), ended }]);
-        st.publish(0);
+        if was_published {
+            st.publish(0);
+        }
         self.wake_next(st);
     }
 
@@ -503,6 +539,42 @@ impl Authority {
     /// Drops the state of a key nobody holds, waits for or watches.
     fn gc(&self, key: &str) {
         self.keys.remove_if(key, |_, st| st.is_idle());
+    }
+}
+
+/// A watch's subscription: dropping it (the watch ended, or its client hung
+/// up and the future was dropped) unsubscribes and forgets the key's state
+/// if nobody else holds, waits for or watches it.
+struct WatchGuard<'a> {
+    auth: &'a Authority,
+    key: &'a str,
+    rx: Option<watch::Receiver<u64>>,
+}
+
+impl Drop for WatchGuard<'_> {
+    fn drop(&mut self) {
+        drop(self.rx.take());
+        self.auth.gc(self.key);
+    }
+}
+
+/// A grant installed for an acquire whose answer was not handed over yet:
+/// if the acquire's future is dropped (its client hung up), the grant is
+/// ended at once instead of being held by nobody for its whole TTL.
+struct OrphanGuard<'a> {
+    auth: &'a Authority,
+    key: Arc<str>,
+    token: u64,
+    armed: bool,
+}
+
+impl Drop for OrphanGuard<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            tracing::info!(key = %self.key, token = self.token, "acquire abandoned by its client; grant released");
+            self.auth.end(&self.key, self.token, Ended::Released);
+            self.auth.gc(&self.key);
+        }
     }
 }
 

@@ -40,8 +40,9 @@ async fn tokens_start_at_one_and_increase() {
     r.auth.release(ReleaseRequest { key: "k".into(), lease_id: a.lease_id }).unwrap();
     let b = r.auth.acquire(acq("k", 1000, 0)).await.unwrap();
     assert_eq!(b.fencing_token, 2);
+    // One sequence for every key: another key's first token is 3, not 1.
     let other = r.auth.acquire(acq("other", 1000, 0)).await.unwrap();
-    assert_eq!(other.fencing_token, 1);
+    assert_eq!(other.fencing_token, 3);
 }
 
 #[tokio::test(start_paused = true)]
@@ -232,7 +233,7 @@ async fn watch_returns_at_timeout_without_change() {
 async fn grant_waits_for_older_inflight_mutation() {
     let r = rig();
     let a = r.auth.acquire(acq("k", 1000, 0)).await.unwrap();
-    let policy = CheckPolicy { strict: true, external: false };
+    let policy = CheckPolicy::embedded(true);
     let Ok(Admission::Admitted(inflight)) = r.auth.fences().check("k", a.fencing_token, policy) else {
         panic!("current token must be admitted")
     };
@@ -330,4 +331,73 @@ async fn a_watcher_after_unwatched_changes_sees_the_current_holder() {
     assert!(!w.is_finished());
     r.auth.release(ReleaseRequest { key: "k".into(), lease_id: g2.lease_id }).unwrap();
     assert!(!w.await.unwrap().unwrap().held);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_grant_is_shown_to_readers_only_once_durable() {
+    let store = Store::memory();
+    let r = rig_with(store.clone());
+    let first = r.auth.acquire(acq("k", 10_000, 0)).await.unwrap();
+    r.auth.release(ReleaseRequest { key: "k".into(), lease_id: first.lease_id }).unwrap();
+    store.hold_acks();
+    let auth = r.auth.clone();
+    let pending = tokio::spawn(async move { auth.acquire(acq("k", 10_000, 0)).await });
+    let auth = r.auth.clone();
+    let watcher = tokio::spawn(async move { auth.watch("k", 0, Duration::from_secs(5)).await });
+    sleep(Duration::from_millis(100)).await;
+    // Installed in memory, not fsynced: a crash now re-issues token 2.
+    let st = r.auth.status("k").unwrap();
+    assert!(!st.held, "{st:?}");
+    assert_eq!(st.fence, 1, "status shows only the durable fence");
+    assert!(!watcher.is_finished(), "a watcher must not see a grant a crash could undo");
+    store.release_acks(Ok(()));
+    let granted = pending.await.unwrap().unwrap();
+    assert_eq!(granted.fencing_token, 2);
+    let seen = watcher.await.unwrap().unwrap();
+    assert_eq!(seen.fencing_token, Some(2));
+    assert_eq!(r.auth.status("k").unwrap().fence, 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_acquire_dropped_before_its_answer_releases_its_grant() {
+    let store = Store::memory();
+    let r = rig_with(store.clone());
+    store.hold_acks();
+    let auth = r.auth.clone();
+    let abandoned = tokio::spawn(async move { auth.acquire(acq("k", 30_000, 0)).await });
+    sleep(Duration::from_millis(50)).await;
+    // The client hangs up while the grant waits for its fsync.
+    abandoned.abort();
+    let _ = abandoned.await;
+    store.release_acks(Ok(()));
+    // Without the guard the key stays held by nobody for 30 s.
+    let next = r.auth.acquire(acq("k", 1000, 0)).await.unwrap();
+    assert_eq!(next.fencing_token, 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_abandoned_watch_leaves_no_state_behind() {
+    let r = rig();
+    for i in 0..100 {
+        let auth = r.auth.clone();
+        let w = tokio::spawn(async move { auth.watch(&format!("w/{i}"), 0, Duration::from_secs(60)).await });
+        sleep(Duration::from_millis(1)).await;
+        w.abort();
+        let _ = w.await;
+    }
+    assert_eq!(r.auth.keys.len(), 0, "hung-up watches must not keep their keys");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failed_grant_fsync_withdraws_the_grant() {
+    let store = Store::memory();
+    let r = rig_with(store.clone());
+    store.hold_acks();
+    let auth = r.auth.clone();
+    let pending = tokio::spawn(async move { auth.acquire(acq("k", 30_000, 0)).await });
+    sleep(Duration::from_millis(50)).await;
+    store.release_acks(Err(Error::Store("injected fsync failure".into())));
+    assert!(matches!(pending.await.unwrap(), Err(Error::Store(_))));
+    assert!(!r.auth.status("k").unwrap().held);
+    assert_eq!(r.auth.status("k").unwrap().fence, 0);
 }

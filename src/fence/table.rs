@@ -9,7 +9,7 @@
 //! activation barrier waits for it), or it sees the new fence and is
 //! refused.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,6 +28,16 @@ pub struct CheckPolicy {
     pub strict: bool,
     /// Tokens come from another authority: a higher token advances the fence.
     pub external: bool,
+    /// External routes: the largest step a token may take above the fence
+    /// (a token of `u64::MAX` would otherwise fence the key out for good).
+    pub max_step: u64,
+}
+
+impl CheckPolicy {
+    /// A route of the embedded authority.
+    pub const fn embedded(strict: bool) -> CheckPolicy {
+        CheckPolicy { strict, external: false, max_step: 0 }
+    }
 }
 
 /// Why a token was refused.
@@ -40,6 +50,9 @@ pub enum Refusal {
     Unissued { token: u64, fence: u64 },
     /// `token == fence` but its grant was released or expired (strict).
     LeaseExpired { token: u64 },
+    /// External route: `token` is more than the route's `max_token_step`
+    /// above the fence.
+    TooFar { token: u64, fence: u64, max_step: u64 },
 }
 
 impl Refusal {
@@ -50,6 +63,7 @@ impl Refusal {
             Refusal::Stale { token, fence, .. } => Error::StaleFencingToken { key, token, fence },
             Refusal::Unissued { token, fence } => Error::UnissuedFencingToken { key, token, fence },
             Refusal::LeaseExpired { token } => Error::LeaseExpired { key, token },
+            Refusal::TooFar { token, fence, max_step } => Error::TokenStepTooLarge { key, token, fence, max_step },
         }
     }
 }
@@ -59,7 +73,8 @@ impl Refusal {
 pub enum Admission {
     /// Registered as in flight; forward it while holding the guard.
     Admitted(InflightGuard),
-    /// External route, `token > fence`: call [`FenceTable::advance`].
+    /// External route, `token > fence` (or `token == fence` whose advance
+    /// is not durable yet): call [`FenceTable::advance`].
     MustAdvance,
 }
 
@@ -103,7 +118,12 @@ struct InflightEntry {
 
 #[derive(Default)]
 struct Slot {
+    /// The highest token granted or accepted: older tokens are refused.
     fence: u64,
+    /// The highest fence known to be fsynced. No request is admitted with
+    /// a token above it (a crash would bring back the older fence, and the
+    /// token could be issued again).
+    durable: u64,
     live: bool,
     moved_at: Option<Instant>,
     inflight: Vec<InflightEntry>,
@@ -121,9 +141,10 @@ impl Slot {
         }
     }
 
-    fn register(&mut self, token: u64, id: u64) -> Arc<InflightCtl> {
+    fn register(&mut self, token: u64, id: u64, total: &AtomicUsize) -> Arc<InflightCtl> {
         let ctl = Arc::new(InflightCtl::default());
         self.inflight.push(InflightEntry { token, id, ctl: ctl.clone() });
+        total.fetch_add(1, Ordering::AcqRel);
         ctl
     }
 
@@ -149,6 +170,15 @@ pub struct FenceTable {
     /// still be applied by an upstream until this instant, and this table
     /// cannot see them; every barrier lasts at least until then.
     quarantine: std::sync::OnceLock<Instant>,
+    /// Registered mutations across all keys, and a wake-up for
+    /// [`FenceTable::wait_idle`] when the count reaches zero.
+    inflight_total: AtomicUsize,
+    idle: Notify,
+    /// The next token of the embedded authority: one sequence for every
+    /// key, so a token names exactly one grant of one key. At start it is
+    /// above every fence on disk (every issued token was fsynced as its
+    /// key's fence before anyone saw it).
+    next_token: AtomicU64,
 }
 
 impl std::fmt::Debug for FenceTable {
@@ -159,7 +189,7 @@ impl std::fmt::Debug for FenceTable {
 
 impl Default for FenceTable {
     fn default() -> Self {
-        FenceTable { slots: DashMap::new(), next_id: AtomicU64::new(1), quarantine: std::sync::OnceLock::new() }
+        FenceTable::with_slots(DashMap::new())
     }
 }
 
@@ -171,11 +201,18 @@ impl FenceTable {
 
     /// An empty table sized for `n` keys (start-up from the store).
     pub fn with_capacity(n: usize) -> Arc<FenceTable> {
-        Arc::new(FenceTable {
-            slots: DashMap::with_capacity(n),
+        Arc::new(FenceTable::with_slots(DashMap::with_capacity(n)))
+    }
+
+    fn with_slots(slots: DashMap<Arc<str>, Slot>) -> FenceTable {
+        FenceTable {
+            slots,
             next_id: AtomicU64::new(1),
             quarantine: std::sync::OnceLock::new(),
-        })
+            inflight_total: AtomicUsize::new(0),
+            idle: Notify::new(),
+            next_token: AtomicU64::new(1),
+        }
     }
 
     /// After an unclean restart: every activation barrier lasts at least
@@ -184,9 +221,31 @@ impl FenceTable {
         let _ = self.quarantine.set(until);
     }
 
-    /// Installs a fence read from the store at start (not live).
+    /// Installs a fence read from the store at start (durable, not live);
+    /// the next token issued is above it.
     pub fn load(&self, key: &str, fence: u64) {
-        self.slots.insert(Arc::from(key), Slot { fence, ..Slot::default() });
+        self.slots.insert(Arc::from(key), Slot { fence, durable: fence, ..Slot::default() });
+        self.next_token.fetch_max(fence.saturating_add(1), Ordering::AcqRel);
+    }
+
+    /// The token the next grant would get on a key whose fence is below it.
+    pub fn next_token(&self) -> u64 {
+        self.next_token.load(Ordering::Acquire)
+    }
+
+    /// Takes the next token of the one sequence, above `fence` (a key whose
+    /// fence an external route raised past the sequence).
+    fn take_token(&self, fence: u64) -> Option<u64> {
+        let floor = fence.checked_add(1)?;
+        let mut current = self.next_token.load(Ordering::Acquire);
+        loop {
+            let token = current.max(floor);
+            let next = token.checked_add(1)?;
+            match self.next_token.compare_exchange_weak(current, next, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return Some(token),
+                Err(seen) => current = seen,
+            }
+        }
     }
 
     /// Number of keys with a fence.
@@ -202,6 +261,22 @@ impl FenceTable {
     /// The current fence of `key` (0: never fenced).
     pub fn fence(&self, key: &str) -> u64 {
         self.slots.get(key).map_or(0, |s| s.fence)
+    }
+
+    /// The highest fence of `key` known to be fsynced: what a crash now
+    /// would leave, and all that readers (status, watch) are shown.
+    pub fn durable_fence(&self, key: &str) -> u64 {
+        self.slots.get(key).map_or(0, |s| s.durable)
+    }
+
+    /// Records that the store has fsynced `key`'s fence at `token` (and,
+    /// since the store writes each key in order, every fence before it).
+    pub fn mark_durable(&self, key: &str, token: u64) {
+        if let Some(mut slot) = self.slots.get_mut(key) {
+            if token <= slot.fence && token > slot.durable {
+                slot.durable = token;
+            }
+        }
     }
 
     /// Marks the grant behind `token` live or ended. Ignored when the fence
@@ -220,7 +295,7 @@ impl FenceTable {
         let Some(mut slot) = self.slots.get_mut(key) else {
             // Never fenced: fence 0. Nothing was ever issued for this key.
             if policy.external && token > 0 {
-                return Ok(Admission::MustAdvance);
+                return check_step(token, 0, policy).map(|()| Admission::MustAdvance);
             }
             return Err(Refusal::Unissued { token, fence: 0 });
         };
@@ -231,18 +306,27 @@ impl FenceTable {
         }
         if token > fence {
             if policy.external {
-                return Ok(Admission::MustAdvance);
+                return check_step(token, fence, policy).map(|()| Admission::MustAdvance);
             }
             return Err(Refusal::Unissued { token, fence });
         }
         if fence == 0 {
             return Err(Refusal::Unissued { token, fence });
         }
+        if token > slot.durable {
+            // The fence moved to this token but its fsync is pending: a
+            // crash now would bring back the older fence. External routes
+            // wait for it; on embedded ones nobody was told this token yet.
+            if policy.external {
+                return Ok(Admission::MustAdvance);
+            }
+            return Err(Refusal::Unissued { token, fence: slot.durable });
+        }
         if policy.strict && !policy.external && !slot.live {
             return Err(Refusal::LeaseExpired { token });
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let ctl = slot.register(token, id);
+        let ctl = slot.register(token, id, &self.inflight_total);
         let key = slot.key().clone();
         drop(slot);
         Ok(Admission::Admitted(InflightGuard { table: self.clone(), key, token, id, ctl }))
@@ -251,13 +335,19 @@ impl FenceTable {
     /// External authority: raises the fence of `key` to `token`, submits it
     /// to the store (while the slot is locked, so per-key durable order is
     /// in-memory order), and registers the request as in flight. The caller
-    /// must wait for the returned receiver (durability) and then
+    /// must wait for the returned receiver (durability), report it with
+    /// [`FenceTable::mark_durable`], and then wait for
     /// [`FenceTable::barrier`] before forwarding.
+    ///
+    /// A token equal to a fence whose fsync is still pending submits the
+    /// same fence again: the store writes a key's fences in order, so this
+    /// request's own receiver resolves only once that fence is durable.
     #[allow(clippy::type_complexity)]
     pub fn advance(
         self: &Arc<Self>,
         key: &str,
         token: u64,
+        policy: CheckPolicy,
         store: &Store,
     ) -> Result<(InflightGuard, Option<oneshot::Receiver<Result<(), Error>>>), Refusal> {
         let mut slot = self.slots.entry(Arc::from(key)).or_default();
@@ -266,21 +356,26 @@ impl FenceTable {
             return Err(Refusal::Stale { token, fence: slot.fence, superseded_for });
         }
         let durable = if token > slot.fence {
+            check_step(token, slot.fence, policy)?;
             slot.raise(token, true);
+            Some(store.submit(vec![Op::Fence { key: slot.key().clone(), token }]))
+        } else if token > slot.durable {
             Some(store.submit(vec![Op::Fence { key: slot.key().clone(), token }]))
         } else {
             None
         };
         let key_arc = slot.key().clone();
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let ctl = slot.register(token, id);
+        let ctl = slot.register(token, id, &self.inflight_total);
         drop(slot);
         Ok((InflightGuard { table: self.clone(), key: key_arc, token, id, ctl }, durable))
     }
 
-    /// Embedded authority: issues the next token of `key` (`fence + 1`),
-    /// installs it as the fence (live), aborts older uploads still
-    /// streaming, and submits `ops(token)` to the store under the slot lock.
+    /// Embedded authority: issues the next token of the one sequence (above
+    /// `key`'s fence), installs it as the fence (live), aborts older uploads
+    /// still streaming, and submits `ops(token)` to the store under the
+    /// slot lock. Tokens are unique across keys, so `token == fence` proves
+    /// a token was issued for this key.
     pub fn issue(
         &self,
         key: &str,
@@ -288,8 +383,7 @@ impl FenceTable {
         ops: impl FnOnce(&Arc<str>, u64) -> Vec<Op>,
     ) -> Result<(u64, oneshot::Receiver<Result<(), Error>>), Error> {
         let mut slot = self.slots.entry(Arc::from(key)).or_default();
-        let token =
-            slot.fence.checked_add(1).ok_or_else(|| Error::Internal(format!("token space of {key} exhausted")))?;
+        let token = self.take_token(slot.fence).ok_or_else(|| Error::Internal("token space exhausted".into()))?;
         slot.raise(token, true);
         let durable = store.submit(ops(slot.key(), token));
         Ok((token, durable))
@@ -299,12 +393,13 @@ impl FenceTable {
     /// than `token` is in flight for `key`, or `timeout` passes.
     pub async fn barrier(&self, key: &str, token: u64, timeout: Duration) -> BarrierOutcome {
         let started = Instant::now();
-        let deadline = started + timeout;
         if let Some(until) = self.quarantine.get().copied().filter(|u| *u > started) {
-            if tokio::time::timeout_at(deadline, tokio::time::sleep_until(until)).await.is_err() {
-                return BarrierOutcome { waited: started.elapsed(), overrun: true };
-            }
+            // Never cut short by `timeout`: what the dead process forwarded
+            // is invisible here, and the quarantine is the only wait for it
+            // (it is finite: the longest upstream timeout from the start).
+            tokio::time::sleep_until(until).await;
         }
+        let deadline = Instant::now() + timeout;
         loop {
             let notify = {
                 let Some(mut slot) = self.slots.get_mut(key) else {
@@ -334,9 +429,36 @@ impl FenceTable {
         self.slots.get(key).map_or(0, |s| s.inflight.len())
     }
 
+    /// Number of mutations in flight on every key.
+    pub fn inflight_total(&self) -> usize {
+        self.inflight_total.load(Ordering::Acquire)
+    }
+
+    /// Waits until no mutation is in flight on any key, or `timeout`
+    /// passes; true when none is. A clean stop must not be recorded while
+    /// an upstream may still apply a forwarded mutation.
+    pub async fn wait_idle(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let notified = self.idle.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.inflight_total() == 0 {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return self.inflight_total() == 0;
+            }
+        }
+    }
+
     fn finish(&self, key: &str, id: u64) {
         if let Some(mut slot) = self.slots.get_mut(key) {
+            let before = slot.inflight.len();
             slot.inflight.retain(|e| e.id != id);
+            if slot.inflight.len() < before && self.inflight_total.fetch_sub(1, Ordering::AcqRel) == 1 {
+                self.idle.notify_waiters();
+            }
             if let Some(n) = &slot.barrier {
                 n.notify_waiters();
             }
@@ -348,6 +470,14 @@ impl FenceTable {
             }
         }
     }
+}
+
+/// External routes: a token more than `max_step` above the fence is refused.
+fn check_step(token: u64, fence: u64, policy: CheckPolicy) -> Result<(), Refusal> {
+    if token - fence > policy.max_step {
+        return Err(Refusal::TooFar { token, fence, max_step: policy.max_step });
+    }
+    Ok(())
 }
 
 /// A mutation registered as in flight. Dropping it (when the upstream has
@@ -387,8 +517,9 @@ impl Drop for InflightGuard {
 mod tests {
     use super::*;
 
-    const STRICT: CheckPolicy = CheckPolicy { strict: true, external: false };
-    const LAX: CheckPolicy = CheckPolicy { strict: false, external: false };
+    const STRICT: CheckPolicy = CheckPolicy::embedded(true);
+    const LAX: CheckPolicy = CheckPolicy::embedded(false);
+    const EXT: CheckPolicy = CheckPolicy { strict: true, external: true, max_step: 1000 };
 
     fn table_with(key: &str, fence: u64, live: bool) -> Arc<FenceTable> {
         let t = FenceTable::new();
@@ -433,7 +564,7 @@ mod tests {
     #[test]
     fn external_higher_token_must_advance() {
         let t = table_with("k", 5, false);
-        let ext = CheckPolicy { strict: true, external: true };
+        let ext = EXT;
         assert!(matches!(t.check("k", 9, ext), Ok(Admission::MustAdvance)));
         assert!(matches!(t.check("new", 1, ext), Ok(Admission::MustAdvance)));
         assert!(matches!(t.check("k", 5, ext), Ok(Admission::Admitted(_))));
@@ -472,5 +603,140 @@ mod tests {
         t.slots.get_mut("k").unwrap().raise(6, true);
         assert!(streaming.ctl().is_aborted());
         assert!(!sent.ctl().is_aborted());
+    }
+
+    #[tokio::test]
+    async fn external_token_is_not_admitted_before_its_fence_is_durable() {
+        let store = Store::memory();
+        let t = table_with("k", 5, false);
+        store.hold_acks();
+        // The first request raises the fence to 9; its fsync is pending.
+        let (_first, rx) = t.advance("k", 9, EXT, &store).unwrap();
+        assert!(rx.is_some());
+        assert_eq!(t.fence("k"), 9);
+        assert_eq!(t.durable_fence("k"), 5);
+        // A second request with the same token must wait for durability
+        // too, not pass on the barrier alone.
+        assert!(matches!(t.check("k", 9, EXT), Ok(Admission::MustAdvance)));
+        let (_second, rx2) = t.advance("k", 9, EXT, &store).unwrap();
+        let mut rx2 = rx2.expect("the second request waits for its own fsync");
+        assert!(rx2.try_recv().is_err());
+        // Older tokens stay refused meanwhile.
+        assert!(matches!(t.check("k", 8, EXT), Err(Refusal::Stale { fence: 9, .. })));
+        store.release_acks(Ok(()));
+        assert!(matches!(rx2.await, Ok(Ok(()))));
+        t.mark_durable("k", 9);
+        assert_eq!(t.durable_fence("k"), 9);
+        assert!(matches!(t.check("k", 9, EXT), Ok(Admission::Admitted(_))));
+    }
+
+    #[test]
+    fn embedded_token_above_the_durable_fence_is_unissued() {
+        let store = Store::memory();
+        store.hold_acks();
+        let t = table_with("k", 5, true);
+        let (token, _rx) = t.issue("k", &store, |k, token| vec![Op::Fence { key: k.clone(), token }]).unwrap();
+        assert_eq!(token, 6, "above every loaded fence");
+        // Not fsynced yet: nobody was told 6, and a crash would re-issue it.
+        assert!(matches!(t.check("k", 6, LAX), Err(Refusal::Unissued { token: 6, fence: 5 })));
+        t.mark_durable("k", 6);
+        assert!(matches!(t.check("k", 6, LAX), Ok(Admission::Admitted(_))));
+    }
+
+    #[test]
+    fn external_tokens_beyond_the_step_are_refused() {
+        let store = Store::memory();
+        let t = table_with("k", 5, false);
+        assert!(matches!(t.check("k", u64::MAX, EXT), Err(Refusal::TooFar { fence: 5, max_step: 1000, .. })));
+        assert!(matches!(t.check("fresh", 1001, EXT), Err(Refusal::TooFar { fence: 0, .. })));
+        assert!(matches!(t.check("fresh", 1000, EXT), Ok(Admission::MustAdvance)));
+        assert!(matches!(t.advance("k", 1006, EXT, &store), Err(Refusal::TooFar { .. })));
+        assert_eq!(t.fence("k"), 5);
+        assert!(t.advance("k", 1005, EXT, &store).is_ok());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn wait_idle_waits_for_every_key_and_gives_up_at_its_bound() {
+        let t = table_with("a", 5, true);
+        t.load("b", 7);
+        t.set_live("b", 7, true);
+        let Ok(Admission::Admitted(ga)) = t.check("a", 5, STRICT) else { panic!() };
+        let Ok(Admission::Admitted(gb)) = t.check("b", 7, STRICT) else { panic!() };
+        assert_eq!(t.inflight_total(), 2);
+        assert!(!t.wait_idle(Duration::from_secs(1)).await, "cut short while two are in flight");
+        let t2 = t.clone();
+        let waiter = tokio::spawn(async move { t2.wait_idle(Duration::from_secs(10)).await });
+        drop(ga);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(!waiter.is_finished());
+        drop(gb);
+        assert!(waiter.await.unwrap());
+        assert_eq!(t.inflight_total(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_quarantine_is_not_cut_short_by_the_barrier_timeout() {
+        let t = table_with("k", 5, true);
+        t.set_quarantine(Instant::now() + Duration::from_secs(5));
+        let started = Instant::now();
+        let outcome = t.barrier("k", 6, Duration::from_secs(1)).await;
+        assert!(started.elapsed() >= Duration::from_secs(5), "{:?}", started.elapsed());
+        assert!(!outcome.overrun);
+    }
+
+    #[test]
+    fn tokens_are_one_sequence_across_keys_and_above_every_fence() {
+        let store = Store::memory();
+        let t = FenceTable::new();
+        t.load("a", 3);
+        t.load("b", 7);
+        let issue = |key: &str| t.issue(key, &store, |k, token| vec![Op::Fence { key: k.clone(), token }]).unwrap().0;
+        assert_eq!(issue("a"), 8, "above every fence on disk, not a's own");
+        assert_eq!(issue("c"), 9);
+        assert_eq!(issue("a"), 10);
+        // A key whose fence an external route raised past the sequence.
+        t.load("x", 100);
+        assert_eq!(issue("x"), 101);
+        assert_eq!(issue("b"), 102);
+    }
+
+    #[test]
+    fn a_live_token_of_one_key_is_never_admitted_on_another() {
+        let store = Store::memory();
+        let t = FenceTable::new();
+        let mut tokens = Vec::new();
+        for key in ["bkt", "bkt/obj1", "bkt/obj2"] {
+            let (token, _rx) = t.issue(key, &store, |k, token| vec![Op::Fence { key: k.clone(), token }]).unwrap();
+            t.mark_durable(key, token);
+            tokens.push((key, token));
+        }
+        for (key, _) in &tokens {
+            for (other, token) in &tokens {
+                let admitted = matches!(t.check(key, *token, STRICT), Ok(Admission::Admitted(_)));
+                assert_eq!(admitted, key == other, "token of {other} on {key}");
+            }
+        }
+    }
+
+    #[test]
+    fn concurrent_issues_never_share_a_token() {
+        let store = Store::memory();
+        let t = FenceTable::new();
+        t.load("x", 50);
+        let seen = std::sync::Mutex::new(std::collections::HashSet::new());
+        std::thread::scope(|s| {
+            for i in 0..4 {
+                let (t, store, seen) = (&t, &store, &seen);
+                s.spawn(move || {
+                    for n in 0..500 {
+                        let key = if n % 7 == 0 { "x".to_string() } else { format!("k{i}/{n}") };
+                        let (token, _rx) =
+                            t.issue(&key, store, |k, token| vec![Op::Fence { key: k.clone(), token }]).unwrap();
+                        assert!(seen.lock().unwrap().insert(token), "token {token} issued twice");
+                    }
+                });
+            }
+        });
+        assert_eq!(seen.lock().unwrap().len(), 2000);
     }
 }

@@ -261,6 +261,14 @@ async fn serve_one(
 
     // 2. Route; anything the fast path does not take goes to the general path.
     let head = &c.head;
+    if c.buf[head.target.clone()].contains(&b'#') {
+        // A fragment has no place in an origin-form request-target (RFC
+        // 9112 3.2.1). Upstreams that drop it would write another key than
+        // the one fenced here; the general path's parser drops it before
+        // the key is made, so only this path can see it: refuse here.
+        let error = Error::BadRequest("path refused: a request-target may not carry a fragment (\"#\")".into());
+        return write_response(stream, error.into_response(), false, true, &mut c.out).await;
+    }
     let Ok(target) = std::str::from_utf8(&c.buf[head.target.clone()]) else { return Next::General };
     if http::uri::PathAndQuery::try_from(target).is_err() {
         return Next::General;

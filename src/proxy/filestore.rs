@@ -22,6 +22,7 @@ use http::request::Parts;
 use http::{header, HeaderMap, HeaderValue, Method, Response, StatusCode};
 use http_body_util::{BodyExt, StreamBody};
 use tokio::io::AsyncWriteExt;
+use tokio::time::Instant;
 
 use super::fenced_body::FencedBody;
 use super::upstream::UpstreamRequest;
@@ -45,6 +46,12 @@ impl std::fmt::Debug for FileStore {
     }
 }
 
+/// `fut` unless `deadline` passes first (then the route's timeout error;
+/// its `timeout_ms` is filled in by the proxy).
+async fn within<T>(deadline: Instant, fut: impl std::future::Future<Output = T>) -> Result<T, Error> {
+    tokio::time::timeout_at(deadline, fut).await.map_err(|_| Error::UpstreamTimeout { timeout_ms: 0 })
+}
+
 fn io<'a>(what: &'a str, path: &'a Path) -> impl FnOnce(std::io::Error) -> Error + 'a {
     move |e| Error::Internal(format!("{what} {}: {e}", path.display()))
 }
@@ -64,13 +71,14 @@ impl FileStore {
         req: UpstreamRequest,
         name: &str,
         token: Option<u64>,
+        deadline: Instant,
     ) -> Result<Response<BoxBody>, Error> {
         let path = self.resolve(name)?;
         let (parts, body) = req.into_parts();
         match parts.method {
-            Method::GET | Method::HEAD => self.get(&parts, &path).await,
-            Method::PUT => self.put(&parts, body, name, &path, token).await,
-            Method::DELETE => self.delete(&parts, name, &path).await,
+            Method::GET | Method::HEAD => within(deadline, self.get(&parts, &path)).await?,
+            Method::PUT => self.put(&parts, body, name, &path, token, deadline).await,
+            Method::DELETE => self.delete(&parts, name, &path, deadline).await,
             ref m => Err(Error::MethodNotAllowed(m.to_string())),
         }
     }
@@ -150,14 +158,23 @@ impl FileStore {
         name: &str,
         path: &Path,
         token: Option<u64>,
+        deadline: Instant,
     ) -> Result<Response<BoxBody>, Error> {
         let tmp = self.root.join(RESERVED).join("tmp").join(crate::authority::types::new_lease_id()?);
-        let written = write_body(&tmp, body, token).await;
+        // The deadline covers the body and the wait for the object; from
+        // the lock on, the commit runs to its end (see `Upstream::send`).
+        let written = within(deadline, write_body(&tmp, body, token)).await.and_then(|w| w);
         if let Err(e) = written {
             let _ = tokio::fs::remove_file(&tmp).await;
             return Err(e);
         }
-        let _held = self.stripe(name).lock().await;
+        let _held = match within(deadline, self.stripe(name).lock()).await {
+            Ok(held) => held,
+            Err(e) => {
+                let _ = tokio::fs::remove_file(&tmp).await;
+                return Err(e);
+            }
+        };
         let existing = tokio::fs::metadata(path).await.ok().filter(std::fs::Metadata::is_file);
         let current = existing.as_ref().map(etag_of);
         let check = check_if_match(&parts.headers, current.as_deref()).and_then(|()| {
@@ -185,8 +202,14 @@ impl FileStore {
         Ok(resp)
     }
 
-    async fn delete(&self, req: &Parts, name: &str, path: &Path) -> Result<Response<BoxBody>, Error> {
-        let _held = self.stripe(name).lock().await;
+    async fn delete(
+        &self,
+        req: &Parts,
+        name: &str,
+        path: &Path,
+        deadline: Instant,
+    ) -> Result<Response<BoxBody>, Error> {
+        let _held = within(deadline, self.stripe(name).lock()).await?;
         let Some(meta) = tokio::fs::metadata(path).await.ok().filter(std::fs::Metadata::is_file) else {
             return Err(not_found());
         };

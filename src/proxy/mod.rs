@@ -155,7 +155,7 @@ fn content_length(h: &http::HeaderMap) -> Option<u64> {
 fn outcome_of(r: &Refusal) -> &'static str {
     match r {
         Refusal::Stale { .. } => "stale",
-        Refusal::Unissued { .. } => "unissued",
+        Refusal::Unissued { .. } | Refusal::TooFar { .. } => "unissued",
         Refusal::LeaseExpired { .. } => "lease_expired",
     }
 }
@@ -196,7 +196,11 @@ impl Proxy {
                 resource,
                 upstream,
                 mutating,
-                policy: CheckPolicy { strict: rc.strict, external: rc.fence_authority == FenceAuthority::External },
+                policy: CheckPolicy {
+                    strict: rc.strict,
+                    external: rc.fence_authority == FenceAuthority::External,
+                    max_step: rc.max_token_step,
+                },
                 enforce: rc.enforce,
                 upstream_timeout: Duration::from_millis(rc.upstream_timeout_ms),
                 max_body_bytes: rc.max_body_bytes,
@@ -351,7 +355,7 @@ impl Proxy {
                 Some(guard)
             }
             Admit::Forward(guard) => guard,
-            Admit::Advance(token) => match self.fences.advance(key, token, &self.store) {
+            Admit::Advance(token) => match self.fences.advance(key, token, route.policy, &self.store) {
                 // Boxed: the rarer path, kept out of the common future.
                 Ok((guard, durable)) => Box::pin(self.activate(route, key, token, guard, durable)).await?,
                 Err(refusal) => self.refusal(route, key, token, refusal, client)?,
@@ -381,7 +385,14 @@ impl Proxy {
         durable: Option<tokio::sync::oneshot::Receiver<Result<(), Error>>>,
     ) -> Result<Option<InflightGuard>, Refused> {
         if let Some(rx) = durable {
-            wait_durable(rx).await?;
+            if let Err(e) = wait_durable(rx).await {
+                // The fence stays raised in memory (older tokens are still
+                // refused) but no request with this token is forwarded
+                // until a later attempt makes it durable.
+                tracing::error!(key = %key, token, error = %e, "fence advance not durable; request refused");
+                return Err(e.into());
+            }
+            self.fences.mark_durable(key, token);
             self.metrics.fence_advances.inc();
         }
         let outcome = self.fences.barrier(key, token, route.upstream_timeout).await;
@@ -466,7 +477,7 @@ impl Proxy {
         headers::prepare_request(&mut up, client, route.host_header, route.upstream.host(), route.forward_token);
         let started = Instant::now();
         let sent = match guard {
-            None => tokio::time::timeout(route.upstream_timeout, route.upstream.send(up, object, token)).await,
+            None => route.upstream.send(up, object, token, route.upstream_timeout).await,
             // A registered mutation's exchange runs as its own task, which
             // ends the registration (4.) only when the upstream has answered
             // or failed — also when the client hangs up meanwhile and this
@@ -475,13 +486,13 @@ impl Proxy {
             Some(guard) => {
                 let (upstream, object, timeout) = (route.upstream.clone(), object.to_string(), route.upstream_timeout);
                 let exchange = tokio::spawn(async move {
-                    let sent = tokio::time::timeout(timeout, upstream.send(up, &object, token)).await;
+                    let sent = upstream.send(up, &object, token, timeout).await;
                     drop(guard);
                     sent
                 });
                 match exchange.await {
                     Ok(sent) => sent,
-                    Err(e) => Ok(Err(SendError::Other(format!("the exchange task failed: {e}")))),
+                    Err(e) => Err(SendError::Other(format!("the exchange task failed: {e}"))),
                 }
             }
         };
@@ -501,21 +512,21 @@ impl Proxy {
             Refused { error: fallback, outcome: outcome_word("upstream_error") }
         };
         match sent {
-            Err(_) => Err(Refused {
+            Err(SendError::Timeout) => Err(Refused {
                 error: Error::UpstreamTimeout {
                     timeout_ms: u64::try_from(route.upstream_timeout.as_millis()).unwrap_or(u64::MAX),
                 },
                 outcome: outcome_word("upstream_error"),
             }),
-            Ok(Err(SendError::Connect(e))) => {
+            Err(SendError::Connect(e)) => {
                 tracing::warn!(route = %route.name, error = %e, "upstream connect failed");
                 Err(cut_short(Error::UpstreamUnavailable("could not connect to the upstream".into())))
             }
-            Ok(Err(SendError::Other(e))) => {
+            Err(SendError::Other(e)) => {
                 tracing::warn!(route = %route.name, error = %e, "upstream exchange failed");
                 Err(cut_short(Error::UpstreamUnavailable("the upstream exchange failed".into())))
             }
-            Ok(Err(SendError::Refused(e))) => {
+            Err(SendError::Refused(e)) => {
                 let mut refused = cut_short(e);
                 if refused.outcome == Some("upstream_error") && refused.error.status().is_client_error() {
                     // The store answered the client's request (404, 412):
@@ -524,7 +535,7 @@ impl Proxy {
                 }
                 Err(refused)
             }
-            Ok(Ok(mut resp)) => {
+            Ok(mut resp) => {
                 headers::prepare_response(&mut resp);
                 if mutation {
                     route.forwarded.inc();

@@ -51,6 +51,9 @@ pub fn check_path(raw: &str) -> Result<CheckedPath, String> {
             if b == b'\\' {
                 return Err("\"\\\" is not allowed in paths".into());
             }
+            if b == b'#' {
+                return Err("a request-target may not carry a fragment (\"#\")".into());
+            }
             out.push(b);
             i += 1;
         }
@@ -114,6 +117,8 @@ mod tests {
             "/a%0a",
             "/%zz",
             "/%4",
+            "/orders/1#x",
+            "/orders/1#",
             "x",
             "*",
         ] {

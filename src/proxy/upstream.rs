@@ -114,14 +114,39 @@ impl Upstream {
     }
 
     /// Sends the request and returns the upstream's response head with
-    /// its body still streaming. `key_path`: the checked, decoded path
-    /// (the file store's object name).
+    /// its body still streaming, or [`SendError::Timeout`] once `timeout`
+    /// passed. `key_path`: the checked, decoded path (the file store's
+    /// object name).
+    ///
+    /// The file store's timeout covers receiving the body and waiting for
+    /// the object, never its commit: once the rename has begun it runs to
+    /// its end before this returns, so a caller that holds an in-flight
+    /// registration until then never lets it go while a write may still
+    /// be applied.
     pub async fn send(
         &self,
-        mut req: UpstreamRequest,
+        req: UpstreamRequest,
         key_path: &str,
         token: Option<u64>,
+        timeout: std::time::Duration,
     ) -> Result<Response<crate::body::BoxBody>, SendError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        match self {
+            Upstream::Http { .. } => {
+                tokio::time::timeout_at(deadline, self.send_http(req)).await.map_err(|_| SendError::Timeout)?
+            }
+            // Boxed, so the HTTP path's future does not carry the file
+            // store's (larger) state.
+            Upstream::File(store) => {
+                Box::pin(store.handle(req, key_path, token, deadline)).await.map_err(|e| match e {
+                    Error::UpstreamTimeout { .. } => SendError::Timeout,
+                    e => SendError::Refused(e),
+                })
+            }
+        }
+    }
+
+    async fn send_http(&self, mut req: UpstreamRequest) -> Result<Response<crate::body::BoxBody>, SendError> {
         match self {
             Upstream::Http { pool, prefix, .. } => {
                 // Origin-form: the upstream sees `/prefix/path?query`.
@@ -141,9 +166,7 @@ impl Upstream {
                 use http_body_util::BodyExt;
                 Ok(resp.map(|b| b.map_err(Into::into).boxed_unsync()))
             }
-            // Boxed, so the HTTP path's future does not carry the file
-            // store's (larger) state.
-            Upstream::File(store) => Box::pin(store.handle(req, key_path, token)).await.map_err(SendError::Refused),
+            Upstream::File(_) => Err(SendError::Other("not an HTTP upstream".into())),
         }
     }
 }
@@ -157,6 +180,8 @@ pub enum SendError {
     Other(String),
     /// The built-in store refused with a client-facing error.
     Refused(Error),
+    /// No answer within the route's timeout.
+    Timeout,
 }
 
 fn error_chain(e: &dyn std::error::Error) -> String {

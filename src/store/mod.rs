@@ -2,8 +2,10 @@
 //! group-commit writer through which every fsynced write goes.
 //!
 //! - `fences`   key → highest token granted or accepted (u64, big-endian).
-//!   The fence doubles as the per-key token counter: the next embedded
-//!   grant is `fence + 1`, so a token is never reused.
+//!   The fences together are the token counter: tokens are one sequence
+//!   for every key, and a start continues it above the highest fence here
+//!   (every issued token was fsynced as its key's fence before anyone saw
+//!   it), so a token is never reused, for its key or another.
 //! - `grants`   key → the key's last grant, live or released (see
 //!   [`encode_grant`]). A release overwrites the record with a released
 //!   one of the same length instead of deleting it, so that RocksDB
@@ -80,6 +82,10 @@ enum Inner {
 struct MemoryStore {
     fences: std::collections::BTreeMap<String, u64>,
     grants: std::collections::BTreeMap<String, GrantRecord>,
+    /// Tests of what may be seen before an fsync: acknowledgements are
+    /// held back while set (see [`Store::hold_acks`]).
+    hold: bool,
+    held: Vec<oneshot::Sender<Result<(), Error>>>,
 }
 
 impl MemoryStore {
@@ -149,11 +155,38 @@ impl Store {
             Inner::Memory(m) => {
                 if let Ok(mut m) = m.lock() {
                     m.apply(ops);
-                    let _ = done.send(Ok(()));
+                    if m.hold {
+                        m.held.push(done);
+                    } else {
+                        let _ = done.send(Ok(()));
+                    }
                 }
             }
         }
         rx
+    }
+
+    /// Memory store only (tests): from now on, hold every acknowledgement
+    /// back, as a slow fsync would, until [`Store::release_acks`].
+    pub fn hold_acks(&self) {
+        if let Inner::Memory(m) = &self.inner {
+            if let Ok(mut m) = m.lock() {
+                m.hold = true;
+            }
+        }
+    }
+
+    /// Memory store only (tests): answers every held acknowledgement with
+    /// success (`Ok`) or the given failure, and stops holding.
+    pub fn release_acks(&self, outcome: Result<(), Error>) {
+        if let Inner::Memory(m) = &self.inner {
+            if let Ok(mut m) = m.lock() {
+                m.hold = false;
+                for done in m.held.drain(..) {
+                    let _ = done.send(outcome.clone());
+                }
+            }
+        }
     }
 
     /// Queues `ops` without waiting for them: they ride along with the next

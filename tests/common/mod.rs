@@ -288,6 +288,10 @@ pub struct Recorder {
     pub addr: SocketAddr,
     pub seen: Arc<Mutex<Vec<Seen>>>,
     pub delay_ms: Arc<Mutex<HashMap<String, u64>>>,
+    /// Paths whose delayed writes are applied (recorded) even when the
+    /// gateway's connection closed meanwhile, as a backend that commits
+    /// what it received whole does.
+    pub detached: Arc<Mutex<std::collections::HashSet<String>>>,
 }
 
 impl Recorder {
@@ -296,7 +300,8 @@ impl Recorder {
         let addr = listener.local_addr().unwrap();
         let seen: Arc<Mutex<Vec<Seen>>> = Arc::default();
         let delay_ms: Arc<Mutex<HashMap<String, u64>>> = Arc::default();
-        let rec = Recorder { addr, seen: seen.clone(), delay_ms: delay_ms.clone() };
+        let detached: Arc<Mutex<std::collections::HashSet<String>>> = Arc::default();
+        let rec = Recorder { addr, seen: seen.clone(), delay_ms: delay_ms.clone(), detached: detached.clone() };
         tokio::spawn(async move {
             loop {
                 let Ok((stream, _)) = listener.accept().await else {
@@ -304,10 +309,12 @@ impl Recorder {
                 };
                 let seen = seen.clone();
                 let delay_ms = delay_ms.clone();
+                let detached = detached.clone();
                 tokio::spawn(async move {
                     let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
                         let seen = seen.clone();
                         let delay_ms = delay_ms.clone();
+                        let detached = detached.clone();
                         async move {
                             let (parts, body) = req.into_parts();
                             let path = parts.uri.path().to_string();
@@ -316,16 +323,20 @@ impl Recorder {
                                 Err(_) => (Bytes::new(), false),
                             };
                             let delay = delay_ms.lock().unwrap().get(&path).copied();
-                            if let Some(ms) = delay {
-                                tokio::time::sleep(Duration::from_millis(ms)).await;
+                            let detach = detached.lock().unwrap().contains(&path);
+                            let record = Seen { method: parts.method, path, headers: parts.headers, body, complete };
+                            let apply = async move {
+                                if let Some(ms) = delay {
+                                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                                }
+                                seen.lock().unwrap().push(record);
+                            };
+                            if detach {
+                                // Applied even if this exchange is dropped.
+                                let _ = tokio::spawn(apply).await;
+                            } else {
+                                apply.await;
                             }
-                            seen.lock().unwrap().push(Seen {
-                                method: parts.method,
-                                path,
-                                headers: parts.headers,
-                                body,
-                                complete,
-                            });
                             Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::from_static(b"stored"))))
                         }
                     });
@@ -351,5 +362,10 @@ impl Recorder {
 
     pub fn set_delay(&self, path: &str, ms: u64) {
         self.delay_ms.lock().unwrap().insert(path.to_string(), ms);
+    }
+
+    /// Writes to `path` are applied even when the gateway hangs up first.
+    pub fn apply_even_if_abandoned(&self, path: &str) {
+        self.detached.lock().unwrap().insert(path.to_string());
     }
 }
