@@ -94,7 +94,7 @@ impl Gateway {
 
         let started = std::time::Instant::now();
         let fences = FenceTable::with_capacity(store.estimated_fences());
-        store.for_each_fence(|key, token| fences.load(key, token))?;
+        store.for_each_fence(|key, record| fences.load_record(key, record))?;
         let authority = Authority::restore(fences.clone(), store.clone(), metrics.clone(), cfg.locks.clone())?;
         let fences_for_quarantine = fences.clone();
         tracing::info!(

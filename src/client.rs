@@ -29,6 +29,9 @@ pub use crate::tls::TlsFiles;
 /// The header every fenced mutation carries.
 pub const FENCING_TOKEN_HEADER: &str = "x-fencing-token";
 
+/// The optional header that orders one holder's own writes.
+pub const FENCING_SEQUENCE_HEADER: &str = "x-fencing-sequence";
+
 /// Why a call failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ClientError {
@@ -75,6 +78,11 @@ pub fn with_token<B>(req: &mut Request<B>, token: u64) {
 /// `builder.header(name, value)`.
 pub fn token_header(token: u64) -> (http::HeaderName, HeaderValue) {
     (http::HeaderName::from_static(FENCING_TOKEN_HEADER), HeaderValue::from(token))
+}
+
+/// The `X-Fencing-Sequence` header as a name/value pair.
+pub fn sequence_header(sequence: u64) -> (http::HeaderName, HeaderValue) {
+    (http::HeaderName::from_static(FENCING_SEQUENCE_HEADER), HeaderValue::from(sequence))
 }
 
 impl Client {
@@ -284,6 +292,8 @@ pub struct Lease {
     lost: watch::Receiver<bool>,
     renewer: tokio::task::JoinHandle<()>,
     released: bool,
+    /// The last `X-Fencing-Sequence` handed out (see [`Lease::sequenced`]).
+    sequence: std::sync::atomic::AtomicU64,
 }
 
 impl Lease {
@@ -306,6 +316,7 @@ impl Lease {
             lost: rx,
             renewer,
             released: false,
+            sequence: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -318,6 +329,21 @@ impl Lease {
     /// [`token_header`].
     pub fn header(&self) -> (http::HeaderName, HeaderValue) {
         token_header(self.token)
+    }
+
+    /// The next `X-Fencing-Sequence` of this lease: 1, 2, 3, … Number a
+    /// write once and send every retry of it with the same number; the
+    /// gateway then refuses the write if a later-numbered one was already
+    /// forwarded (409 `stale_sequence`), so a delayed or retried write of
+    /// this holder never lands after a newer one.
+    pub fn next_sequence(&self) -> u64 {
+        self.sequence.fetch_add(1, std::sync::atomic::Ordering::AcqRel) + 1
+    }
+
+    /// Both headers of a sequenced write: this lease's token and its next
+    /// sequence (see [`Lease::next_sequence`]).
+    pub fn sequenced(&self) -> [(http::HeaderName, HeaderValue); 2] {
+        [token_header(self.token), sequence_header(self.next_sequence())]
     }
 
     /// The key held.

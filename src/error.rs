@@ -53,6 +53,12 @@ pub enum Error {
     /// A token above the fence that this gateway never issued for this key.
     #[error("fencing token {token} was never issued for {key} (fence is at {fence})")]
     UnissuedFencingToken { key: String, token: u64, fence: u64 },
+    /// `X-Fencing-Sequence` not above the highest one forwarded under the
+    /// same token: a holder's own delayed or retried write.
+    #[error(
+        "X-Fencing-Sequence {sequence} for {key} under token {token} is not above the last forwarded one ({last_sequence})"
+    )]
+    StaleSequence { key: String, token: u64, sequence: u64, last_sequence: u64 },
     /// External route: a token too far above the fence to be believed.
     #[error(
         "fencing token {token} for {key} is more than max_token_step ({max_step}) above the fence {fence}: refused"
@@ -104,6 +110,7 @@ impl Error {
             Error::Locked { .. }
             | Error::NotOwner { .. }
             | Error::StaleFencingToken { .. }
+            | Error::StaleSequence { .. }
             | Error::LeaseExpired { .. } => StatusCode::CONFLICT,
             Error::LeaseLost { .. } => StatusCode::GONE,
             Error::FencingTokenRequired { .. } => StatusCode::PRECONDITION_REQUIRED,
@@ -135,6 +142,7 @@ impl Error {
             Error::StaleFencingToken { .. } => "stale_fencing_token",
             Error::UnissuedFencingToken { .. } | Error::TokenStepTooLarge { .. } => "unissued_fencing_token",
             Error::LeaseExpired { .. } => "lease_expired",
+            Error::StaleSequence { .. } => "stale_sequence",
             Error::Unauthorized => "unauthorized",
             Error::Forbidden(_) => "forbidden",
             Error::UpstreamUnavailable(_) => "upstream_unavailable",
@@ -155,6 +163,11 @@ impl Error {
             Error::StaleFencingToken { token, fence, .. } | Error::UnissuedFencingToken { token, fence, .. } => {
                 body["token"] = json!(token);
                 body["fence"] = json!(fence);
+            }
+            Error::StaleSequence { token, sequence, last_sequence, .. } => {
+                body["token"] = json!(token);
+                body["sequence"] = json!(sequence);
+                body["last_sequence"] = json!(last_sequence);
             }
             Error::TokenStepTooLarge { token, fence, max_step, .. } => {
                 body["token"] = json!(token);
@@ -202,6 +215,7 @@ mod tests {
             (Error::StaleFencingToken { key: "k".into(), token: 1, fence: 2 }, 409, "stale_fencing_token"),
             (Error::UnissuedFencingToken { key: "k".into(), token: 9, fence: 2 }, 403, "unissued_fencing_token"),
             (Error::LeaseExpired { key: "k".into(), token: 2 }, 409, "lease_expired"),
+            (Error::StaleSequence { key: "k".into(), token: 2, sequence: 3, last_sequence: 4 }, 409, "stale_sequence"),
             (
                 Error::TokenStepTooLarge { key: "k".into(), token: u64::MAX, fence: 2, max_step: 10 },
                 403,

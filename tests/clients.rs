@@ -233,3 +233,31 @@ async fn lease_is_lost_by_its_local_deadline_when_the_gateway_freezes() {
     // The gateway, thawed, still counts the grant live for a moment: the
     // client's view is the more pessimistic one, as it must be.
 }
+
+/// `Lease::sequenced` numbers a lease's writes: sent in order they pass; a
+/// write replayed with an earlier number after a later one was forwarded is
+/// refused with 409 `stale_sequence`.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lease_numbers_its_writes_and_a_replayed_one_is_refused() {
+    let (_d, gw) = start();
+    let client = Client::new(&gw.api_url("")).unwrap();
+    let lease = client.acquire("ledger/seq", Duration::from_secs(30), Duration::ZERO).await.unwrap();
+    let http = common::Http::default();
+    let url = gw.proxy_url("/ledger/seq");
+    let mut sent = Vec::new();
+    for body in ["one", "two"] {
+        let headers = lease.sequenced();
+        let values: Vec<(String, String)> =
+            headers.iter().map(|(n, v)| (n.to_string(), v.to_str().unwrap().to_string())).collect();
+        let pairs: Vec<(&str, &str)> = values.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
+        assert!(http.send(http::Method::PUT, &url, &pairs, body).await.status.is_success());
+        sent.push(values);
+    }
+    assert_eq!(sent[0][1], ("x-fencing-sequence".to_string(), "1".to_string()));
+    let replay: Vec<(&str, &str)> = sent[0].iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
+    let r = http.send(http::Method::PUT, &url, &replay, "one, late").await;
+    assert_eq!(r.status, http::StatusCode::CONFLICT);
+    assert_eq!(r.error_code(), "stale_sequence");
+    assert_eq!(http.get(&url).await.body.as_ref(), b"two");
+    lease.release().await.unwrap();
+}

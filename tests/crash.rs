@@ -180,3 +180,54 @@ async fn kill9_after_log_files_were_recycled_keeps_every_received_token() {
     }
     println!("a log file was reused after {reused_after:?}; {total} grants received before the kill");
 }
+
+/// The highest sequence is fsynced before its write is forwarded: after
+/// `kill -9` between sequenced writes, a lower or equal sequence under the
+/// same token is still refused.
+#[tokio::test(flavor = "multi_thread")]
+async fn kill9_between_sequenced_writes_loses_no_ordering() {
+    let rec = common::Recorder::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let opts = Opts { upstream: Some(rec.url()), ..Opts::default() };
+    let http = Http::default();
+    let gw = Gateway::start(&data, opts.clone());
+    let g = common::acquire(&http, &gw.api_url(""), "seq/1", 60_000, 0).await.unwrap();
+    let t = g.token.to_string();
+    for n in 1..=5 {
+        let seq = n.to_string();
+        let r = http
+            .send(
+                http::Method::PUT,
+                &gw.proxy_url("/seq/1"),
+                &[("x-fencing-token", &t), ("x-fencing-sequence", &seq)],
+                "w",
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::OK);
+    }
+    gw.kill9();
+    let gw = Gateway::start(&data, opts);
+    for seq in ["5", "4", "1"] {
+        let r = http
+            .send(
+                http::Method::PUT,
+                &gw.proxy_url("/seq/1"),
+                &[("x-fencing-token", &t), ("x-fencing-sequence", seq)],
+                "late",
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::CONFLICT, "sequence {seq} after the restart");
+        assert_eq!(r.error_code(), "stale_sequence");
+    }
+    let r = http
+        .send(
+            http::Method::PUT,
+            &gw.proxy_url("/seq/1"),
+            &[("x-fencing-token", &t), ("x-fencing-sequence", "6")],
+            "next",
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(rec.count(), 6);
+}

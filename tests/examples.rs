@@ -50,6 +50,7 @@ fn python_legacy_writer_example_handles_409() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.contains("HTTP 409"), "{stdout}");
+    assert!(stdout.contains("late retry of #1: HTTP 409") && stdout.contains("stale_sequence"), "{stdout}");
     assert!(stdout.contains("the ledger holds: balance=20"), "{stdout}");
 }
 

@@ -3,7 +3,9 @@
 
 Acquires a lock, renews it in a background thread, attaches the fencing
 token to every write, and handles 409 (stale token: someone else holds the
-lock now) by stopping. Runs against a gateway it starts itself: set
+lock now) by stopping. Writer 2 also numbers its writes (X-Fencing-Sequence),
+so its own delayed retry of an older write is refused (409 stale_sequence)
+instead of overwriting a newer one. Runs against a gateway it starts itself: set
 FENCEGATE_BIN to the fencegate binary (default: target/debug/fencegate).
 
     python3 examples/python/legacy_writer.py
@@ -26,11 +28,13 @@ def free_port():
         return s.getsockname()[1]
 
 
-def call(method, url, body=None, token=None):
+def call(method, url, body=None, token=None, sequence=None):
     data = json.dumps(body).encode() if isinstance(body, dict) else body
     headers = {"Content-Type": "application/json"}
     if token is not None:
         headers["X-Fencing-Token"] = str(token)
+    if sequence is not None:
+        headers["X-Fencing-Sequence"] = str(sequence)
     req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=10) as r:
@@ -95,8 +99,14 @@ def main():
         old.stop.set()  # writer 1 freezes: no more renewals
         time.sleep(1.3)
         new = Lease(api, "ledger/2026", 5000, "legacy-writer-2")
-        status, _ = call("PUT", url, b"balance=20", token=new.token)
-        print(f"writer 2 (token {new.token}) writes: HTTP {status}")
+        # Writer 2 numbers its writes: 1, then 2. Its write 1 is retried
+        # late (a timed-out request sent again) after write 2 landed.
+        status, _ = call("PUT", url, b"balance=15", token=new.token, sequence=1)
+        print(f"writer 2 (token {new.token}) writes #1: HTTP {status}")
+        status, _ = call("PUT", url, b"balance=20", token=new.token, sequence=2)
+        print(f"writer 2 (token {new.token}) writes #2: HTTP {status}")
+        retry, text = call("PUT", url, b"balance=15", token=new.token, sequence=1)
+        print(f"writer 2's late retry of #1: HTTP {retry} {text}")
         status, text = call("PUT", url, b"balance=0", token=old.token)
         print(f"writer 1 wakes up and writes with token {old.token}: HTTP {status} {text}")
         if status == 409:
@@ -104,7 +114,7 @@ def main():
         _, body = call("GET", url)
         new.release()
         print(f"the ledger holds: {body}")
-        ok = status == 409 and body == "balance=20"
+        ok = status == 409 and retry == 409 and body == "balance=20"
     finally:
         gw.terminate()
         gw.wait(timeout=30)

@@ -17,7 +17,7 @@ struct Rig {
 fn rig_with(store: Store) -> Rig {
     let metrics = Arc::new(Metrics::new().unwrap());
     let fences = FenceTable::new();
-    store.for_each_fence(|k, t| fences.load(k, t)).unwrap();
+    store.for_each_fence(|k, r| fences.load_record(k, r)).unwrap();
     let auth = Authority::restore(fences, store, metrics, LocksConfig::default()).unwrap();
     let (trigger, stop) = shutdown::channel();
     tokio::spawn(auth.clone().run_expiry(stop));

@@ -19,7 +19,7 @@ use tokio::sync::{oneshot, Notify};
 use tokio::time::Instant;
 
 use crate::error::Error;
-use crate::store::{Op, Store};
+use crate::store::{FenceRecord, Op, Store};
 
 /// How a route judges tokens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,6 +53,9 @@ pub enum Refusal {
     /// External route: `token` is more than the route's `max_token_step`
     /// above the fence.
     TooFar { token: u64, fence: u64, max_step: u64 },
+    /// `token == fence` with an `X-Fencing-Sequence` not above the highest
+    /// one already forwarded under this token.
+    StaleSequence { token: u64, sequence: u64, last_sequence: u64 },
 }
 
 impl Refusal {
@@ -64,6 +67,9 @@ impl Refusal {
             Refusal::Unissued { token, fence } => Error::UnissuedFencingToken { key, token, fence },
             Refusal::LeaseExpired { token } => Error::LeaseExpired { key, token },
             Refusal::TooFar { token, fence, max_step } => Error::TokenStepTooLarge { key, token, fence, max_step },
+            Refusal::StaleSequence { token, sequence, last_sequence } => {
+                Error::StaleSequence { key, token, sequence, last_sequence }
+            }
         }
     }
 }
@@ -73,6 +79,9 @@ impl Refusal {
 pub enum Admission {
     /// Registered as in flight; forward it while holding the guard.
     Admitted(InflightGuard),
+    /// A sequenced mutation, registered as in flight: forward it (holding
+    /// the guard) only once the receiver says its sequence is durable.
+    AdmittedAfter(InflightGuard, oneshot::Receiver<Result<(), Error>>),
     /// External route, `token > fence` (or `token == fence` whose advance
     /// is not durable yet): call [`FenceTable::advance`].
     MustAdvance,
@@ -125,6 +134,9 @@ struct Slot {
     /// token could be issued again).
     durable: u64,
     live: bool,
+    /// The highest `X-Fencing-Sequence` forwarded under `fence`, plus one
+    /// (0: none yet). A raise of the fence starts a new sequence.
+    sequence_next: u64,
     moved_at: Option<Instant>,
     inflight: Vec<InflightEntry>,
     barrier: Option<Arc<Notify>>,
@@ -135,6 +147,7 @@ impl Slot {
     fn raise(&mut self, token: u64, live: bool) {
         self.fence = token;
         self.live = live;
+        self.sequence_next = 0;
         self.moved_at = Some(Instant::now());
         for e in self.inflight.iter().filter(|e| e.token < token) {
             e.ctl.abort_if_streaming();
@@ -226,6 +239,16 @@ impl FenceTable {
     pub fn load(&self, key: &str, fence: u64) {
         self.slots.insert(Arc::from(key), Slot { fence, durable: fence, ..Slot::default() });
         self.next_token.fetch_max(fence.saturating_add(1), Ordering::AcqRel);
+    }
+
+    /// Installs a stored fence with its highest sequence, if any.
+    pub fn load_record(&self, key: &str, record: FenceRecord) {
+        self.load(key, record.token);
+        if let Some(seq) = record.sequence {
+            if let Some(mut slot) = self.slots.get_mut(key) {
+                slot.sequence_next = seq.saturating_add(1);
+            }
+        }
     }
 
     /// The token the next grant would get on a key whose fence is below it.
@@ -332,6 +355,46 @@ impl FenceTable {
         Ok(Admission::Admitted(InflightGuard { table: self.clone(), key, token, id, ctl }))
     }
 
+    /// [`FenceTable::check`] for a mutation that carries `X-Fencing-Sequence:
+    /// sequence`: admissible only if the sequence is above the highest one
+    /// forwarded under the current token, which it then becomes — in memory
+    /// at once (so a later request with a lower sequence is refused even
+    /// while this one waits) and durably before the request may be
+    /// forwarded: the receiver of [`Admission::AdmittedAfter`] resolves once
+    /// the store has fsynced it. A request whose token must first advance
+    /// the fence (external routes) gets [`Admission::MustAdvance`] and
+    /// passes its sequence to [`FenceTable::advance`].
+    pub fn check_sequenced(
+        self: &Arc<Self>,
+        key: &str,
+        token: u64,
+        sequence: u64,
+        policy: CheckPolicy,
+        store: &Store,
+    ) -> Result<Admission, Refusal> {
+        // The token rules first, exactly as for an unsequenced request.
+        let guard = match self.check(key, token, policy)? {
+            Admission::Admitted(guard) => guard,
+            other => return Ok(other),
+        };
+        let Some(mut slot) = self.slots.get_mut(key) else {
+            return Err(Refusal::Unissued { token, fence: 0 });
+        };
+        if slot.fence != token {
+            // The fence moved between the two steps: as if it had moved
+            // just before the check.
+            let superseded_for = slot.moved_at.map_or(Duration::ZERO, |t| t.elapsed());
+            return Err(Refusal::Stale { token, fence: slot.fence, superseded_for });
+        }
+        if slot.sequence_next > sequence {
+            return Err(Refusal::StaleSequence { token, sequence, last_sequence: slot.sequence_next - 1 });
+        }
+        slot.sequence_next = sequence.saturating_add(1);
+        let durable = store.submit(vec![Op::Sequence { key: slot.key().clone(), token, sequence }]);
+        drop(slot);
+        Ok(Admission::AdmittedAfter(guard, durable))
+    }
+
     /// External authority: raises the fence of `key` to `token`, submits it
     /// to the store (while the slot is locked, so per-key durable order is
     /// in-memory order), and registers the request as in flight. The caller
@@ -347,6 +410,7 @@ impl FenceTable {
         self: &Arc<Self>,
         key: &str,
         token: u64,
+        sequence: Option<u64>,
         policy: CheckPolicy,
         store: &Store,
     ) -> Result<(InflightGuard, Option<oneshot::Receiver<Result<(), Error>>>), Refusal> {
@@ -355,14 +419,20 @@ impl FenceTable {
             let superseded_for = slot.moved_at.map_or(Duration::ZERO, |t| t.elapsed());
             return Err(Refusal::Stale { token, fence: slot.fence, superseded_for });
         }
-        let durable = if token > slot.fence {
+        if token > slot.fence {
             check_step(token, slot.fence, policy)?;
             slot.raise(token, true);
-            Some(store.submit(vec![Op::Fence { key: slot.key().clone(), token }]))
-        } else if token > slot.durable {
-            Some(store.submit(vec![Op::Fence { key: slot.key().clone(), token }]))
-        } else {
-            None
+        } else if let Some(seq) = sequence.filter(|s| slot.sequence_next > *s) {
+            return Err(Refusal::StaleSequence { token, sequence: seq, last_sequence: slot.sequence_next - 1 });
+        }
+        let key_ref = slot.key().clone();
+        let durable = match sequence {
+            Some(seq) => {
+                slot.sequence_next = seq.saturating_add(1);
+                Some(store.submit(vec![Op::Sequence { key: key_ref, token, sequence: seq }]))
+            }
+            None if token > slot.durable => Some(store.submit(vec![Op::Fence { key: key_ref, token }])),
+            None => None,
         };
         let key_arc = slot.key().clone();
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
@@ -611,14 +681,14 @@ mod tests {
         let t = table_with("k", 5, false);
         store.hold_acks();
         // The first request raises the fence to 9; its fsync is pending.
-        let (_first, rx) = t.advance("k", 9, EXT, &store).unwrap();
+        let (_first, rx) = t.advance("k", 9, None, EXT, &store).unwrap();
         assert!(rx.is_some());
         assert_eq!(t.fence("k"), 9);
         assert_eq!(t.durable_fence("k"), 5);
         // A second request with the same token must wait for durability
         // too, not pass on the barrier alone.
         assert!(matches!(t.check("k", 9, EXT), Ok(Admission::MustAdvance)));
-        let (_second, rx2) = t.advance("k", 9, EXT, &store).unwrap();
+        let (_second, rx2) = t.advance("k", 9, None, EXT, &store).unwrap();
         let mut rx2 = rx2.expect("the second request waits for its own fsync");
         assert!(rx2.try_recv().is_err());
         // Older tokens stay refused meanwhile.
@@ -650,9 +720,9 @@ mod tests {
         assert!(matches!(t.check("k", u64::MAX, EXT), Err(Refusal::TooFar { fence: 5, max_step: 1000, .. })));
         assert!(matches!(t.check("fresh", 1001, EXT), Err(Refusal::TooFar { fence: 0, .. })));
         assert!(matches!(t.check("fresh", 1000, EXT), Ok(Admission::MustAdvance)));
-        assert!(matches!(t.advance("k", 1006, EXT, &store), Err(Refusal::TooFar { .. })));
+        assert!(matches!(t.advance("k", 1006, None, EXT, &store), Err(Refusal::TooFar { .. })));
         assert_eq!(t.fence("k"), 5);
-        assert!(t.advance("k", 1005, EXT, &store).is_ok());
+        assert!(t.advance("k", 1005, None, EXT, &store).is_ok());
     }
 
     #[tokio::test(start_paused = true)]
@@ -738,5 +808,47 @@ mod tests {
             }
         });
         assert_eq!(seen.lock().unwrap().len(), 2000);
+    }
+
+    #[tokio::test]
+    async fn a_sequence_not_above_the_last_forwarded_one_is_refused() {
+        let store = Store::memory();
+        let t = table_with("k", 5, true);
+        let admit = |seq: u64| t.check_sequenced("k", 5, seq, STRICT, &store);
+        let Ok(Admission::AdmittedAfter(_g, rx)) = admit(3) else { panic!() };
+        assert!(matches!(rx.await, Ok(Ok(()))));
+        assert!(matches!(admit(3), Err(Refusal::StaleSequence { sequence: 3, last_sequence: 3, .. })));
+        assert!(matches!(admit(2), Err(Refusal::StaleSequence { sequence: 2, last_sequence: 3, .. })));
+        assert!(matches!(admit(10), Ok(Admission::AdmittedAfter(..))));
+        // A stale token is refused as stale, whatever its sequence.
+        assert!(matches!(t.check_sequenced("k", 4, 99, STRICT, &store), Err(Refusal::Stale { .. })));
+        // A new token starts a new sequence.
+        t.slots.get_mut("k").unwrap().raise(6, true);
+        t.mark_durable("k", 6);
+        assert!(matches!(t.check_sequenced("k", 6, 0, STRICT, &store), Ok(Admission::AdmittedAfter(..))));
+    }
+
+    #[test]
+    fn a_stored_sequence_comes_back_with_its_fence() {
+        let t = FenceTable::new();
+        t.load_record("k", FenceRecord { token: 5, sequence: Some(7) });
+        t.set_live("k", 5, true);
+        let store = Store::memory();
+        assert!(matches!(
+            t.check_sequenced("k", 5, 7, STRICT, &store),
+            Err(Refusal::StaleSequence { last_sequence: 7, .. })
+        ));
+        assert!(matches!(t.check_sequenced("k", 5, 8, STRICT, &store), Ok(Admission::AdmittedAfter(..))));
+    }
+
+    #[tokio::test]
+    async fn external_sequences_advance_with_the_fence() {
+        let store = Store::memory();
+        let t = table_with("k", 5, false);
+        let (_g, rx) = t.advance("k", 9, Some(1), EXT, &store).unwrap();
+        assert!(matches!(rx.unwrap().await, Ok(Ok(()))));
+        t.mark_durable("k", 9);
+        assert!(matches!(t.advance("k", 9, Some(1), EXT, &store), Err(Refusal::StaleSequence { .. })));
+        assert!(t.advance("k", 9, Some(2), EXT, &store).is_ok());
     }
 }

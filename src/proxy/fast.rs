@@ -305,7 +305,8 @@ async fn serve_one(
     //    "forward" goes to the general path, which decides afresh.
     let parsed = parse_token_values(head.token.clone().map(|r| &c.buf[r]));
     let token = parsed.as_ref().ok().copied().flatten();
-    let guard: Option<InflightGuard> = match proxy.admit(route, &key, mutation, parsed) {
+    // Sequenced requests never come here (see `wire::parse_head`).
+    let guard: Option<InflightGuard> = match proxy.admit(route, &key, mutation, parsed, Ok(None)) {
         Admit::Forward(guard) => guard,
         _ => return Next::General,
     };

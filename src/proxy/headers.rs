@@ -52,6 +52,9 @@ impl ClientInfo {
 /// The fencing token header.
 pub static X_FENCING_TOKEN: HeaderName = HeaderName::from_static("x-fencing-token");
 
+/// The optional per-grant sequence of one holder's writes.
+pub static X_FENCING_SEQUENCE: HeaderName = HeaderName::from_static("x-fencing-sequence");
+
 /// Removes `Connection`, every header it names, and the fixed hop-by-hop set.
 pub fn strip_hop_by_hop(h: &mut HeaderMap) {
     // One pass over the names finds what is there; the common cases (none
@@ -158,6 +161,7 @@ pub fn prepare_request<B>(
     }
     if !forward_token {
         h.remove(&X_FENCING_TOKEN);
+        h.remove(&X_FENCING_SEQUENCE);
     }
 }
 

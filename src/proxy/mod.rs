@@ -40,7 +40,7 @@ use crate::metrics::Metrics;
 use crate::store::{wait_durable, Store};
 use fenced_body::FencedBody;
 pub use headers::ClientInfo;
-use headers::X_FENCING_TOKEN;
+use headers::{X_FENCING_SEQUENCE, X_FENCING_TOKEN};
 use template::Template;
 use upstream::{SendError, Upstream, UpstreamUrl};
 
@@ -114,9 +114,11 @@ impl AccessLine<'_> {
 enum Admit {
     /// Forward; a mutation carries its in-flight registration.
     Forward(Option<InflightGuard>),
+    /// A sequenced mutation: forward once its sequence is durable.
+    ForwardAfter(InflightGuard, tokio::sync::oneshot::Receiver<Result<(), Error>>),
     /// An external route's token above the fence: advance the fence
-    /// durably, then forward.
-    Advance(u64),
+    /// durably (with the sequence, if any), then forward.
+    Advance(u64, Option<u64>),
     /// A mutation's token refused by the fence check: refused on an
     /// enforcing route, forwarded unregistered in shadow mode (and audited
     /// either way).
@@ -156,6 +158,7 @@ fn outcome_of(r: &Refusal) -> &'static str {
     match r {
         Refusal::Stale { .. } => "stale",
         Refusal::Unissued { .. } | Refusal::TooFar { .. } => "unissued",
+        Refusal::StaleSequence { .. } => "stale_sequence",
         Refusal::LeaseExpired { .. } => "lease_expired",
     }
 }
@@ -300,13 +303,24 @@ impl Proxy {
     /// other outcome to the general path). An admissible mutation is
     /// registered as in flight in the same atomic step
     /// ([`FenceTable::check`]).
-    fn admit(&self, route: &Route, key: &str, mutation: bool, token: Result<Option<u64>, TokenError>) -> Admit {
-        let token = match token {
-            Ok(t) => t,
-            Err(TokenError::Malformed(m)) => {
+    fn admit(
+        &self,
+        route: &Route,
+        key: &str,
+        mutation: bool,
+        token: Result<Option<u64>, TokenError>,
+        sequence: Result<Option<u64>, TokenError>,
+    ) -> Admit {
+        let (token, sequence) = match (token, sequence) {
+            (Ok(t), Ok(s)) => (t, s),
+            (Err(TokenError::Malformed(m)), _) => {
                 let refused =
                     Refused { error: Error::MalformedFencingToken(m), outcome: mutation.then_some("malformed_token") };
                 return Admit::NoToken(refused);
+            }
+            (_, Err(TokenError::Malformed(m))) => {
+                let error = Error::MalformedFencingToken(format!("X-Fencing-Sequence: {m}"));
+                return Admit::NoToken(Refused { error, outcome: mutation.then_some("malformed_token") });
             }
         };
         if !mutation {
@@ -328,9 +342,14 @@ impl Proxy {
                 Refused { error: Error::FencingTokenRequired { key: key.to_string() }, outcome: Some("missing_token") };
             return Admit::NoToken(refused);
         };
-        match self.fences.check(key, token, route.policy) {
+        let admission = match sequence {
+            None => self.fences.check(key, token, route.policy),
+            Some(seq) => self.fences.check_sequenced(key, token, seq, route.policy, &self.store),
+        };
+        match admission {
             Ok(Admission::Admitted(guard)) => Admit::Forward(Some(guard)),
-            Ok(Admission::MustAdvance) => Admit::Advance(token),
+            Ok(Admission::AdmittedAfter(guard, durable)) => Admit::ForwardAfter(guard, durable),
+            Ok(Admission::MustAdvance) => Admit::Advance(token, sequence),
             Err(refusal) => Admit::Refused(token, refusal),
         }
     }
@@ -347,7 +366,8 @@ impl Proxy {
         // 2. admit
         let parsed = parse_token_header(req.headers().get_all(&X_FENCING_TOKEN));
         let token = parsed.as_ref().ok().copied().flatten();
-        let guard = match self.admit(route, key, mutation, parsed) {
+        let sequence = parse_token_header(req.headers().get_all(&X_FENCING_SEQUENCE));
+        let guard = match self.admit(route, key, mutation, parsed, sequence) {
             Admit::Forward(Some(guard)) if route.policy.external => {
                 // Another request may be advancing to this very token:
                 // wait, as it does, for older in-flight mutations.
@@ -355,11 +375,25 @@ impl Proxy {
                 Some(guard)
             }
             Admit::Forward(guard) => guard,
-            Admit::Advance(token) => match self.fences.advance(key, token, route.policy, &self.store) {
-                // Boxed: the rarer path, kept out of the common future.
-                Ok((guard, durable)) => Box::pin(self.activate(route, key, token, guard, durable)).await?,
-                Err(refusal) => self.refusal(route, key, token, refusal, client)?,
-            },
+            Admit::ForwardAfter(guard, durable) => {
+                if let Err(e) = wait_durable(durable).await {
+                    // The sequence stays taken in memory: a retry needs a
+                    // higher one (never a lower one landing late).
+                    tracing::error!(key = %key, error = %e, "sequence not durable; request refused");
+                    return Err(e.into());
+                }
+                if route.policy.external {
+                    Box::pin(self.fences.barrier(key, token.unwrap_or(0), route.upstream_timeout)).await;
+                }
+                Some(guard)
+            }
+            Admit::Advance(token, sequence) => {
+                match self.fences.advance(key, token, sequence, route.policy, &self.store) {
+                    // Boxed: the rarer path, kept out of the common future.
+                    Ok((guard, durable)) => Box::pin(self.activate(route, key, token, guard, durable)).await?,
+                    Err(refusal) => self.refusal(route, key, token, refusal, client)?,
+                }
+            }
             Admit::Reject(refused) => return Err(refused),
             // Enforcing: refused here. Shadow: forwarded unregistered.
             Admit::Refused(token, refusal) => self.refusal(route, key, token, refusal, client)?,

@@ -119,6 +119,10 @@ pub fn parse_head(buf: &[u8], max_header_bytes: usize, head: &mut Head) -> Parse
             once(&mut head.via)
         } else if is(b"x-fencing-token") {
             once(&mut head.token)
+        } else if is(b"x-fencing-sequence") {
+            // A sequenced write waits for an fsync of its sequence: the
+            // general path's.
+            false
         } else if is(b"connection") {
             let mut known = true;
             for t in tokens(h.value) {

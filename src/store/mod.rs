@@ -52,6 +52,18 @@ pub enum Op {
     /// Forget `key`'s grant (released or expired). `ended` is the grant
     /// that ends: the released record written in its place has its length.
     DropGrant { key: Arc<str>, ended: GrantRecord },
+    /// Set `key`'s fence to `token` and the highest `X-Fencing-Sequence`
+    /// forwarded under it to `sequence` (one value: a later plain fence
+    /// write of the key starts a new sequence).
+    Sequence { key: Arc<str>, token: u64, sequence: u64 },
+}
+
+/// One stored fence: the token and, if a sequenced write was forwarded
+/// under it, the highest sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FenceRecord {
+    pub token: u64,
+    pub sequence: Option<u64>,
 }
 
 #[cfg_attr(not(feature = "rocksdb"), allow(dead_code))]
@@ -80,7 +92,7 @@ enum Inner {
 
 #[derive(Default)]
 struct MemoryStore {
-    fences: std::collections::BTreeMap<String, u64>,
+    fences: std::collections::BTreeMap<String, FenceRecord>,
     grants: std::collections::BTreeMap<String, GrantRecord>,
     /// Tests of what may be seen before an fsync: acknowledgements are
     /// held back while set (see [`Store::hold_acks`]).
@@ -93,7 +105,10 @@ impl MemoryStore {
         for op in ops {
             match op {
                 Op::Fence { key, token } => {
-                    self.fences.insert(key.to_string(), token);
+                    self.fences.insert(key.to_string(), FenceRecord { token, sequence: None });
+                }
+                Op::Sequence { key, token, sequence } => {
+                    self.fences.insert(key.to_string(), FenceRecord { token, sequence: Some(sequence) });
                 }
                 Op::Grant { key, record } => {
                     self.grants.insert(key.to_string(), record);
@@ -209,13 +224,13 @@ impl Store {
     }
 
     /// Calls `f` for every stored fence, in key order.
-    pub fn for_each_fence(&self, mut f: impl FnMut(&str, u64)) -> Result<(), Error> {
+    pub fn for_each_fence(&self, mut f: impl FnMut(&str, FenceRecord)) -> Result<(), Error> {
         match &self.inner {
             #[cfg(feature = "rocksdb")]
             Inner::Rocks(r) => r.for_each_fence(&mut f),
             Inner::Memory(m) => {
                 let m = m.lock().map_err(|_| Error::Store("memory store poisoned".into()))?;
-                m.fences.iter().for_each(|(k, t)| f(k, *t));
+                m.fences.iter().for_each(|(k, r)| f(k, *r));
                 Ok(())
             }
         }
@@ -285,6 +300,17 @@ pub async fn wait_durable(rx: oneshot::Receiver<Result<(), Error>>) -> Result<()
 #[cfg_attr(not(feature = "rocksdb"), allow(dead_code))]
 fn decode_u64(v: &[u8]) -> Option<u64> {
     Some(u64::from_be_bytes(v.try_into().ok()?))
+}
+
+/// A `fences` value: the token (8 bytes, big-endian), then the highest
+/// sequence forwarded under it (8 more) if there is one.
+#[cfg_attr(not(feature = "rocksdb"), allow(dead_code))]
+fn decode_fence(v: &[u8]) -> Option<FenceRecord> {
+    match v.len() {
+        8 => Some(FenceRecord { token: decode_u64(v)?, sequence: None }),
+        16 => Some(FenceRecord { token: decode_u64(&v[..8])?, sequence: Some(decode_u64(&v[8..])?) }),
+        _ => None,
+    }
 }
 
 /// First byte of a `grants` value: the grant is live.

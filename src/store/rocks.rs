@@ -12,7 +12,8 @@ use rocksdb::{ColumnFamilyDescriptor, IteratorMode, Options, WriteBatch, WriteOp
 use tokio::sync::{mpsc, oneshot};
 
 use super::{
-    decode_grant, decode_u64, encode_grant, Commit, GrantRecord, Op, SyncObserver, WriterOptions, GRANT_RELEASED,
+    decode_fence, decode_grant, decode_u64, encode_grant, Commit, FenceRecord, GrantRecord, Op, SyncObserver,
+    WriterOptions, GRANT_RELEASED,
 };
 use crate::error::Error;
 
@@ -257,14 +258,14 @@ impl Rocks {
         self.queue.push(commit);
     }
 
-    pub(super) fn for_each_fence(&self, f: &mut dyn FnMut(&str, u64)) -> Result<(), Error> {
+    pub(super) fn for_each_fence(&self, f: &mut dyn FnMut(&str, FenceRecord)) -> Result<(), Error> {
         let db = &self.db;
         let cf = cf(db, CF_FENCES)?;
         for item in db.iterator_cf(cf, IteratorMode::Start) {
             let (k, v) = item.map_err(|e| Error::Store(format!("reading fences: {e}")))?;
             let key = std::str::from_utf8(&k).map_err(|_| Error::Store("reading fences: a key is not UTF-8".into()))?;
-            let token = decode_u64(&v).ok_or_else(|| Error::Store(format!("reading fence of {key}: bad value")))?;
-            f(key, token);
+            let record = decode_fence(&v).ok_or_else(|| Error::Store(format!("reading fence of {key}: bad value")))?;
+            f(key, record);
         }
         Ok(())
     }
@@ -408,7 +409,7 @@ fn last_writes(group: &[Commit]) -> Vec<&Op> {
         .into_iter()
         .rev()
         .filter(|op| match op {
-            Op::Fence { key, .. } => seen.insert((true, key)),
+            Op::Fence { key, .. } | Op::Sequence { key, .. } => seen.insert((true, key)),
             Op::Grant { key, .. } | Op::DropGrant { key, .. } => seen.insert((false, key)),
         })
         .collect();
@@ -425,6 +426,12 @@ fn write_group(db: &DB, group: &[Commit], wo: &WriteOptions, observe: &SyncObser
     for op in last_writes(group) {
         match op {
             Op::Fence { key, token } => batch.put_cf(fences, key.as_bytes(), token.to_be_bytes()),
+            Op::Sequence { key, token, sequence } => {
+                value.clear();
+                value.extend_from_slice(&token.to_be_bytes());
+                value.extend_from_slice(&sequence.to_be_bytes());
+                batch.put_cf(fences, key.as_bytes(), &value);
+            }
             Op::Grant { key, record: grant } | Op::DropGrant { key, ended: grant } => {
                 value.clear();
                 encode_grant(grant, matches!(op, Op::Grant { .. }), &mut value)?;
@@ -444,7 +451,7 @@ fn write_group(db: &DB, group: &[Commit], wo: &WriteOptions, observe: &SyncObser
 
 #[cfg(test)]
 mod tests {
-    use super::super::{GrantRecord, Op, Store, SyncObserver, WriterOptions};
+    use super::super::{FenceRecord, GrantRecord, Op, Store, SyncObserver, WriterOptions};
     use std::path::Path;
     use std::sync::Arc;
 
@@ -467,12 +474,35 @@ mod tests {
         }
         let s = open(dir.path());
         let mut seen = Vec::new();
-        s.for_each_fence(|k, t| seen.push((k.to_string(), t))).unwrap();
+        s.for_each_fence(|k, r| seen.push((k.to_string(), r.token))).unwrap();
         assert_eq!(seen, vec![("b".to_string(), 3), ("orders/1".to_string(), 7)]);
         let grants = s.grants().unwrap();
         assert_eq!(grants.len(), 1);
         assert_eq!(grants[0].1.token, 7);
         assert_eq!(s.boots().unwrap(), 2);
+    }
+
+    #[tokio::test]
+    async fn a_sequence_survives_reopen_and_a_new_fence_clears_it() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let s = open(dir.path());
+            let (a, b): (Arc<str>, Arc<str>) = (Arc::from("a"), Arc::from("b"));
+            s.commit(vec![Op::Fence { key: a.clone(), token: 4 }]).await.unwrap();
+            s.commit(vec![Op::Sequence { key: a.clone(), token: 4, sequence: 17 }]).await.unwrap();
+            s.commit(vec![Op::Sequence { key: b.clone(), token: 2, sequence: 1 }]).await.unwrap();
+            s.commit(vec![Op::Fence { key: b.clone(), token: 9 }]).await.unwrap();
+        }
+        let s = open(dir.path());
+        let mut seen = Vec::new();
+        s.for_each_fence(|k, r| seen.push((k.to_string(), r))).unwrap();
+        assert_eq!(
+            seen,
+            vec![
+                ("a".to_string(), FenceRecord { token: 4, sequence: Some(17) }),
+                ("b".to_string(), FenceRecord { token: 9, sequence: None }),
+            ]
+        );
     }
 
     #[tokio::test]
@@ -597,8 +627,8 @@ mod tests {
         assert!(info.contains("from recycle list"), "no log file was reused");
         let s = open(dir.path());
         let mut seen = std::collections::HashMap::new();
-        s.for_each_fence(|k, t| {
-            seen.insert(k.to_string(), t);
+        s.for_each_fence(|k, r| {
+            seen.insert(k.to_string(), r.token);
         })
         .unwrap();
         assert_eq!(seen.len(), keys.len());
@@ -644,6 +674,7 @@ mod tests {
             .into_iter()
             .map(|op| match op {
                 Op::Fence { key, token } => format!("fence {key} {token}"),
+                Op::Sequence { key, token, sequence } => format!("sequence {key} {token} {sequence}"),
                 Op::Grant { key, record } => format!("grant {key} {}", record.lease_id),
                 Op::DropGrant { key, .. } => format!("drop {key}"),
             })
