@@ -165,7 +165,8 @@ pub struct RouteConfig {
     /// The removed key `mutating_methods`: present only to refuse it with
     /// a hint naming `read_methods` (a list of mutations fails open).
     #[serde(default, rename = "mutating_methods", deserialize_with = "refuse_mutating_methods")]
-    _mutating_methods: (),
+    #[expect(dead_code, reason = "never read: parsing the removed key fails with its hint")]
+    removed_mutating_methods: Removed,
     /// Whether the upstream keeps `a/` and `a` apart: `refuse` (default)
     /// or `distinct`.
     #[serde(default)]
@@ -218,7 +219,11 @@ const MUTATING_METHODS_REMOVED: &str = "mutating_methods was removed: a route no
      instead, as read_methods (default [\"GET\", \"HEAD\", \"OPTIONS\"]), and every other method, unknown ones \
      included, is a mutation that needs a token; delete mutating_methods, or list the reads in read_methods";
 
-fn refuse_mutating_methods<'de, D: serde::Deserializer<'de>>(_: D) -> Result<(), D::Error> {
+/// The value of a removed key: never present (deserializing one fails).
+#[derive(Debug, Clone, Copy, Default)]
+struct Removed;
+
+fn refuse_mutating_methods<'de, D: serde::Deserializer<'de>>(_: D) -> Result<Removed, D::Error> {
     Err(serde::de::Error::custom(MUTATING_METHODS_REMOVED))
 }
 fn default_authority() -> FenceAuthority {
@@ -408,7 +413,7 @@ impl RouteConfig {
             resource: None,
             upstream,
             read_methods: default_read_methods(),
-            _mutating_methods: (),
+            removed_mutating_methods: Removed,
             trailing_slash: TrailingSlash::Refuse,
             fence_authority: FenceAuthority::Embedded,
             strict: true,

@@ -190,6 +190,15 @@ async fn reads_pass_but_a_stale_read_learns_it() {
     assert_eq!(rec.count(), 1, "only the token-less read reached the upstream");
 }
 
+/// One request on a connection of its own (`Connection: close`). The fast
+/// path keeps a connection only until it hands it to the general path, so
+/// each request here reaches the transport under test first.
+async fn alone(http: &Http, m: Method, url: &str, headers: &[(&str, &str)], body: &'static str) -> common::Reply {
+    let mut headers = headers.to_vec();
+    headers.push(("connection", "close"));
+    http.send(m, url, &headers, body).await
+}
+
 /// A catch-all route to the recorder, and `/s3/…` to an upstream that
 /// keeps `dir/` apart from `dir`, on the fast path or the general one.
 fn transport_config(fast: bool) -> String {
@@ -231,7 +240,7 @@ async fn path_aliases_are_refused_before_upstream() {
             "/orders/%ff",
             "/orders/%zz",
         ] {
-            let r = http.send(Method::PUT, &gw.proxy_url(path), &[("x-fencing-token", &t)], "x").await;
+            let r = alone(&http, Method::PUT, &gw.proxy_url(path), &[("x-fencing-token", &t)], "x").await;
             assert_eq!(r.status, StatusCode::BAD_REQUEST, "{path} fast={fast}");
             assert_eq!(r.error_code(), "bad_request", "{path} fast={fast}");
         }
@@ -246,27 +255,31 @@ async fn path_aliases_are_refused_before_upstream() {
             (Method::POST, &t),
             (Method::from_bytes(b"MOVE").unwrap(), &t),
         ] {
-            let r = http.send(m.clone(), &gw.proxy_url("/orders/1/"), &[("x-fencing-token", token)], "x").await;
+            let r = alone(&http, m.clone(), &gw.proxy_url("/orders/1/"), &[("x-fencing-token", token)], "x").await;
             assert_eq!(r.status, StatusCode::BAD_REQUEST, "{m} {token} fast={fast}");
             assert_eq!(r.error_code(), "bad_request", "{m} fast={fast}");
             assert!(r.json()["message"].as_str().unwrap().contains("trailing slash"), "{m} fast={fast}");
         }
         // Encoded, the slash is refused by the path rule itself.
-        let r = http.send(Method::PUT, &gw.proxy_url("/orders/1%2F"), &[("x-fencing-token", &t)], "x").await;
+        let r = alone(&http, Method::PUT, &gw.proxy_url("/orders/1%2F"), &[("x-fencing-token", &t)], "x").await;
         assert_eq!(r.status, StatusCode::BAD_REQUEST, "fast={fast}");
         assert_eq!(rec.count(), 0, "fast={fast}");
         // One spelling of the same key: %31 is "1".
-        let r = http.send(Method::PUT, &gw.proxy_url("/orders/%31"), &[("x-fencing-token", &t)], "x").await;
+        let r = alone(&http, Method::PUT, &gw.proxy_url("/orders/%31"), &[("x-fencing-token", &t)], "x").await;
         assert_eq!(r.status, StatusCode::OK, "fast={fast}");
         // Reads of a trailing-slash path (listings) pass.
-        assert_eq!(http.get(&gw.proxy_url("/orders/")).await.status, StatusCode::OK, "fast={fast}");
+        assert_eq!(
+            alone(&http, Method::GET, &gw.proxy_url("/orders/"), &[], "").await.status,
+            StatusCode::OK,
+            "fast={fast}"
+        );
         // A route whose upstream keeps "dir/" apart takes it as its own key.
         let dir = acquire(&http, &api, "s3/dir/", 10_000, 0).await.unwrap();
-        let r = http
-            .send(Method::PUT, &gw.proxy_url("/s3/dir/"), &[("x-fencing-token", &dir.token.to_string())], "x")
-            .await;
+        let r =
+            alone(&http, Method::PUT, &gw.proxy_url("/s3/dir/"), &[("x-fencing-token", &dir.token.to_string())], "x")
+                .await;
         assert_eq!(r.status, StatusCode::OK, "fast={fast}");
-        let r = http.send(Method::PUT, &gw.proxy_url("/s3/dir/"), &[], "x").await;
+        let r = alone(&http, Method::PUT, &gw.proxy_url("/s3/dir/"), &[], "x").await;
         assert_eq!(r.error_code(), "fencing_token_required", "fast={fast}");
         let paths: Vec<_> = rec.requests().iter().map(|s| s.path.clone()).collect();
         assert_eq!(paths.len(), 3, "fast={fast}: {paths:?}");
@@ -289,14 +302,14 @@ async fn unlisted_methods_are_mutations_on_both_transports() {
         let url = gw.proxy_url("/orders/1");
         for name in methods {
             let m = Method::from_bytes(name.as_bytes()).unwrap();
-            let r = http.send(m.clone(), &url, &[], "x").await;
+            let r = alone(&http, m.clone(), &url, &[], "x").await;
             assert_eq!(r.status, StatusCode::PRECONDITION_REQUIRED, "{name} fast={fast}");
             assert_eq!(r.error_code(), "fencing_token_required", "{name} fast={fast}");
-            let r = http.send(m.clone(), &url, &[("x-fencing-token", &old.token.to_string())], "x").await;
+            let r = alone(&http, m.clone(), &url, &[("x-fencing-token", &old.token.to_string())], "x").await;
             assert_eq!(r.status, StatusCode::CONFLICT, "{name} fast={fast}");
             assert_eq!(r.error_code(), "stale_fencing_token", "{name} fast={fast}");
             // Above the fence: a read would pass, a mutation is refused.
-            let r = http.send(m, &url, &[("x-fencing-token", "999999")], "x").await;
+            let r = alone(&http, m, &url, &[("x-fencing-token", "999999")], "x").await;
             assert_eq!(r.status, StatusCode::FORBIDDEN, "{name} fast={fast}");
             assert_eq!(r.error_code(), "unissued_fencing_token", "{name} fast={fast}");
         }
@@ -305,12 +318,12 @@ async fn unlisted_methods_are_mutations_on_both_transports() {
         let t = new.token.to_string();
         for name in ["MOVE", "put"] {
             let m = Method::from_bytes(name.as_bytes()).unwrap();
-            let r = http.send(m, &url, &[("x-fencing-token", &t)], "x").await;
+            let r = alone(&http, m, &url, &[("x-fencing-token", &t)], "x").await;
             assert_eq!(r.status, StatusCode::OK, "{name} fast={fast}");
         }
         // Reads still pass without a token.
         for m in [Method::GET, Method::HEAD, Method::OPTIONS] {
-            assert_eq!(http.send(m.clone(), &url, &[], "").await.status, StatusCode::OK, "{m} fast={fast}");
+            assert_eq!(alone(&http, m.clone(), &url, &[], "").await.status, StatusCode::OK, "{m} fast={fast}");
         }
         let seen: Vec<_> = rec.requests().iter().map(|s| s.method.to_string()).collect();
         assert_eq!(seen, ["MOVE", "put", "GET", "HEAD", "OPTIONS"], "fast={fast}");
