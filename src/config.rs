@@ -452,8 +452,8 @@ impl RouteConfig {
         crate::proxy::upstream::UpstreamUrl::parse(&self.upstream)
             .map_err(|e| format!("upstream: {:?}: {e}", self.upstream))?;
         for m in &self.read_methods {
-            // Methods are case-sensitive: a lower-case entry would make a
-            // spelling that some backends fold into a write pass as a read.
+            // Methods are case-sensitive and some backends fold them: an
+            // entry like "put" would let a write pass as a read.
             if http::Method::from_bytes(m.as_bytes()).is_err() || m.to_ascii_uppercase() != *m {
                 return Err(format!("read_methods: {m:?} is not an upper-case HTTP method"));
             }

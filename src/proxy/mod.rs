@@ -74,7 +74,7 @@ impl Route {
     /// not one of its read methods, compared exactly (methods are
     /// case-sensitive, so `put` is not `PUT` and not a read either), and
     /// unknown or extension methods (`MOVE`, `PURGE`, …) included. The one
-    /// classification both transports, the metrics and the access log use:
+    /// classification both transports and the mutation metrics use:
     /// a method nobody listed fails safe, as a write that needs a token.
     pub fn is_mutation(&self, method: &Method) -> bool {
         !self.read_methods.contains(method)
