@@ -127,6 +127,20 @@ pub enum HostHeader {
     Rewrite,
 }
 
+/// Whether a route's upstream tells `a/` from `a` (the path rule, SPEC 4).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TrailingSlash {
+    /// The upstream folds `a/` into `a` (most file and object servers,
+    /// the built-in store): a mutation of a path with a trailing slash
+    /// would write the object of another key, so it is refused with 400.
+    #[default]
+    Refuse,
+    /// The upstream keeps `a/` as an object of its own (S3: `dir/` is a
+    /// key): a trailing slash is one more character of the key.
+    Distinct,
+}
+
 /// One `[[routes]]` entry (SPEC section 4).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -143,9 +157,20 @@ pub struct RouteConfig {
     pub resource: Option<String>,
     /// `http://host:port[/prefix]`, `https://…` or `file://DIR`.
     pub upstream: String,
-    /// Methods that need a token.
-    #[serde(default = "default_mutating_methods")]
-    pub mutating_methods: Vec<String>,
+    /// The methods forwarded as reads (no token needed; a stale one is
+    /// still refused). Every other method, unknown and extension methods
+    /// and other spellings (`put`) included, is a mutation: fail safe.
+    #[serde(default = "default_read_methods")]
+    pub read_methods: Vec<String>,
+    /// The removed key `mutating_methods`: present only to refuse it with
+    /// a hint naming `read_methods` (a list of mutations fails open).
+    #[serde(default, rename = "mutating_methods", deserialize_with = "refuse_mutating_methods")]
+    #[expect(dead_code, reason = "never read: parsing the removed key fails with its hint")]
+    removed_mutating_methods: Removed,
+    /// Whether the upstream keeps `a/` and `a` apart: `refuse` (default)
+    /// or `distinct`.
+    #[serde(default)]
+    pub trailing_slash: TrailingSlash,
     /// `embedded` (default) or `external`.
     #[serde(default = "default_authority")]
     pub fence_authority: FenceAuthority,
@@ -190,8 +215,21 @@ pub struct RouteConfig {
     pub auth: bool,
 }
 
-fn default_mutating_methods() -> Vec<String> {
-    ["PUT", "POST", "PATCH", "DELETE"].map(String::from).to_vec()
+fn default_read_methods() -> Vec<String> {
+    ["GET", "HEAD", "OPTIONS"].map(String::from).to_vec()
+}
+
+/// The hint a configuration with the removed `mutating_methods` gets.
+const MUTATING_METHODS_REMOVED: &str = "mutating_methods was removed: a route now lists its read methods \
+     instead, as read_methods (default [\"GET\", \"HEAD\", \"OPTIONS\"]), and every other method, unknown ones \
+     included, is a mutation that needs a token; delete mutating_methods, or list the reads in read_methods";
+
+/// The value of a removed key: never present (deserializing one fails).
+#[derive(Debug, Clone, Copy, Default)]
+struct Removed;
+
+fn refuse_mutating_methods<'de, D: serde::Deserializer<'de>>(_: D) -> Result<Removed, D::Error> {
+    Err(serde::de::Error::custom(MUTATING_METHODS_REMOVED))
 }
 fn default_max_token_step() -> u64 {
     1_000_000_000_000
@@ -392,7 +430,9 @@ impl RouteConfig {
             match_path: "/{*path}".into(),
             resource: None,
             upstream,
-            mutating_methods: default_mutating_methods(),
+            read_methods: default_read_methods(),
+            removed_mutating_methods: Removed,
+            trailing_slash: TrailingSlash::Refuse,
             fence_authority: FenceAuthority::Embedded,
             max_token_step: default_max_token_step(),
             strict: true,
@@ -430,10 +470,19 @@ impl RouteConfig {
         }
         crate::proxy::upstream::UpstreamUrl::parse(&self.upstream)
             .map_err(|e| format!("upstream: {:?}: {e}", self.upstream))?;
-        for m in &self.mutating_methods {
+        for m in &self.read_methods {
+            // Methods are case-sensitive and some backends fold them: an
+            // entry like "put" would let a write pass as a read.
             if http::Method::from_bytes(m.as_bytes()).is_err() || m.to_ascii_uppercase() != *m {
-                return Err(format!("mutating_methods: {m:?} is not an upper-case HTTP method"));
+                return Err(format!("read_methods: {m:?} is not an upper-case HTTP method"));
             }
+        }
+        if self.trailing_slash == TrailingSlash::Distinct && self.upstream.starts_with("file://") {
+            return Err(
+                "trailing_slash: \"distinct\" does not fit a file:// upstream: the built-in store has no object \
+                 whose name ends in \"/\""
+                    .into(),
+            );
         }
         if self.upstream_timeout_ms == 0 {
             return Err("upstream_timeout_ms: must be at least 1".into());
@@ -517,5 +566,37 @@ upstream = "http://127.0.0.1:9"
     fn ttl_bounds_must_be_ordered() {
         let c = Config::from_toml("[locks]\nmin_ttl_ms = 10\nmax_ttl_ms = 5\n").unwrap();
         assert!(c.validate().unwrap_err().starts_with("locks.max_ttl_ms"));
+    }
+
+    #[test]
+    fn mutating_methods_is_refused_with_a_hint_naming_read_methods() {
+        let text = "[[routes]]\nmatch = \"/{*p}\"\nupstream = \"http://127.0.0.1:9\"\nmutating_methods = [\"PUT\"]\n";
+        let err = Config::from_toml(text).unwrap_err();
+        assert!(err.contains("mutating_methods was removed"), "{err}");
+        assert!(err.contains("read_methods"), "{err}");
+        assert!(err.contains("line 4"), "{err}");
+    }
+
+    #[test]
+    fn read_methods_default_to_get_head_options_and_must_be_upper_case() {
+        let c = Config::from_toml("[[routes]]\nmatch = \"/{*p}\"\nupstream = \"http://127.0.0.1:9\"\n").unwrap();
+        assert_eq!(c.routes[0].read_methods, ["GET", "HEAD", "OPTIONS"]);
+        assert_eq!(c.routes[0].trailing_slash, TrailingSlash::Refuse);
+        c.validate().unwrap();
+        let text = "[[routes]]\nmatch = \"/{*p}\"\nupstream = \"http://127.0.0.1:9\"\nread_methods = [\"GET\", \"propfind\"]\n";
+        let err = Config::from_toml(text).unwrap().validate().unwrap_err();
+        assert!(err.starts_with("routes[0].read_methods"), "{err}");
+    }
+
+    #[test]
+    fn trailing_slash_distinct_is_for_http_upstreams_only() {
+        let route =
+            |up: &str| format!("[[routes]]\nmatch = \"/{{*p}}\"\nupstream = \"{up}\"\ntrailing_slash = \"distinct\"\n");
+        let c = Config::from_toml(&route("http://127.0.0.1:9")).unwrap();
+        assert_eq!(c.routes[0].trailing_slash, TrailingSlash::Distinct);
+        c.validate().unwrap();
+        let err = Config::from_toml(&route("file:///tmp/x")).unwrap().validate().unwrap_err();
+        assert!(err.starts_with("routes[0].trailing_slash"), "{err}");
+        assert!(Config::from_toml(&route("http://127.0.0.1:9").replace("distinct", "keep")).is_err());
     }
 }

@@ -181,6 +181,49 @@ async fn only_current_tokens_reach_the_upstream_on_both_paths() {
     }
 }
 
+/// On each path, as raw bytes on the wire: a method that is not a read
+/// (`MOVE`, `PURGE`, `MKCOL`, a lowercase `put`) needs a token, and a
+/// mutation of a path with a trailing slash is refused; only the holder's
+/// `MOVE` reaches the upstream. Each refused request opens the connection,
+/// so the fast path decides it first.
+#[tokio::test(flavor = "multi_thread")]
+async fn unlisted_methods_and_trailing_slashes_are_refused_on_both_paths() {
+    let req = |method: &str, path: &str, token: Option<&str>| {
+        let token = token.map(|t| format!("X-Fencing-Token: {t}\r\n")).unwrap_or_default();
+        format!("{method} {path} HTTP/1.1\r\nHost: front\r\n{token}Content-Length: 1\r\n\r\nx").into_bytes()
+    };
+    let error = |r: &Raw| serde_json::from_slice::<serde_json::Value>(&r.body).unwrap()["error"].clone();
+    for fast in [true, false] {
+        let rec = Recorder::start().await;
+        let (_d, gw) = gateway(&rec.url(), fast).await;
+        let http = Http::default();
+        let g = acquire(&http, &gw.api_url(""), "orders/1", 10_000, 0).await.unwrap();
+        let t = g.token.to_string();
+        for m in ["MOVE", "PURGE", "MKCOL", "put"] {
+            let mut c = Client::connect(gw.proxy).await;
+            c.send(&req(m, "/orders/1", None)).await;
+            let r = c.read(false).await;
+            assert_eq!(r.status, 428, "{m} fast={fast}");
+            assert_eq!(error(&r), "fencing_token_required", "{m} fast={fast}");
+        }
+        // Even with the live token of the key "orders/1/": it would write
+        // the object of "orders/1" past that key's fence.
+        let slash = acquire(&http, &gw.api_url(""), "orders/1/", 10_000, 0).await.unwrap().token.to_string();
+        for m in ["PUT", "MOVE"] {
+            let mut c = Client::connect(gw.proxy).await;
+            c.send(&req(m, "/orders/1/", Some(&slash))).await;
+            let r = c.read(false).await;
+            assert_eq!(r.status, 400, "{m} fast={fast}");
+            assert_eq!(error(&r), "bad_request", "{m} fast={fast}");
+        }
+        let mut c = Client::connect(gw.proxy).await;
+        c.send(&req("MOVE", "/orders/1", Some(&t))).await;
+        assert_eq!(c.read(false).await.status, 200, "fast={fast}");
+        let seen: Vec<_> = rec.requests().iter().map(|s| (s.method.to_string(), s.path.clone())).collect();
+        assert_eq!(seen, [("MOVE".to_string(), "/orders/1".to_string())], "fast={fast}");
+    }
+}
+
 /// Requests sent back to back in one write are answered in order, and the
 /// upstream sees this hop's header edits.
 #[tokio::test(flavor = "multi_thread")]

@@ -190,31 +190,188 @@ async fn reads_pass_but_a_stale_read_learns_it() {
     assert_eq!(rec.count(), 1, "only the token-less read reached the upstream");
 }
 
+/// One request on a connection of its own (`Connection: close`). The fast
+/// path keeps a connection only until it hands it to the general path, so
+/// each request here reaches the transport under test first.
+async fn alone(http: &Http, m: Method, url: &str, headers: &[(&str, &str)], body: &'static str) -> common::Reply {
+    let mut headers = headers.to_vec();
+    headers.push(("connection", "close"));
+    http.send(m, url, &headers, body).await
+}
+
+/// A catch-all route to the recorder, and `/s3/…` to an upstream that
+/// keeps `dir/` apart from `dir`, on the fast path or the general one.
+fn transport_config(fast: bool) -> String {
+    format!(
+        r#"
+[server]
+proxy_fast_path = {fast}
+
+[[routes]]
+name = "s3"
+match = "/s3/{{*key}}"
+upstream = "UPSTREAM"
+trailing_slash = "distinct"
+
+[[routes]]
+name = "main"
+match = "/{{*path}}"
+upstream = "UPSTREAM"
+"#
+    )
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn path_aliases_are_refused_before_upstream() {
-    let (_d, gw, rec, http) = setup().await;
-    let g = acquire(&http, &gw.api_url(""), "orders/1", 10_000, 0).await.unwrap();
-    let t = g.token.to_string();
-    for path in [
-        "/orders/x/../1",
-        "/orders/./1",
-        "/orders//1",
-        "/orders%2F1",
-        "/orders%2f1",
-        "/orders/%2e%2e/1",
-        "/orders%5C1",
-        "/orders/1%00",
-        "/orders/%ff",
-        "/orders/%zz",
-    ] {
-        let r = http.send(Method::PUT, &gw.proxy_url(path), &[("x-fencing-token", &t)], "x").await;
-        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{path}");
-        assert_eq!(r.error_code(), "bad_request", "{path}");
+    for fast in [true, false] {
+        let (_d, gw, rec, http) = setup_with(Some(transport_config(fast))).await;
+        let api = gw.api_url("");
+        let g = acquire(&http, &api, "orders/1", 10_000, 0).await.unwrap();
+        let t = g.token.to_string();
+        for path in [
+            "/orders/x/../1",
+            "/orders/./1",
+            "/orders//1",
+            "/orders%2F1",
+            "/orders%2f1",
+            "/orders/%2e%2e/1",
+            "/orders%5C1",
+            "/orders/1%00",
+            "/orders/%ff",
+            "/orders/%zz",
+        ] {
+            let r = alone(&http, Method::PUT, &gw.proxy_url(path), &[("x-fencing-token", &t)], "x").await;
+            assert_eq!(r.status, StatusCode::BAD_REQUEST, "{path} fast={fast}");
+            assert_eq!(r.error_code(), "bad_request", "{path} fast={fast}");
+        }
+        // A trailing slash is a second key ("orders/1/") for the same
+        // upstream object: refused on mutations, whatever the token (the
+        // holder of "orders/1/" must not write "orders/1" past its fence).
+        let slash = acquire(&http, &api, "orders/1/", 10_000, 0).await.unwrap();
+        for (m, token) in [
+            (Method::PUT, &t),
+            (Method::PUT, &slash.token.to_string()),
+            (Method::DELETE, &slash.token.to_string()),
+            (Method::POST, &t),
+            (Method::from_bytes(b"MOVE").unwrap(), &t),
+        ] {
+            let r = alone(&http, m.clone(), &gw.proxy_url("/orders/1/"), &[("x-fencing-token", token)], "x").await;
+            assert_eq!(r.status, StatusCode::BAD_REQUEST, "{m} {token} fast={fast}");
+            assert_eq!(r.error_code(), "bad_request", "{m} fast={fast}");
+            assert!(r.json()["message"].as_str().unwrap().contains("trailing slash"), "{m} fast={fast}");
+        }
+        // Encoded, the slash is refused by the path rule itself.
+        let r = alone(&http, Method::PUT, &gw.proxy_url("/orders/1%2F"), &[("x-fencing-token", &t)], "x").await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "fast={fast}");
+        assert_eq!(rec.count(), 0, "fast={fast}");
+        // One spelling of the same key: %31 is "1".
+        let r = alone(&http, Method::PUT, &gw.proxy_url("/orders/%31"), &[("x-fencing-token", &t)], "x").await;
+        assert_eq!(r.status, StatusCode::OK, "fast={fast}");
+        // Reads of a trailing-slash path (listings) pass.
+        assert_eq!(
+            alone(&http, Method::GET, &gw.proxy_url("/orders/"), &[], "").await.status,
+            StatusCode::OK,
+            "fast={fast}"
+        );
+        // A route whose upstream keeps "dir/" apart takes it as its own key.
+        let dir = acquire(&http, &api, "s3/dir/", 10_000, 0).await.unwrap();
+        let r =
+            alone(&http, Method::PUT, &gw.proxy_url("/s3/dir/"), &[("x-fencing-token", &dir.token.to_string())], "x")
+                .await;
+        assert_eq!(r.status, StatusCode::OK, "fast={fast}");
+        let r = alone(&http, Method::PUT, &gw.proxy_url("/s3/dir/"), &[], "x").await;
+        assert_eq!(r.error_code(), "fencing_token_required", "fast={fast}");
+        let paths: Vec<_> = rec.requests().iter().map(|s| s.path.clone()).collect();
+        assert_eq!(paths.len(), 3, "fast={fast}: {paths:?}");
+        assert_eq!(paths[1..], ["/orders/", "/s3/dir/"], "fast={fast}");
     }
-    assert_eq!(rec.count(), 0);
-    // One spelling of the same key: %31 is "1".
-    let r = http.send(Method::PUT, &gw.proxy_url("/orders/%31"), &[("x-fencing-token", &t)], "x").await;
-    assert_eq!(r.status, StatusCode::OK);
+}
+
+/// Every method that is not a read method of the route is a mutation:
+/// WebDAV's and other extension methods, and other spellings of the
+/// standard ones (methods are case-sensitive; some backends fold them).
+#[tokio::test(flavor = "multi_thread")]
+async fn unlisted_methods_are_mutations_on_both_transports() {
+    let methods = ["MOVE", "COPY", "PROPPATCH", "MKCOL", "LOCK", "UNLOCK", "PURGE", "TRACE", "put", "Delete", "get"];
+    for fast in [true, false] {
+        let (_d, gw, rec, http) = setup_with(Some(transport_config(fast))).await;
+        let api = gw.api_url("");
+        let old = acquire(&http, &api, "orders/1", 10_000, 0).await.unwrap();
+        release(&http, &api, &old).await;
+        let new = acquire(&http, &api, "orders/1", 10_000, 0).await.unwrap();
+        let url = gw.proxy_url("/orders/1");
+        for name in methods {
+            let m = Method::from_bytes(name.as_bytes()).unwrap();
+            let r = alone(&http, m.clone(), &url, &[], "x").await;
+            assert_eq!(r.status, StatusCode::PRECONDITION_REQUIRED, "{name} fast={fast}");
+            assert_eq!(r.error_code(), "fencing_token_required", "{name} fast={fast}");
+            let r = alone(&http, m.clone(), &url, &[("x-fencing-token", &old.token.to_string())], "x").await;
+            assert_eq!(r.status, StatusCode::CONFLICT, "{name} fast={fast}");
+            assert_eq!(r.error_code(), "stale_fencing_token", "{name} fast={fast}");
+            // Above the fence: a read would pass, a mutation is refused.
+            let r = alone(&http, m, &url, &[("x-fencing-token", "999999")], "x").await;
+            assert_eq!(r.status, StatusCode::FORBIDDEN, "{name} fast={fast}");
+            assert_eq!(r.error_code(), "unissued_fencing_token", "{name} fast={fast}");
+        }
+        assert_eq!(rec.count(), 0, "fast={fast}: {:?}", rec.requests());
+        // The holder's own MOVE and lowercase put go through, as mutations.
+        let t = new.token.to_string();
+        for name in ["MOVE", "put"] {
+            let m = Method::from_bytes(name.as_bytes()).unwrap();
+            let r = alone(&http, m, &url, &[("x-fencing-token", &t)], "x").await;
+            assert_eq!(r.status, StatusCode::OK, "{name} fast={fast}");
+        }
+        // Reads still pass without a token.
+        for m in [Method::GET, Method::HEAD, Method::OPTIONS] {
+            assert_eq!(alone(&http, m.clone(), &url, &[], "").await.status, StatusCode::OK, "{m} fast={fast}");
+        }
+        let seen: Vec<_> = rec.requests().iter().map(|s| s.method.to_string()).collect();
+        assert_eq!(seen, ["MOVE", "put", "GET", "HEAD", "OPTIONS"], "fast={fast}");
+        let m = String::from_utf8(http.get(&gw.api_url("/metrics")).await.body.to_vec()).unwrap();
+        let n = methods.len();
+        assert!(
+            m.contains(&format!("fencegate_mutations_total{{outcome=\"missing_token\",route=\"main\"}} {n}")),
+            "{m}"
+        );
+        assert!(m.contains(&format!("fencegate_mutations_total{{outcome=\"stale\",route=\"main\"}} {n}")), "{m}");
+        assert!(m.contains("fencegate_mutations_total{outcome=\"forwarded\",route=\"main\"} 2"), "{m}");
+    }
+}
+
+/// A route that lists more reads forwards them without a token; the old
+/// key `mutating_methods` is refused with a hint naming `read_methods`.
+#[tokio::test(flavor = "multi_thread")]
+async fn read_methods_are_configurable_and_mutating_methods_is_refused() {
+    let cfg = r#"
+[[routes]]
+match = "/{*path}"
+upstream = "UPSTREAM"
+read_methods = ["GET", "HEAD", "OPTIONS", "PROPFIND", "REPORT"]
+"#;
+    let (_d, gw, rec, http) = setup_with(Some(cfg.into())).await;
+    let url = gw.proxy_url("/dav/a");
+    for name in ["PROPFIND", "REPORT"] {
+        let r = http.send(Method::from_bytes(name.as_bytes()).unwrap(), &url, &[], "").await;
+        assert_eq!(r.status, StatusCode::OK, "{name}");
+    }
+    for name in ["PROPPATCH", "propfind"] {
+        let r = http.send(Method::from_bytes(name.as_bytes()).unwrap(), &url, &[], "").await;
+        assert_eq!(r.error_code(), "fencing_token_required", "{name}");
+    }
+    assert_eq!(rec.count(), 2);
+
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("old.toml");
+    std::fs::write(
+        &file,
+        "[[routes]]\nmatch = \"/{*p}\"\nupstream = \"http://127.0.0.1:9\"\nmutating_methods = [\"PUT\"]\n",
+    )
+    .unwrap();
+    let out =
+        std::process::Command::new(env!("CARGO_BIN_EXE_fencegate")).arg("check-config").arg(&file).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("mutating_methods was removed") && text.contains("read_methods"), "{text}");
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -276,6 +276,12 @@ async fn serve_one(
     let path_only = target.split_once('?').map_or(target, |(p, _)| p);
     let Ok(checked) = path::check_path(path_only) else { return Next::General };
     let Some((route, key)) = proxy.route_for(&checked) else { return Next::General };
+    let Ok(method) = Method::from_bytes(&c.buf[head.method.clone()]) else { return Next::General };
+    let mutation = route.is_mutation(&method);
+    // The path rule's route-dependent half: a refusal is the general path's.
+    if route.check_trailing_slash(&checked, mutation).is_err() {
+        return Next::General;
+    }
     let Some((pool, prefix, upstream_host)) = route.upstream.plain_http() else { return Next::General };
     if route.auth || route.policy.external || head.content_length > MAX_FAST_BODY.min(route.max_body_bytes) {
         return Next::General;
@@ -283,8 +289,6 @@ async fn serve_one(
     // The access log's fields are gathered only when it is on.
     let log = tracing::enabled!(target: "fencegate::access", tracing::Level::INFO)
         .then(|| Access { path: path_only.to_string(), req_bytes: head.content_length });
-    let Ok(method) = Method::from_bytes(&c.buf[head.method.clone()]) else { return Next::General };
-    let mutation = route.mutating.contains(&method);
     let head_request = method == Method::HEAD;
 
     // 3. The whole body (small by the check above) before the admission.

@@ -2,7 +2,9 @@
 //! path that forwards a mutation:
 //!
 //! 1. `route`   — the path is checked (no aliases) and decoded, matched to
-//!    a route, and mapped to a resource key;
+//!    a route, and mapped to a resource key; the method is classified once
+//!    ([`Route::is_mutation`]: all but the route's read methods) and a
+//!    mutation's trailing slash refused where the upstream folds it;
 //! 2. `admit`   — the token is parsed and compared with the key's fence;
 //!    an admissible mutation is registered as in flight in the same atomic
 //!    step (external routes first advance the fence durably and wait for
@@ -32,7 +34,7 @@ use tokio::time::Instant;
 use crate::auth::Auth;
 use crate::authority::{validate_key, Authority};
 use crate::body::BoxBody;
-use crate::config::{Config, FenceAuthority, HostHeader};
+use crate::config::{Config, FenceAuthority, HostHeader, TrailingSlash};
 use crate::error::Error;
 use crate::fence::token::TokenError;
 use crate::fence::{parse_token_header, Admission, CheckPolicy, FenceTable, InflightGuard, Refusal};
@@ -51,7 +53,9 @@ pub struct Route {
     matcher: Template,
     resource: Option<Template>,
     upstream: Upstream,
-    mutating: Vec<Method>,
+    /// The methods forwarded as reads; see [`Route::is_mutation`].
+    read_methods: Vec<Method>,
+    trailing_slash: TrailingSlash,
     policy: CheckPolicy,
     enforce: bool,
     upstream_timeout: Duration,
@@ -63,6 +67,34 @@ pub struct Route {
     request_duration: prometheus::Histogram,
     upstream_duration: prometheus::Histogram,
     forwarded: prometheus::IntCounter,
+}
+
+impl Route {
+    /// Whether `method` is a mutation on this route: every method that is
+    /// not one of its read methods, compared exactly (methods are
+    /// case-sensitive, so `put` is not `PUT` and not a read either), and
+    /// unknown or extension methods (`MOVE`, `PURGE`, …) included. The one
+    /// classification both transports and the mutation metrics use:
+    /// a method nobody listed fails safe, as a write that needs a token.
+    pub fn is_mutation(&self, method: &Method) -> bool {
+        !self.read_methods.contains(method)
+    }
+
+    /// The path rule's half that depends on the route: on a route whose
+    /// upstream folds `a/` into `a` (`trailing_slash = "refuse"`, the
+    /// default), a mutation of a path with a trailing slash is refused, as
+    /// it would write the object of the key without the slash past that
+    /// key's fence. Reads of such paths (listings) pass.
+    pub(crate) fn check_trailing_slash(&self, checked: &path::CheckedPath, mutation: bool) -> Result<(), Error> {
+        if mutation && self.trailing_slash == TrailingSlash::Refuse && checked.has_trailing_slash() {
+            return Err(Error::BadRequest(
+                "path refused: a trailing slash on a mutation names the same upstream object as the path without it \
+                 (a route whose upstream keeps them apart sets trailing_slash = \"distinct\")"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// The data plane.
@@ -187,7 +219,11 @@ impl Proxy {
                 client_key_file: rc.client_key_file.clone(),
             };
             let upstream = Upstream::connect(&url, Duration::from_millis(rc.connect_timeout_ms), &tls)?;
-            let mutating = rc.mutating_methods.iter().filter_map(|m| Method::from_bytes(m.as_bytes()).ok()).collect();
+            let read_methods = rc
+                .read_methods
+                .iter()
+                .map(|m| Method::from_bytes(m.as_bytes()).map_err(|e| bad(format!("read_methods: {m:?}: {e}"))))
+                .collect::<Result<_, _>>()?;
             let name = rc.route_name(i);
             metrics.register_route(&name);
             routes.push(Route {
@@ -198,7 +234,8 @@ impl Proxy {
                 matcher,
                 resource,
                 upstream,
-                mutating,
+                read_methods,
+                trailing_slash: rc.trailing_slash,
                 policy: CheckPolicy {
                     strict: rc.strict,
                     external: rc.fence_authority == FenceAuthority::External,
@@ -289,12 +326,14 @@ impl Proxy {
         if seen.log {
             seen.key = Some(key.to_string());
         }
+        let mutation = route.is_mutation(req.method());
+        route.check_trailing_slash(&checked, mutation)?;
         if route.auth {
             // Proxy-Authorization is hop-by-hop: it never reaches the upstream.
             let principal = self.auth.require(req.headers(), "proxy-authorization", client)?;
             principal.authorize(&key)?;
         }
-        self.admit_and_forward(route, &key, &checked.decoded, req, client).await
+        self.admit_and_forward(route, &key, &checked.decoded, mutation, req, client).await
     }
 
     /// The fence check of SPEC 4 for one request: the one decision both
@@ -359,10 +398,10 @@ impl Proxy {
         route: &Route,
         key: &str,
         object: &str,
+        mutation: bool,
         req: Request<BoxBody>,
         client: &ClientInfo,
     ) -> Result<Response<BoxBody>, Refused> {
-        let mutation = route.mutating.contains(req.method());
         // 2. admit
         let parsed = parse_token_header(req.headers().get_all(&X_FENCING_TOKEN));
         let token = parsed.as_ref().ok().copied().flatten();
@@ -405,7 +444,7 @@ impl Proxy {
         // 3. forward
         // Boxed once here: every caller above then carries a pointer, not
         // the forwarding state (kilobytes, copied at each level otherwise).
-        Box::pin(self.forward(route, key, object, req, client, guard, token)).await
+        Box::pin(self.forward(route, key, object, mutation, req, client, guard, token)).await
     }
 
     /// An external route's new token: durable first, then the barrier on
@@ -492,12 +531,12 @@ impl Proxy {
         route: &Route,
         key: &str,
         object: &str,
+        mutation: bool,
         req: Request<BoxBody>,
         client: &ClientInfo,
         guard: Option<InflightGuard>,
         token: Option<u64>,
     ) -> Result<Response<BoxBody>, Refused> {
-        let mutation = route.mutating.contains(req.method());
         let outcome_word = |w: &'static str| mutation.then_some(w);
         let declared = content_length(req.headers());
         if declared.is_some_and(|len| len > route.max_body_bytes) {

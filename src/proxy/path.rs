@@ -6,7 +6,10 @@
 //! contain `\` (raw or encoded) nor an encoded `/`; no segment may be empty
 //! (`//`) except a single trailing one, and no segment may be `.` or `..`
 //! (in any encoding). Anything else is refused with 400, so that no alias
-//! of a fenced resource reaches the upstream under another key.
+//! of a fenced resource reaches the upstream under another key. The rule's
+//! one route-dependent part, a trailing slash on a mutation, is checked
+//! once the route is known (refused unless the route's upstream keeps
+//! `a/` and `a` apart: `trailing_slash = "distinct"`).
 
 /// The checked, decoded form of a request path.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -16,6 +19,14 @@ pub struct CheckedPath {
 }
 
 impl CheckedPath {
+    /// Whether the path ends in `/` after at least one segment (`/` alone,
+    /// the root, does not count): on most upstreams `a/` is the object
+    /// `a`, so a route refuses such mutations unless its upstream keeps
+    /// them apart (`Route::check_trailing_slash`).
+    pub fn has_trailing_slash(&self) -> bool {
+        self.decoded.ends_with('/')
+    }
+
     /// The decoded segments (a trailing slash gives a final empty one).
     pub fn segments(&self) -> Vec<&str> {
         if self.decoded.is_empty() {
@@ -93,6 +104,10 @@ mod tests {
         assert_eq!(check_path("/%41").unwrap().decoded, check_path("/A").unwrap().decoded);
         assert_eq!(check_path("/").unwrap().decoded, "");
         assert_eq!(check_path("/dir/").unwrap().segments(), vec!["dir", ""]);
+        assert!(check_path("/dir/").unwrap().has_trailing_slash());
+        assert!(check_path("/dir%2F").is_err());
+        assert!(!check_path("/dir").unwrap().has_trailing_slash());
+        assert!(!check_path("/").unwrap().has_trailing_slash());
     }
 
     #[test]
