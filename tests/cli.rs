@@ -76,3 +76,40 @@ fn serve_with_no_arguments_runs_on_the_embedded_defaults() {
     common::signal(child.id(), "TERM");
     assert!(child.wait().unwrap().success());
 }
+
+/// A principals file with nobody in it would leave authentication off
+/// without a word: `check-config` and `serve` both refuse it. A prefix that
+/// does not end in `/` is refused too, naming the principal.
+#[test]
+fn empty_principals_and_partial_prefixes_are_configuration_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let principals = dir.path().join("principals.toml");
+    let config = dir.path().join("fencegate.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "data_dir = \"{}\"\nlisten = \"127.0.0.1:0\"\napi_listen = \"127.0.0.1:0\"\n[auth]\nprincipals_file = \"{}\"\napi = true\n",
+            dir.path().join("data").display(),
+            principals.display()
+        ),
+    )
+    .unwrap();
+    let hash = fencegate::auth::hash_token("t");
+    let cases = [
+        ("principals = []\n".to_string(), "empty"),
+        (
+            format!("[[principals]]\nname = \"billing\"\ntoken_sha256 = \"{hash}\"\nprefixes = [\"invoices\"]\n"),
+            "billing",
+        ),
+    ];
+    for (text, needle) in cases {
+        std::fs::write(&principals, &text).unwrap();
+        let out = fencegate().arg("check-config").arg(&config).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{text}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("principals_file") && err.contains(needle), "{text}: {err}");
+        let out = fencegate().args(["serve", "--config"]).arg(&config).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "serve must refuse it too: {text}");
+        assert!(!dir.path().join("data").exists(), "refused before anything was created");
+    }
+}
