@@ -366,6 +366,40 @@ impl Config {
     }
 }
 
+impl Config {
+    /// What is valid but probably not meant: today, a route without `auth`
+    /// whose keys an `auth = true` route also produces (its requests move
+    /// the same fences without a principal). Best effort: judged from the
+    /// templates alone. `check-config` prints these; `serve` logs them.
+    pub fn warnings(&self) -> Vec<String> {
+        let shape = |r: &RouteConfig| {
+            let m = Template::parse_match(&r.match_path).ok()?;
+            let res = match &r.resource {
+                Some(t) => Some(Template::parse_resource(t, &m).ok()?),
+                None => None,
+            };
+            Some(crate::proxy::template::KeyShape::of(&m, res.as_ref()))
+        };
+        let shapes: Vec<_> = self.routes.iter().map(shape).collect();
+        let mut out = Vec::new();
+        for (i, open) in self.routes.iter().enumerate().filter(|(_, r)| !r.auth) {
+            for (j, guarded) in self.routes.iter().enumerate().filter(|(_, r)| r.auth) {
+                if let (Some(Some(a)), Some(Some(b))) = (shapes.get(i), shapes.get(j)) {
+                    if a.overlaps(b) {
+                        out.push(format!(
+                            "routes[{i}] ({}) has no auth but produces keys that routes[{j}] ({}, auth = true) \
+                             also produces: a client without a principal can move their fences there",
+                            open.route_name(i),
+                            guarded.route_name(j)
+                        ));
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
 impl RouteConfig {
     /// SPEC 2a's `--upstream URL`: everything, keyed by the path.
     pub fn catch_all(upstream: String) -> RouteConfig {
@@ -485,5 +519,27 @@ upstream = "http://127.0.0.1:9"
     fn ttl_bounds_must_be_ordered() {
         let c = Config::from_toml("[locks]\nmin_ttl_ms = 10\nmax_ttl_ms = 5\n").unwrap();
         assert!(c.validate().unwrap_err().starts_with("locks.max_ttl_ms"));
+    }
+
+    #[test]
+    fn open_route_over_auth_keys_is_warned_about() {
+        let text = r#"
+[auth]
+[[routes]]
+match = "/invoices/{*rest}"
+upstream = "http://127.0.0.1:9"
+auth = true
+[[routes]]
+match = "/orders/{*rest}"
+upstream = "http://127.0.0.1:9"
+[[routes]]
+name = "rest"
+match = "/{*path}"
+upstream = "http://127.0.0.1:9"
+"#;
+        let c = Config::from_toml(text).unwrap();
+        let w = c.warnings();
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(w[0].starts_with("routes[2] (rest)") && w[0].contains("routes[0]"), "{w:?}");
     }
 }

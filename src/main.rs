@@ -274,6 +274,9 @@ fn client_command(command: Command) -> ExitCode {
 fn check_config(file: &std::path::Path) -> ExitCode {
     match Config::load(file).and_then(|c| c.validate().map(|()| c)) {
         Ok(c) => {
+            for w in c.warnings() {
+                eprintln!("{}: warning: {w}", file.display());
+            }
             println!(
                 "{}: ok ({} route(s), proxy {}, api {})",
                 file.display(),
@@ -329,6 +332,9 @@ fn serve(args: ServeArgs) -> ExitCode {
         return ExitCode::from(2);
     }
     init_tracing(&cfg);
+    for w in cfg.warnings() {
+        tracing::warn!("configuration: {w}");
+    }
     // One worker per CPU this process may run on. With a single CPU (a
     // container limit, or `taskset`), the current-thread scheduler does the
     // same work without the work-stealing machinery.

@@ -113,3 +113,29 @@ fn empty_principals_and_partial_prefixes_are_configuration_errors() {
         assert!(!dir.path().join("data").exists(), "refused before anything was created");
     }
 }
+
+#[test]
+fn check_config_warns_about_an_open_route_over_auth_keys() {
+    let dir = tempfile::tempdir().unwrap();
+    let principals = dir.path().join("principals.toml");
+    let hash = fencegate::auth::hash_token("t");
+    std::fs::write(
+        &principals,
+        format!("[[principals]]\nname = \"billing\"\ntoken_sha256 = \"{hash}\"\nprefixes = [\"invoices/\"]\n"),
+    )
+    .unwrap();
+    let config = dir.path().join("fencegate.toml");
+    let routes = "[[routes]]\nname = \"invoices\"\nmatch = \"/invoices/{*rest}\"\nupstream = \"http://127.0.0.1:9\"\nauth = true\n";
+    let open = "[[routes]]\nname = \"rest\"\nmatch = \"/{*path}\"\nupstream = \"http://127.0.0.1:9\"\n";
+    let head = format!("[auth]\nprincipals_file = \"{}\"\n", principals.display());
+    std::fs::write(&config, format!("{head}{routes}{open}")).unwrap();
+    let out = fencegate().arg("check-config").arg(&config).output().unwrap();
+    assert!(out.status.success(), "a warning, not an error: {}", String::from_utf8_lossy(&out.stderr));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("warning") && err.contains("routes[1] (rest)") && err.contains("routes[0]"), "{err}");
+    // Without the open catch-all: no warning.
+    std::fs::write(&config, format!("{head}{routes}")).unwrap();
+    let out = fencegate().arg("check-config").arg(&config).output().unwrap();
+    assert!(out.status.success());
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("warning"));
+}
