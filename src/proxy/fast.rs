@@ -250,6 +250,12 @@ async fn serve_one(
             match parse_head(&c.buf, limits.max_header_bytes, &mut c.head) {
                 Parsed::Complete => break,
                 Parsed::General => return Next::General,
+                // Refused before any routing; the body (if any) is not
+                // read, so the connection closes after the answer.
+                Parsed::FencingHopByHop => {
+                    let refused = crate::proxy::headers::fencing_header_named_hop_by_hop().into_response();
+                    return write_response(stream, refused, false, true, &mut c.out).await;
+                }
                 Parsed::Partial => {}
             }
         }
