@@ -308,7 +308,29 @@ fn init_tracing(cfg: &Config) {
     }
 }
 
+/// A data directory made before this version (or by hand) may be readable
+/// by other local users; its files then leak lease ids. Said at start; the
+/// modes are the operator's to change.
+fn warn_if_data_dir_is_shared(dir: &std::path::Path) {
+    use std::os::unix::fs::PermissionsExt;
+    if let Ok(meta) = std::fs::metadata(dir) {
+        let mode = meta.permissions().mode() & 0o777;
+        if mode & 0o077 != 0 {
+            tracing::warn!(
+                data_dir = %dir.display(),
+                mode = format!("{mode:03o}"),
+                "the data directory is accessible to other users (group/world bits set); its files hold lease \
+                 ids: chmod -R go-rwx it"
+            );
+        }
+    }
+}
+
 fn serve(args: ServeArgs) -> ExitCode {
+    // Everything this process creates is its own: the data directory 0700,
+    // RocksDB's files (its write-ahead log holds live lease ids, the bearer
+    // secrets of renew and release) and the object store's files 0600.
+    rustix::process::umask(rustix::fs::Mode::from_raw_mode(0o077));
     let mut cfg = match &args.config {
         Some(path) => match Config::load(path) {
             Ok(c) => c,
@@ -335,6 +357,7 @@ fn serve(args: ServeArgs) -> ExitCode {
     for w in cfg.warnings() {
         tracing::warn!("configuration: {w}");
     }
+    warn_if_data_dir_is_shared(&cfg.data_dir);
     // One worker per CPU this process may run on. With a single CPU (a
     // container limit, or `taskset`), the current-thread scheduler does the
     // same work without the work-stealing machinery.
