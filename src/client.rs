@@ -274,8 +274,8 @@ fn encode(s: &str) -> String {
         .collect()
 }
 
-/// A held lock that renews itself in the background.
-#[derive(Debug)]
+/// A held lock that renews itself in the background. Its `Debug` never
+/// shows the lease id (the bearer secret of renew and release).
 pub struct Lease {
     client: Client,
     key: String,
@@ -284,6 +284,19 @@ pub struct Lease {
     lost: watch::Receiver<bool>,
     renewer: tokio::task::JoinHandle<()>,
     released: bool,
+}
+
+impl std::fmt::Debug for Lease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lease")
+            .field("client", &self.client)
+            .field("key", &self.key)
+            .field("token", &self.token)
+            .field("lease_id", &"<redacted>")
+            .field("lost", &*self.lost.borrow())
+            .field("released", &self.released)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Lease {

@@ -156,7 +156,12 @@ async fn run_while_held(client: &Client, lease: Lease, opts: RunOpts) -> ExitCod
     cmd.args(args)
         .env("FENCING_TOKEN", lease.token().to_string())
         .env("FENCEGATE_KEY", lease.key())
-        .env("FENCEGATE_URL", client.url());
+        .env("FENCEGATE_URL", client.url())
+        // The principal's bearer token and any lease id are this process's
+        // secrets: the command gets its fencing token, not the credentials
+        // that could acquire, renew or release in the principal's name.
+        .env_remove("FENCEGATE_TOKEN")
+        .env_remove("FENCEGATE_LEASE_ID");
     let _injector = if opts.inject {
         match fencegate::inject::start(&opts.gateway_proxy, lease.token(), opts.bearer.as_deref()).await {
             Ok(inj) => {

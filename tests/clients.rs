@@ -233,3 +233,86 @@ async fn lease_is_lost_by_its_local_deadline_when_the_gateway_freezes() {
     // The gateway, thawed, still counts the grant live for a moment: the
     // client's view is the more pessimistic one, as it must be.
 }
+
+fn run_with_stdin(cmd: &mut Command, input: &str) -> Output {
+    use std::io::Write;
+    let mut child = cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+    child.wait_with_output().unwrap()
+}
+
+/// Secrets stay off the command line: the lease id of `renew` and
+/// `release` comes from FENCEGATE_LEASE_ID or stdin, the bearer token from
+/// FENCEGATE_TOKEN or `--token -` (stdin); and the command `lock` runs
+/// never inherits the principal's bearer token.
+#[test]
+fn secrets_come_from_the_environment_or_stdin_and_children_do_not_inherit_the_bearer() {
+    let dir = tempfile::tempdir().unwrap();
+    let principals = dir.path().join("principals.toml");
+    let hash = fencegate::auth::hash_token("ops-secret");
+    std::fs::write(
+        &principals,
+        format!("[[principals]]\nname = \"ops\"\ntoken_sha256 = \"{hash}\"\nprefixes = [\"\"]\n"),
+    )
+    .unwrap();
+    let cfg = format!("[auth]\nprincipals_file = \"{}\"\n", principals.display());
+    let gw = Gateway::start(&dir.path().join("data"), Opts { config: Some(cfg), ..Opts::default() });
+    let authed = || {
+        let mut c = fencegate(&gw);
+        c.env("FENCEGATE_TOKEN", "ops-secret");
+        c
+    };
+    let out = run(authed().args(["acquire", "jobs/1", "--ttl", "30s"]));
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let grant: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let lease_id = grant["lease_id"].as_str().unwrap().to_string();
+
+    // The lease id from the environment, from stdin (omitted, or `-`).
+    let out = run(authed().args(["renew", "jobs/1"]).env("FENCEGATE_LEASE_ID", &lease_id));
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = run_with_stdin(authed().args(["renew", "jobs/1", "--ttl", "1m"]), &format!("{lease_id}\n"));
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = run_with_stdin(authed().args(["renew", "jobs/1", "-"]), "not-the-lease\n");
+    assert_eq!(out.status.code(), Some(4), "a wrong id from stdin is a lost lease");
+    // The bearer token from stdin: without it 401 (usage), with it ok.
+    let out = run(fencegate(&gw).args(["status", "jobs/1"]));
+    assert_eq!(out.status.code(), Some(2), "no credentials");
+    let out = run_with_stdin(fencegate(&gw).args(["status", "jobs/1", "--token", "-"]), "ops-secret\n");
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    // Both from stdin cannot work: one line, one secret.
+    let out = run_with_stdin(fencegate(&gw).args(["release", "jobs/1", "--token", "-"]), "ops-secret\n");
+    assert_eq!(out.status.code(), Some(2));
+    let out = run_with_stdin(authed().args(["release", "jobs/1"]), &format!("{lease_id}\n"));
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+
+    // The command run under the lock sees its fencing token, not the bearer.
+    let out = run(authed().env("FENCEGATE_LEASE_ID", "x").args([
+        "lock",
+        "jobs/2",
+        "--",
+        "sh",
+        "-c",
+        "echo \"${FENCING_TOKEN} [${FENCEGATE_TOKEN-unset}] [${FENCEGATE_LEASE_ID-unset}]\"",
+    ]));
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let line = String::from_utf8_lossy(&out.stdout);
+    let (token, rest) = line.trim().split_once(' ').unwrap();
+    assert!(token.parse::<u64>().is_ok(), "{line}");
+    assert_eq!(rest, "[unset] [unset]");
+
+    // --help says where the secrets may come from.
+    let help = run(fencegate(&gw).args(["renew", "--help"]));
+    let help = String::from_utf8_lossy(&help.stdout);
+    assert!(help.contains("FENCEGATE_LEASE_ID") && help.contains("stdin") && help.contains("--token -"), "{help}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn lease_debug_never_shows_the_lease_id() {
+    let (_d, gw) = start();
+    let client = Client::new(&gw.api_url("")).unwrap();
+    let lease = client.acquire("k", Duration::from_secs(5), Duration::ZERO).await.unwrap();
+    let shown = format!("{lease:?}");
+    assert!(!shown.contains(lease.lease_id()), "{shown}");
+    assert!(shown.contains("redacted") && shown.contains("\"k\""), "{shown}");
+    lease.release().await.unwrap();
+}
