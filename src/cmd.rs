@@ -165,10 +165,16 @@ async fn run_while_held(client: &Client, lease: Lease, opts: RunOpts) -> ExitCod
     let _injector = if opts.inject {
         match fencegate::inject::start(&opts.gateway_proxy, lease.token(), opts.bearer.as_deref()).await {
             Ok(inj) => {
-                let url = format!("http://{}", inj.addr);
-                for var in ["HTTP_PROXY", "http_proxy", "AWS_ENDPOINT_URL", "FENCEGATE_PROXY_URL"] {
+                // The injector's URL carries its per-run secret: only this
+                // command can use it. An SDK's endpoint is the gateway
+                // itself, reached through HTTP_PROXY.
+                let url = inj.proxy_url();
+                for var in ["HTTP_PROXY", "http_proxy", "FENCEGATE_PROXY_URL"] {
                     cmd.env(var, &url);
                 }
+                cmd.env("AWS_ENDPOINT_URL", &opts.gateway_proxy);
+                // So that requests to the gateway (often on loopback, which
+                // NO_PROXY lists tend to name) go through the injector.
                 for var in ["NO_PROXY", "no_proxy"] {
                     cmd.env_remove(var);
                 }
