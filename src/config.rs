@@ -56,8 +56,12 @@ pub struct LocksConfig {
     pub max_holder_bytes: usize,
     /// Most clients queued on one key at once (429-free: more get `locked`).
     pub max_waiters_per_key: usize,
-    /// Most acquires with a wait one principal may have queued at once.
+    /// Most acquires with a wait one principal (or, when the lease API
+    /// needs no principal, one client address) may have queued at once.
     pub max_waiters_per_principal: usize,
+    /// Most watches one principal (or, when the lease API needs no
+    /// principal, one client address) may have open at once.
+    pub max_watches_per_principal: usize,
     /// Longest a grant waits at activation for older in-flight mutations
     /// before it is returned anyway (they are then counted as overrun).
     pub activation_timeout_ms: u64,
@@ -89,6 +93,10 @@ pub struct ServerConfig {
     pub max_header_bytes: usize,
     /// How long a client may take to send its request headers.
     pub header_read_timeout_ms: u64,
+    /// How long a client may take to send a whole lease API request body,
+    /// counted from the end of its headers (408 and the connection closed
+    /// after it).
+    pub body_read_timeout_ms: u64,
     /// How long graceful shutdown waits for in-flight requests.
     pub shutdown_grace_ms: u64,
     /// Most connections open at once per listener.
@@ -234,6 +242,7 @@ impl Default for LocksConfig {
             max_holder_bytes: 256,
             max_waiters_per_key: 1024,
             max_waiters_per_principal: 256,
+            max_watches_per_principal: 256,
             activation_timeout_ms: 60_000,
         }
     }
@@ -251,6 +260,7 @@ impl Default for ServerConfig {
             api_max_body_bytes: 64 * 1024,
             max_header_bytes: 64 * 1024,
             header_read_timeout_ms: 10_000,
+            body_read_timeout_ms: 10_000,
             shutdown_grace_ms: 10_000,
             max_connections: 10_000,
             proxy_tls: None,
@@ -329,6 +339,14 @@ impl Config {
         }
         if l.max_waiters_per_key == 0 {
             return Err("locks.max_waiters_per_key: must be at least 1".into());
+        }
+        if l.max_waiters_per_principal == 0 || l.max_watches_per_principal == 0 {
+            return Err(
+                "locks.max_waiters_per_principal and locks.max_watches_per_principal: must be at least 1".into()
+            );
+        }
+        if self.server.header_read_timeout_ms == 0 || self.server.body_read_timeout_ms == 0 {
+            return Err("server.header_read_timeout_ms and server.body_read_timeout_ms: must be at least 1".into());
         }
         if self.store.max_batch == 0 {
             return Err("store.max_batch: must be at least 1".into());

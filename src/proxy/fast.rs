@@ -61,6 +61,8 @@ pub struct Handover {
 pub struct ConnLimits {
     pub max_header_bytes: usize,
     pub header_read_timeout: Duration,
+    /// The api fast loop's deadline for a whole request body.
+    pub body_read_timeout: Duration,
 }
 
 /// Why forwarding failed after admission.
