@@ -467,6 +467,12 @@ fn inject_forwards_only_to_the_gateway_and_only_for_its_command() {
     let (status, body) = raw_request(injector, &put(&format!("http://{gw_addr}/ledger/inj"), &good));
     assert!((200..300).contains(&status), "{status} {body}");
     assert_eq!(std::fs::read(&object).unwrap(), b"stray");
+    // Origin-form, the secret as a base URL's credentials (curl sends the
+    // userinfo of FENCEGATE_PROXY_URL as Authorization: Basic).
+    let base = good.replace("Proxy-Authorization", "Authorization");
+    let (status, body) = raw_request(injector, &put("/ledger/inj", &base).replace("stray", "based"));
+    assert!((200..300).contains(&status), "{status} {body}");
+    assert_eq!(std::fs::read(&object).unwrap(), b"based");
 
     std::fs::write(&done, b"").unwrap();
     let status = lock.wait().unwrap();
