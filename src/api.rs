@@ -27,12 +27,20 @@ pub struct Api {
     pub authority: Arc<Authority>,
     pub metrics: Arc<Metrics>,
     pub max_body_bytes: u64,
+    /// The deadline for a whole request body (408 after it).
+    pub body_read_timeout: Duration,
     pub shutdown: Shutdown,
     pub auth: Arc<Auth>,
+    /// Acquires with a wait, per principal (or client address).
     pub waiting: Arc<WaitingPerPrincipal>,
+    /// Open watches, per principal (or client address).
+    pub watching: Arc<WaitingPerPrincipal>,
 }
 
-/// Counts the acquires with a wait per principal, against a bound.
+/// Counts long-lived requests (acquires with a wait, watches) per owner —
+/// a principal, or the client's address when the lease API needs no
+/// principal — against a bound, so that one owner cannot pin unbounded
+/// memory and tasks. A slot is held by a guard, so a hang-up frees it.
 #[derive(Debug, Default)]
 pub struct WaitingPerPrincipal {
     counts: dashmap::DashMap<String, usize>,
@@ -51,21 +59,34 @@ impl WaitingPerPrincipal {
         WaitingPerPrincipal { counts: dashmap::DashMap::new(), limit }
     }
 
-    fn enter(&self, name: &str, key: &str) -> Result<WaitingSlot<'_>, Error> {
+    /// A slot for `name`, or `None` when it has `limit` already.
+    fn enter(&self, name: &str) -> Option<WaitingSlot<'_>> {
         let mut n = self.counts.entry(name.to_string()).or_insert(0);
         if *n >= self.limit {
-            return Err(Error::Locked { key: key.to_string(), retry_after_ms: 1000 });
+            return None;
         }
         *n += 1;
-        Ok(WaitingSlot { owner: self, name: name.to_string() })
+        Some(WaitingSlot { owner: self, name: name.to_string() })
+    }
+}
+
+/// Who a per-owner bound counts against: the principal, else (the lease
+/// API needs none) the client's address.
+fn owner_of(p: Option<&Principal>, client: &ClientInfo) -> String {
+    match p {
+        Some(p) => format!("principal {}", p.name),
+        None => format!("address {}", client.addr.ip()),
     }
 }
 
 impl Drop for WaitingSlot<'_> {
     fn drop(&mut self) {
-        if let Some(mut n) = self.owner.counts.get_mut(&self.name) {
+        // The entry goes when its count does, so owners that come and go
+        // (client addresses) leave nothing behind.
+        self.owner.counts.remove_if_mut(&self.name, |_, n| {
             *n = n.saturating_sub(1);
-        }
+            *n == 0
+        });
     }
 }
 
@@ -137,14 +158,14 @@ impl Api {
         };
         let p = principal.as_ref();
         let result = match name {
-            "acquire" => self.acquire(req, p).await,
+            "acquire" => self.acquire(req, p, client).await,
             "renew" => self.renew(req, p).await,
             "release" => self.release(req, p).await,
             "status" => self.status(req.uri().query(), p),
             "watch" => {
                 let query = req.uri().query().map(str::to_string);
                 drop(req);
-                self.watch(query.as_deref(), p).await
+                self.watch(query.as_deref(), p, client).await
             }
             "metrics" => self.metrics(),
             "healthz" => Ok(json_response(StatusCode::OK, &serde_json::json!({"status": "ok"}))),
@@ -153,22 +174,30 @@ impl Api {
         (name, result)
     }
 
-    async fn acquire(&self, req: Request<BoxBody>, p: Option<&Principal>) -> Result<Response<BoxBody>, Error> {
-        let body: AcquireRequest = read_json(req, self.max_body_bytes).await.inspect_err(|_| {
+    async fn acquire(
+        &self,
+        req: Request<BoxBody>,
+        p: Option<&Principal>,
+        client: &ClientInfo,
+    ) -> Result<Response<BoxBody>, Error> {
+        let body: AcquireRequest = self.read_json(req).await.inspect_err(|_| {
             self.metrics.lock_request("acquire", "invalid");
         })?;
         authorize(p, &body.key)?;
-        // A principal may hold only so many clients waiting at once.
-        let _slot = match p {
-            Some(p) if body.wait_ms > 0 => Some(self.waiting.enter(&p.name, &body.key)?),
-            _ => None,
+        // A principal (or client address) may hold only so many clients
+        // waiting at once.
+        let _slot = if body.wait_ms > 0 {
+            let slot = self.waiting.enter(&owner_of(p, client));
+            Some(slot.ok_or_else(|| Error::Locked { key: body.key.clone(), retry_after_ms: 1000 })?)
+        } else {
+            None
         };
         let grant = self.authority.acquire(body).await?;
         Ok(json_response(StatusCode::OK, &grant))
     }
 
     async fn renew(&self, req: Request<BoxBody>, p: Option<&Principal>) -> Result<Response<BoxBody>, Error> {
-        let body: RenewRequest = read_json(req, self.max_body_bytes).await.inspect_err(|_| {
+        let body: RenewRequest = self.read_json(req).await.inspect_err(|_| {
             self.metrics.lock_request("renew", "invalid");
         })?;
         authorize(p, &body.key)?;
@@ -177,7 +206,7 @@ impl Api {
     }
 
     async fn release(&self, req: Request<BoxBody>, p: Option<&Principal>) -> Result<Response<BoxBody>, Error> {
-        let body: ReleaseRequest = read_json(req, self.max_body_bytes).await.inspect_err(|_| {
+        let body: ReleaseRequest = self.read_json(req).await.inspect_err(|_| {
             self.metrics.lock_request("release", "invalid");
         })?;
         authorize(p, &body.key)?;
@@ -198,10 +227,21 @@ impl Api {
         Ok(json_response(StatusCode::OK, &self.authority.status(&key)?))
     }
 
-    async fn watch(&self, query: Option<&str>, p: Option<&Principal>) -> Result<Response<BoxBody>, Error> {
+    async fn watch(
+        &self,
+        query: Option<&str>,
+        p: Option<&Principal>,
+        client: &ClientInfo,
+    ) -> Result<Response<BoxBody>, Error> {
         let q = Query::parse(query)?;
         let key = q.required("key")?;
         authorize(p, &key)?;
+        // A principal (or client address) may hold only so many watches
+        // open at once; the slot goes with the request (answer or hang-up).
+        let owner = owner_of(p, client);
+        let Some(_slot) = self.watching.enter(&owner) else {
+            return Err(Error::TooManyWatches { owner, limit: self.watching.limit });
+        };
         let after = q.number("after")?.unwrap_or(0);
         let timeout_ms = q.number("timeout_ms")?.unwrap_or(30_000);
         let view = tokio::select! {
@@ -209,6 +249,14 @@ impl Api {
             () = self.shutdown.wait() => self.authority.status(&key)?,
         };
         Ok(json_response(StatusCode::OK, &view))
+    }
+
+    /// The request's JSON body, read within the body deadline.
+    async fn read_json<T: DeserializeOwned>(&self, req: Request<BoxBody>) -> Result<T, Error> {
+        let timeout_ms = u64::try_from(self.body_read_timeout.as_millis()).unwrap_or(u64::MAX);
+        tokio::time::timeout(self.body_read_timeout, read_json(req, self.max_body_bytes))
+            .await
+            .map_err(|_| Error::BodyTimeout { timeout_ms })?
     }
 
     fn metrics(&self) -> Result<Response<BoxBody>, Error> {

@@ -136,15 +136,18 @@ impl Gateway {
             max_connections: cfg.server.max_connections,
             max_header_bytes: cfg.server.max_header_bytes,
             header_read_timeout: Duration::from_millis(cfg.server.header_read_timeout_ms),
+            body_read_timeout: Duration::from_millis(cfg.server.body_read_timeout_ms),
             shutdown_grace: Duration::from_millis(cfg.server.shutdown_grace_ms),
         };
         let api = Arc::new(Api {
             authority: authority.clone(),
             metrics: metrics.clone(),
             max_body_bytes: cfg.server.api_max_body_bytes,
+            body_read_timeout: Duration::from_millis(cfg.server.body_read_timeout_ms),
             shutdown: stop.clone(),
             auth: auth.clone(),
             waiting: Arc::new(crate::api::WaitingPerPrincipal::new(cfg.locks.max_waiters_per_principal)),
+            watching: Arc::new(crate::api::WaitingPerPrincipal::new(cfg.locks.max_watches_per_principal)),
         });
         let api_handler: Handler = Arc::new(move |req, client| {
             let api = api.clone();

@@ -131,12 +131,27 @@ impl Auth {
             if token_sha256.is_none() && p.client_cert_cn.is_none() {
                 return Err(format!("principals[{i}]: needs token_sha256 or client_cert_cn"));
             }
+            // Prefixes match by `starts_with`: "invoices" would also cover
+            // "invoicesX-payroll/1". Only whole path segments are allowed.
+            if let Some(bad) = p.prefixes.iter().find(|x| !x.is_empty() && !x.ends_with('/')) {
+                return Err(format!(
+                    "principals[{i}] ({}).prefixes: {bad:?} must be empty (every key) or end in \"/\"",
+                    p.name
+                ));
+            }
             principals.push(Principal {
                 name: p.name,
                 token_sha256,
                 client_cert_cn: p.client_cert_cn,
                 prefixes: p.prefixes,
             });
+        }
+        // A principals file with nobody in it would turn authentication
+        // off without a word (`enabled()` is false): refuse it instead.
+        if principals.is_empty() {
+            return Err("principals: the list is empty, so nobody could authenticate and authentication \
+                        would be off; add a principal, or remove auth.principals_file to run without auth"
+                .into());
         }
         if let Some(m) = &cfg.metrics_principal {
             if !principals.iter().any(|p| &p.name == m) {
@@ -257,8 +272,30 @@ mod tests {
         let cfg = AuthConfig::default();
         assert!(Auth::from_toml("[[principals]]\nname = \"x\"\nprefixes = []\n", &cfg).is_err());
         assert!(Auth::from_toml("[[principals]]\nname = \"x\"\ntoken_sha256 = \"zz\"\nprefixes = []\n", &cfg).is_err());
+        let empty = Auth::from_toml("principals = []\n", &cfg).unwrap_err();
+        assert!(empty.contains("empty"), "{empty}");
         let m = AuthConfig { metrics_principal: Some("ghost".into()), ..AuthConfig::default() };
         let text = format!("[[principals]]\nname = \"x\"\ntoken_sha256 = \"{}\"\nprefixes = []\n", hash_token("t"));
         assert!(Auth::from_toml(&text, &m).is_err());
+    }
+
+    #[test]
+    fn prefixes_must_be_empty_or_end_in_a_slash() {
+        let cfg = AuthConfig::default();
+        let file = |prefix: &str| {
+            format!(
+                "[[principals]]\nname = \"billing\"\ntoken_sha256 = \"{}\"\nprefixes = [\"{prefix}\"]\n",
+                hash_token("t")
+            )
+        };
+        let err = Auth::from_toml(&file("invoices"), &cfg).unwrap_err();
+        assert!(err.contains("billing") && err.contains("\"invoices\""), "{err}");
+        for ok in ["", "invoices/", "a/b/"] {
+            assert!(Auth::from_toml(&file(ok), &cfg).is_ok(), "{ok}");
+        }
+        let a = Auth::from_toml(&file("invoices/"), &cfg).unwrap();
+        let p = a.require(&bearer("t"), "authorization", &client(None)).unwrap();
+        assert!(p.may("invoices/7"));
+        assert!(!p.may("invoicesX-payroll/1"));
     }
 }

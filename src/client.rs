@@ -282,8 +282,8 @@ fn encode(s: &str) -> String {
         .collect()
 }
 
-/// A held lock that renews itself in the background.
-#[derive(Debug)]
+/// A held lock that renews itself in the background. Its `Debug` never
+/// shows the lease id (the bearer secret of renew and release).
 pub struct Lease {
     client: Client,
     key: String,
@@ -294,6 +294,19 @@ pub struct Lease {
     released: bool,
     /// The last `X-Fencing-Sequence` handed out (see [`Lease::sequenced`]).
     sequence: std::sync::atomic::AtomicU64,
+}
+
+impl std::fmt::Debug for Lease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lease")
+            .field("client", &self.client)
+            .field("key", &self.key)
+            .field("token", &self.token)
+            .field("lease_id", &"<redacted>")
+            .field("lost", &*self.lost.borrow())
+            .field("released", &self.released)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Lease {

@@ -156,14 +156,25 @@ async fn run_while_held(client: &Client, lease: Lease, opts: RunOpts) -> ExitCod
     cmd.args(args)
         .env("FENCING_TOKEN", lease.token().to_string())
         .env("FENCEGATE_KEY", lease.key())
-        .env("FENCEGATE_URL", client.url());
+        .env("FENCEGATE_URL", client.url())
+        // The principal's bearer token and any lease id are this process's
+        // secrets: the command gets its fencing token, not the credentials
+        // that could acquire, renew or release in the principal's name.
+        .env_remove("FENCEGATE_TOKEN")
+        .env_remove("FENCEGATE_LEASE_ID");
     let _injector = if opts.inject {
         match fencegate::inject::start(&opts.gateway_proxy, lease.token(), opts.bearer.as_deref()).await {
             Ok(inj) => {
-                let url = format!("http://{}", inj.addr);
-                for var in ["HTTP_PROXY", "http_proxy", "AWS_ENDPOINT_URL", "FENCEGATE_PROXY_URL"] {
+                // The injector's URL carries its per-run secret: only this
+                // command can use it. An SDK's endpoint is the gateway
+                // itself, reached through HTTP_PROXY.
+                let url = inj.proxy_url();
+                for var in ["HTTP_PROXY", "http_proxy", "FENCEGATE_PROXY_URL"] {
                     cmd.env(var, &url);
                 }
+                cmd.env("AWS_ENDPOINT_URL", &opts.gateway_proxy);
+                // So that requests to the gateway (often on loopback, which
+                // NO_PROXY lists tend to name) go through the injector.
                 for var in ["NO_PROXY", "no_proxy"] {
                     cmd.env_remove(var);
                 }

@@ -56,8 +56,12 @@ pub struct LocksConfig {
     pub max_holder_bytes: usize,
     /// Most clients queued on one key at once (429-free: more get `locked`).
     pub max_waiters_per_key: usize,
-    /// Most acquires with a wait one principal may have queued at once.
+    /// Most acquires with a wait one principal (or, when the lease API
+    /// needs no principal, one client address) may have queued at once.
     pub max_waiters_per_principal: usize,
+    /// Most watches one principal (or, when the lease API needs no
+    /// principal, one client address) may have open at once.
+    pub max_watches_per_principal: usize,
     /// Longest a grant waits at activation for older in-flight mutations
     /// before it is returned anyway (they are then counted as overrun).
     pub activation_timeout_ms: u64,
@@ -89,6 +93,10 @@ pub struct ServerConfig {
     pub max_header_bytes: usize,
     /// How long a client may take to send its request headers.
     pub header_read_timeout_ms: u64,
+    /// How long a client may take to send a whole lease API request body,
+    /// counted from the end of its headers (408 and the connection closed
+    /// after it).
+    pub body_read_timeout_ms: u64,
     /// How long graceful shutdown waits for in-flight requests.
     pub shutdown_grace_ms: u64,
     /// Most connections open at once per listener.
@@ -280,6 +288,7 @@ impl Default for LocksConfig {
             max_holder_bytes: 256,
             max_waiters_per_key: 1024,
             max_waiters_per_principal: 256,
+            max_watches_per_principal: 256,
             activation_timeout_ms: 60_000,
         }
     }
@@ -297,6 +306,7 @@ impl Default for ServerConfig {
             api_max_body_bytes: 64 * 1024,
             max_header_bytes: 64 * 1024,
             header_read_timeout_ms: 10_000,
+            body_read_timeout_ms: 10_000,
             shutdown_grace_ms: 10_000,
             max_connections: 10_000,
             proxy_tls: None,
@@ -376,6 +386,14 @@ impl Config {
         if l.max_waiters_per_key == 0 {
             return Err("locks.max_waiters_per_key: must be at least 1".into());
         }
+        if l.max_waiters_per_principal == 0 || l.max_watches_per_principal == 0 {
+            return Err(
+                "locks.max_waiters_per_principal and locks.max_watches_per_principal: must be at least 1".into()
+            );
+        }
+        if self.server.header_read_timeout_ms == 0 || self.server.body_read_timeout_ms == 0 {
+            return Err("server.header_read_timeout_ms and server.body_read_timeout_ms: must be at least 1".into());
+        }
         if self.store.max_batch == 0 {
             return Err("store.max_batch: must be at least 1".into());
         }
@@ -419,6 +437,40 @@ impl Config {
             }
         }
         Ok(())
+    }
+}
+
+impl Config {
+    /// What is valid but probably not meant: today, a route without `auth`
+    /// whose keys an `auth = true` route also produces (its requests move
+    /// the same fences without a principal). Best effort: judged from the
+    /// templates alone. `check-config` prints these; `serve` logs them.
+    pub fn warnings(&self) -> Vec<String> {
+        let shape = |r: &RouteConfig| {
+            let m = Template::parse_match(&r.match_path).ok()?;
+            let res = match &r.resource {
+                Some(t) => Some(Template::parse_resource(t, &m).ok()?),
+                None => None,
+            };
+            Some(crate::proxy::template::KeyShape::of(&m, res.as_ref()))
+        };
+        let shapes: Vec<_> = self.routes.iter().map(shape).collect();
+        let mut out = Vec::new();
+        for (i, open) in self.routes.iter().enumerate().filter(|(_, r)| !r.auth) {
+            for (j, guarded) in self.routes.iter().enumerate().filter(|(_, r)| r.auth) {
+                if let (Some(Some(a)), Some(Some(b))) = (shapes.get(i), shapes.get(j)) {
+                    if a.overlaps(b) {
+                        out.push(format!(
+                            "routes[{i}] ({}) has no auth but produces keys that routes[{j}] ({}, auth = true) \
+                             also produces: a client without a principal can move their fences there",
+                            open.route_name(i),
+                            guarded.route_name(j)
+                        ));
+                    }
+                }
+            }
+        }
+        out
     }
 }
 
@@ -598,5 +650,27 @@ upstream = "http://127.0.0.1:9"
         let err = Config::from_toml(&route("file:///tmp/x")).unwrap().validate().unwrap_err();
         assert!(err.starts_with("routes[0].trailing_slash"), "{err}");
         assert!(Config::from_toml(&route("http://127.0.0.1:9").replace("distinct", "keep")).is_err());
+    }
+
+    #[test]
+    fn open_route_over_auth_keys_is_warned_about() {
+        let text = r#"
+[auth]
+[[routes]]
+match = "/invoices/{*rest}"
+upstream = "http://127.0.0.1:9"
+auth = true
+[[routes]]
+match = "/orders/{*rest}"
+upstream = "http://127.0.0.1:9"
+[[routes]]
+name = "rest"
+match = "/{*path}"
+upstream = "http://127.0.0.1:9"
+"#;
+        let c = Config::from_toml(text).unwrap();
+        let w = c.warnings();
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(w[0].starts_with("routes[2] (rest)") && w[0].contains("routes[0]"), "{w:?}");
     }
 }

@@ -70,9 +70,20 @@ pub enum Error {
     /// No or unknown credentials.
     #[error("authentication required")]
     Unauthorized,
+    /// The `lock --inject` proxy was used without its per-run secret.
+    #[error("this proxy serves only the command it was started for: proxy credentials required")]
+    ProxyAuthRequired,
+    /// The client took longer than the configured deadline to send its
+    /// request body.
+    #[error("the request body did not arrive within {timeout_ms} ms")]
+    BodyTimeout { timeout_ms: u64 },
     /// A conditional request (`If-Match`, `If-None-Match`) did not hold.
     #[error("precondition failed: {0}")]
     PreconditionFailed(String),
+    /// One principal (or client address) has as many watches open as it
+    /// may.
+    #[error("{owner} already has {limit} watches open")]
+    TooManyWatches { owner: String, limit: usize },
     /// Credentials valid, but not for this key.
     #[error("not allowed: {0}")]
     Forbidden(String),
@@ -118,6 +129,9 @@ impl Error {
                 StatusCode::FORBIDDEN
             }
             Error::Unauthorized => StatusCode::UNAUTHORIZED,
+            Error::TooManyWatches { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Error::ProxyAuthRequired => StatusCode::PROXY_AUTHENTICATION_REQUIRED,
+            Error::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             Error::UpstreamUnavailable(_) => StatusCode::BAD_GATEWAY,
             Error::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             Error::Store(_) | Error::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -144,6 +158,9 @@ impl Error {
             Error::LeaseExpired { .. } => "lease_expired",
             Error::StaleSequence { .. } => "stale_sequence",
             Error::Unauthorized => "unauthorized",
+            Error::TooManyWatches { .. } => "too_many_watches",
+            Error::ProxyAuthRequired => "proxy_authentication_required",
+            Error::BodyTimeout { .. } => "request_timeout",
             Error::Forbidden(_) => "forbidden",
             Error::UpstreamUnavailable(_) => "upstream_unavailable",
             Error::UpstreamTimeout { .. } => "upstream_timeout",
@@ -196,6 +213,19 @@ impl Error {
             let secs = retry_after_ms.div_ceil(1000).max(1);
             headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
+        if let Error::TooManyWatches { .. } = &self {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        if let Error::ProxyAuthRequired = &self {
+            headers.insert(
+                header::PROXY_AUTHENTICATE,
+                HeaderValue::from_static("Basic realm=\"fencegate lock --inject\""),
+            );
+        }
+        if let Error::BodyTimeout { .. } = &self {
+            // The rest of the body may still be on its way: not reusable.
+            headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
         response
     }
 }
@@ -228,6 +258,9 @@ mod tests {
             (Error::UpstreamTimeout { timeout_ms: 5 }, 504, "upstream_timeout"),
             (Error::PayloadTooLarge { limit_bytes: 5 }, 413, "payload_too_large"),
             (Error::HeadersTooLarge { limit_bytes: 5 }, 431, "headers_too_large"),
+            (Error::ProxyAuthRequired, 407, "proxy_authentication_required"),
+            (Error::TooManyWatches { owner: "p".into(), limit: 1 }, 429, "too_many_watches"),
+            (Error::BodyTimeout { timeout_ms: 5 }, 408, "request_timeout"),
         ];
         for (err, status, code) in cases {
             assert_eq!(err.status().as_u16(), status, "{err:?}");

@@ -20,6 +20,7 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use crate::body::full;
+use crate::error::Error;
 use crate::proxy::fast::{read_head_bytes, write_response, ConnLimits, Deadline, Handover, Next};
 use crate::proxy::wire::{digits, range_in, reserve, tokens};
 use crate::proxy::ClientInfo;
@@ -153,14 +154,23 @@ async fn serve_one(
             return end;
         }
     };
-    // 2. The body (within the limit checked above), under the same deadline.
+    // 2. The body (within the limit checked above), under one deadline for
+    //    the whole of it: a client that trickles it is answered 408 and
+    //    closed, never handed on (the general path would wait for it anew).
     let need = head.len.saturating_add(head.content_length);
+    if buf.len() < need {
+        deadline.set(Instant::now() + limits.body_read_timeout);
+    }
     while buf.len() < need {
         reserve(buf);
         match deadline.within(stream.read_buf(buf)).await {
             Some(Ok(n)) if n > 0 => {}
             Some(_) => return Next::Gone,
-            None => return Next::General,
+            None => {
+                let timeout_ms = u64::try_from(limits.body_read_timeout.as_millis()).unwrap_or(u64::MAX);
+                let late = Error::BodyTimeout { timeout_ms }.into_response();
+                return write_response(stream, late, false, true, out).await;
+            }
         }
     }
     // 3. The request in `http` types, sharing one copy of its bytes.
@@ -204,7 +214,11 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
-    const LIMITS: ConnLimits = ConnLimits { max_header_bytes: 1024, header_read_timeout: Duration::from_secs(1) };
+    const LIMITS: ConnLimits = ConnLimits {
+        max_header_bytes: 1024,
+        header_read_timeout: Duration::from_secs(1),
+        body_read_timeout: Duration::from_secs(1),
+    };
 
     #[test]
     fn plain_requests_are_taken_and_others_handed_over() {

@@ -50,20 +50,27 @@ enum Command {
         #[command(flatten)]
         conn: Conn,
     },
-    /// Renew a lease.
+    /// Renew a lease. The lease id is a secret: rather than on the command
+    /// line (which other local users can read), pass it in FENCEGATE_LEASE_ID
+    /// or on stdin (omit LEASE_ID, or give `-`).
     Renew {
         key: String,
-        lease_id: String,
+        /// The lease id [default: $FENCEGATE_LEASE_ID, else one line of stdin].
+        #[arg(env = "FENCEGATE_LEASE_ID", hide_env_values = true)]
+        lease_id: Option<String>,
         /// A new lease length.
         #[arg(long, value_parser = cmd::parse_duration)]
         ttl: Option<Duration>,
         #[command(flatten)]
         conn: Conn,
     },
-    /// Release a lease.
+    /// Release a lease. The lease id comes as for `renew`: FENCEGATE_LEASE_ID
+    /// or stdin rather than the command line.
     Release {
         key: String,
-        lease_id: String,
+        /// The lease id [default: $FENCEGATE_LEASE_ID, else one line of stdin].
+        #[arg(env = "FENCEGATE_LEASE_ID", hide_env_values = true)]
+        lease_id: Option<String>,
         #[command(flatten)]
         conn: Conn,
     },
@@ -84,8 +91,9 @@ enum Command {
         conn: Conn,
     },
     /// Run a command while holding a lock: FENCING_TOKEN, FENCEGATE_KEY and
-    /// FENCEGATE_URL in its environment; renewed while it runs; stopped
-    /// (SIGTERM, then SIGKILL after --grace) if the lock is lost.
+    /// FENCEGATE_URL in its environment (FENCEGATE_TOKEN and
+    /// FENCEGATE_LEASE_ID are removed from it); renewed while it runs;
+    /// stopped (SIGTERM, then SIGKILL after --grace) if the lock is lost.
     Lock {
         key: String,
         #[arg(long, default_value = "30s", value_parser = cmd::parse_duration)]
@@ -123,7 +131,9 @@ struct Conn {
     /// The gateway's api listener.
     #[arg(long, env = "FENCEGATE_URL", default_value = "http://127.0.0.1:7070")]
     url: String,
-    /// Bearer token of your principal (prefer the environment variable).
+    /// Bearer token of your principal. A secret: prefer FENCEGATE_TOKEN, or
+    /// `--token -` to read it from one line of stdin; a value given here is
+    /// visible to other local users (ps, /proc).
     #[arg(long, env = "FENCEGATE_TOKEN", hide_env_values = true)]
     token: Option<String>,
     /// CA bundle (PEM) to trust for an https:// --url (default: system roots).
@@ -230,13 +240,32 @@ fn client_command(command: Command) -> ExitCode {
                 return ExitCode::from(cmd::EXIT_USAGE)
             }
         };
+        // Secrets may come from stdin (`--token -`, LEASE_ID omitted or `-`).
+        let mut stdin_used = false;
+        let token = match conn.token.as_deref() {
+            Some("-") => match secret_from_stdin("--token", &mut stdin_used) {
+                Ok(t) => Some(t),
+                Err(code) => return code,
+            },
+            other => other.map(str::to_string),
+        };
+        let lease_id = match &command {
+            Command::Renew { lease_id, .. } | Command::Release { lease_id, .. } => match lease_id.as_deref() {
+                Some(id) if id != "-" => id.to_string(),
+                _ => match secret_from_stdin("LEASE_ID", &mut stdin_used) {
+                    Ok(id) => id,
+                    Err(code) => return code,
+                },
+            },
+            _ => String::new(),
+        };
         let files = fencegate::client::TlsFiles {
             ca_file: conn.ca_file.clone(),
             client_cert_file: conn.client_cert.clone(),
             client_key_file: conn.client_key.clone(),
         };
         let c = match Client::with_tls(&conn.url, &files) {
-            Ok(c) => match &conn.token {
+            Ok(c) => match &token {
                 Some(t) => c.with_bearer(t.clone()),
                 None => c,
             },
@@ -249,13 +278,13 @@ fn client_command(command: Command) -> ExitCode {
             grace: run.grace,
             inject: run.inject,
             gateway_proxy: run.proxy.clone(),
-            bearer: conn.token.clone(),
+            bearer: token.clone(),
             command: command.to_vec(),
         };
         match &command {
             Command::Acquire { key, ttl, wait, holder, .. } => cmd::acquire(&c, key, *ttl, *wait, holder).await,
-            Command::Renew { key, lease_id, ttl, .. } => cmd::renew(&c, key, lease_id, *ttl).await,
-            Command::Release { key, lease_id, .. } => cmd::release(&c, key, lease_id).await,
+            Command::Renew { key, ttl, .. } => cmd::renew(&c, key, &lease_id, *ttl).await,
+            Command::Release { key, .. } => cmd::release(&c, key, &lease_id).await,
             Command::Status { key, .. } => cmd::status(&c, key).await,
             Command::Watch { key, after, timeout, .. } => cmd::watch(&c, key, *after, *timeout).await,
             Command::Lock { key, ttl, wait, holder, run, command, .. } => {
@@ -271,9 +300,36 @@ fn client_command(command: Command) -> ExitCode {
     })
 }
 
+/// One line of stdin as a secret (`what` names it in errors); stdin can
+/// give only one secret per command.
+fn secret_from_stdin(what: &str, stdin_used: &mut bool) -> Result<String, ExitCode> {
+    if std::mem::replace(stdin_used, true) {
+        eprintln!("fencegate: {what}: stdin already gave another secret; pass one of them in the environment");
+        return Err(ExitCode::from(cmd::EXIT_USAGE));
+    }
+    let mut line = String::new();
+    match std::io::stdin().read_line(&mut line) {
+        Ok(_) => {
+            let secret = line.trim_end_matches(['\r', '\n']).to_string();
+            if secret.is_empty() {
+                eprintln!("fencegate: {what}: none given (argument, environment or one line of stdin)");
+                return Err(ExitCode::from(cmd::EXIT_USAGE));
+            }
+            Ok(secret)
+        }
+        Err(e) => {
+            eprintln!("fencegate: {what}: reading stdin: {e}");
+            Err(ExitCode::from(cmd::EXIT_USAGE))
+        }
+    }
+}
+
 fn check_config(file: &std::path::Path) -> ExitCode {
     match Config::load(file).and_then(|c| c.validate().map(|()| c)) {
         Ok(c) => {
+            for w in c.warnings() {
+                eprintln!("{}: warning: {w}", file.display());
+            }
             println!(
                 "{}: ok ({} route(s), proxy {}, api {})",
                 file.display(),
@@ -305,7 +361,29 @@ fn init_tracing(cfg: &Config) {
     }
 }
 
+/// A data directory made before this version (or by hand) may be readable
+/// by other local users; its files then leak lease ids. Said at start; the
+/// modes are the operator's to change.
+fn warn_if_data_dir_is_shared(dir: &std::path::Path) {
+    use std::os::unix::fs::PermissionsExt;
+    if let Ok(meta) = std::fs::metadata(dir) {
+        let mode = meta.permissions().mode() & 0o777;
+        if mode & 0o077 != 0 {
+            tracing::warn!(
+                data_dir = %dir.display(),
+                mode = format!("{mode:03o}"),
+                "the data directory is accessible to other users (group/world bits set); its files hold lease \
+                 ids: chmod -R go-rwx it"
+            );
+        }
+    }
+}
+
 fn serve(args: ServeArgs) -> ExitCode {
+    // Everything this process creates is its own: the data directory 0700,
+    // RocksDB's files (its write-ahead log holds live lease ids, the bearer
+    // secrets of renew and release) and the object store's files 0600.
+    rustix::process::umask(rustix::fs::Mode::from_raw_mode(0o077));
     let mut cfg = match &args.config {
         Some(path) => match Config::load(path) {
             Ok(c) => c,
@@ -329,6 +407,10 @@ fn serve(args: ServeArgs) -> ExitCode {
         return ExitCode::from(2);
     }
     init_tracing(&cfg);
+    for w in cfg.warnings() {
+        tracing::warn!("configuration: {w}");
+    }
+    warn_if_data_dir_is_shared(&cfg.data_dir);
     // One worker per CPU this process may run on. With a single CPU (a
     // container limit, or `taskset`), the current-thread scheduler does the
     // same work without the work-stealing machinery.

@@ -40,6 +40,7 @@ pub struct Limits {
     pub max_connections: usize,
     pub max_header_bytes: usize,
     pub header_read_timeout: Duration,
+    pub body_read_timeout: Duration,
     pub shutdown_grace: Duration,
 }
 
@@ -199,6 +200,7 @@ pub async fn serve(
                     let conn_limits = ConnLimits {
                         max_header_bytes: limits.max_header_bytes,
                         header_read_timeout: limits.header_read_timeout,
+                        body_read_timeout: limits.body_read_timeout,
                     };
                     let handover = match fast {
                         FastPath::Off => Some(fast::Handover { stream, buffered: bytes::BytesMut::new() }),

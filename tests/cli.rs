@@ -76,3 +76,122 @@ fn serve_with_no_arguments_runs_on_the_embedded_defaults() {
     common::signal(child.id(), "TERM");
     assert!(child.wait().unwrap().success());
 }
+
+/// A principals file with nobody in it would leave authentication off
+/// without a word: `check-config` and `serve` both refuse it. A prefix that
+/// does not end in `/` is refused too, naming the principal.
+#[test]
+fn empty_principals_and_partial_prefixes_are_configuration_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let principals = dir.path().join("principals.toml");
+    let config = dir.path().join("fencegate.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "data_dir = \"{}\"\nlisten = \"127.0.0.1:0\"\napi_listen = \"127.0.0.1:0\"\n[auth]\nprincipals_file = \"{}\"\napi = true\n",
+            dir.path().join("data").display(),
+            principals.display()
+        ),
+    )
+    .unwrap();
+    let hash = fencegate::auth::hash_token("t");
+    let cases = [
+        ("principals = []\n".to_string(), "empty"),
+        (
+            format!("[[principals]]\nname = \"billing\"\ntoken_sha256 = \"{hash}\"\nprefixes = [\"invoices\"]\n"),
+            "billing",
+        ),
+    ];
+    for (text, needle) in cases {
+        std::fs::write(&principals, &text).unwrap();
+        let out = fencegate().arg("check-config").arg(&config).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{text}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("principals_file") && err.contains(needle), "{text}: {err}");
+        let out = fencegate().args(["serve", "--config"]).arg(&config).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "serve must refuse it too: {text}");
+        assert!(!dir.path().join("data").exists(), "refused before anything was created");
+    }
+}
+
+#[test]
+fn check_config_warns_about_an_open_route_over_auth_keys() {
+    let dir = tempfile::tempdir().unwrap();
+    let principals = dir.path().join("principals.toml");
+    let hash = fencegate::auth::hash_token("t");
+    std::fs::write(
+        &principals,
+        format!("[[principals]]\nname = \"billing\"\ntoken_sha256 = \"{hash}\"\nprefixes = [\"invoices/\"]\n"),
+    )
+    .unwrap();
+    let config = dir.path().join("fencegate.toml");
+    let routes = "[[routes]]\nname = \"invoices\"\nmatch = \"/invoices/{*rest}\"\nupstream = \"http://127.0.0.1:9\"\nauth = true\n";
+    let open = "[[routes]]\nname = \"rest\"\nmatch = \"/{*path}\"\nupstream = \"http://127.0.0.1:9\"\n";
+    let head = format!("[auth]\nprincipals_file = \"{}\"\n", principals.display());
+    std::fs::write(&config, format!("{head}{routes}{open}")).unwrap();
+    let out = fencegate().arg("check-config").arg(&config).output().unwrap();
+    assert!(out.status.success(), "a warning, not an error: {}", String::from_utf8_lossy(&out.stderr));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("warning") && err.contains("routes[1] (rest)") && err.contains("routes[0]"), "{err}");
+    // Without the open catch-all: no warning.
+    std::fs::write(&config, format!("{head}{routes}")).unwrap();
+    let out = fencegate().arg("check-config").arg(&config).output().unwrap();
+    assert!(out.status.success());
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("warning"));
+}
+
+/// Every file and directory under `dir` (and `dir` itself): its mode bits.
+fn modes_under(dir: &std::path::Path, out: &mut Vec<(std::path::PathBuf, u32)>) {
+    use std::os::unix::fs::PermissionsExt;
+    out.push((dir.to_path_buf(), std::fs::metadata(dir).unwrap().permissions().mode() & 0o777));
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            modes_under(&path, out);
+        } else {
+            out.push((path.clone(), std::fs::metadata(&path).unwrap().permissions().mode() & 0o777));
+        }
+    }
+}
+
+/// The data directory holds live lease ids (RocksDB's write-ahead log):
+/// created 0700, every file in it 0600, whatever the caller's umask; a
+/// data directory that is already wider is warned about at start.
+#[test]
+fn data_dir_and_its_files_are_private_to_the_gateway() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let gw = common::Gateway::start(&data, common::Opts::default());
+    // A grant (its lease id goes to the log) and an object in the store.
+    let api = gw.api_url("/v1/locks/acquire");
+    let out = Command::new("curl")
+        .args(["-sf", "-X", "POST", "-H", "content-type: application/json", "--data"])
+        .arg(r#"{"key":"k/1","ttl_ms":30000}"#)
+        .arg(&api)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let out = Command::new("curl")
+        .args(["-sf", "-X", "PUT", "-H", "x-fencing-token: 1", "--data", "x"])
+        .arg(gw.proxy_url("/k/1"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(!gw.log_text().contains("accessible to other users"));
+    let status = gw.terminate();
+    assert!(status.success());
+    let mut modes = Vec::new();
+    modes_under(&data, &mut modes);
+    assert!(modes.iter().any(|(p, _)| p.ends_with("objects/k/1")), "{modes:?}");
+    assert!(modes.len() > 5, "{modes:?}");
+    for (path, mode) in &modes {
+        let want = if path.is_dir() { 0o700 } else { 0o600 };
+        assert_eq!(*mode, want, "{} is {mode:03o}", path.display());
+    }
+
+    // An existing data directory open to others: said at start.
+    std::fs::set_permissions(&data, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let gw = common::Gateway::start(&data, common::Opts::default());
+    assert!(gw.log_text().contains("accessible to other users"), "{}", gw.log_text());
+}

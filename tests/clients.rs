@@ -234,6 +234,251 @@ async fn lease_is_lost_by_its_local_deadline_when_the_gateway_freezes() {
     // client's view is the more pessimistic one, as it must be.
 }
 
+fn run_with_stdin(cmd: &mut Command, input: &str) -> Output {
+    use std::io::Write;
+    let mut child = cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+    child.wait_with_output().unwrap()
+}
+
+/// Secrets stay off the command line: the lease id of `renew` and
+/// `release` comes from FENCEGATE_LEASE_ID or stdin, the bearer token from
+/// FENCEGATE_TOKEN or `--token -` (stdin); and the command `lock` runs
+/// never inherits the principal's bearer token.
+#[test]
+fn secrets_come_from_the_environment_or_stdin_and_children_do_not_inherit_the_bearer() {
+    let dir = tempfile::tempdir().unwrap();
+    let principals = dir.path().join("principals.toml");
+    let hash = fencegate::auth::hash_token("ops-secret");
+    std::fs::write(
+        &principals,
+        format!("[[principals]]\nname = \"ops\"\ntoken_sha256 = \"{hash}\"\nprefixes = [\"\"]\n"),
+    )
+    .unwrap();
+    let cfg = format!("[auth]\nprincipals_file = \"{}\"\n", principals.display());
+    let gw = Gateway::start(&dir.path().join("data"), Opts { config: Some(cfg), ..Opts::default() });
+    let authed = || {
+        let mut c = fencegate(&gw);
+        c.env("FENCEGATE_TOKEN", "ops-secret");
+        c
+    };
+    let out = run(authed().args(["acquire", "jobs/1", "--ttl", "30s"]));
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let grant: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let lease_id = grant["lease_id"].as_str().unwrap().to_string();
+
+    // The lease id from the environment, from stdin (omitted, or `-`).
+    let out = run(authed().args(["renew", "jobs/1"]).env("FENCEGATE_LEASE_ID", &lease_id));
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = run_with_stdin(authed().args(["renew", "jobs/1", "--ttl", "1m"]), &format!("{lease_id}\n"));
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = run_with_stdin(authed().args(["renew", "jobs/1", "-"]), "not-the-lease\n");
+    assert_eq!(out.status.code(), Some(4), "a wrong id from stdin is a lost lease");
+    // The bearer token from stdin: without it 401 (usage), with it ok.
+    let out = run(fencegate(&gw).args(["status", "jobs/1"]));
+    assert_eq!(out.status.code(), Some(2), "no credentials");
+    let out = run_with_stdin(fencegate(&gw).args(["status", "jobs/1", "--token", "-"]), "ops-secret\n");
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    // Both from stdin cannot work: one line, one secret.
+    let out = run_with_stdin(fencegate(&gw).args(["release", "jobs/1", "--token", "-"]), "ops-secret\n");
+    assert_eq!(out.status.code(), Some(2));
+    let out = run_with_stdin(authed().args(["release", "jobs/1"]), &format!("{lease_id}\n"));
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+
+    // The command run under the lock sees its fencing token, not the bearer.
+    let out = run(authed().env("FENCEGATE_LEASE_ID", "x").args([
+        "lock",
+        "jobs/2",
+        "--",
+        "sh",
+        "-c",
+        "echo \"${FENCING_TOKEN} [${FENCEGATE_TOKEN-unset}] [${FENCEGATE_LEASE_ID-unset}]\"",
+    ]));
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let line = String::from_utf8_lossy(&out.stdout);
+    let (token, rest) = line.trim().split_once(' ').unwrap();
+    assert!(token.parse::<u64>().is_ok(), "{line}");
+    assert_eq!(rest, "[unset] [unset]");
+
+    // --help says where the secrets may come from.
+    let help = run(fencegate(&gw).args(["renew", "--help"]));
+    let help = String::from_utf8_lossy(&help.stdout);
+    assert!(help.contains("FENCEGATE_LEASE_ID") && help.contains("stdin") && help.contains("--token -"), "{help}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn lease_debug_never_shows_the_lease_id() {
+    let (_d, gw) = start();
+    let client = Client::new(&gw.api_url("")).unwrap();
+    let lease = client.acquire("k", Duration::from_secs(5), Duration::ZERO).await.unwrap();
+    let shown = format!("{lease:?}");
+    assert!(!shown.contains(lease.lease_id()), "{shown}");
+    assert!(shown.contains("redacted") && shown.contains("\"k\""), "{shown}");
+    lease.release().await.unwrap();
+}
+
+/// A third-party HTTP server that records every connection made to it.
+struct ThirdParty {
+    addr: std::net::SocketAddr,
+    seen: std::sync::Arc<std::sync::Mutex<Vec<u8>>>,
+    connections: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl ThirdParty {
+    fn start() -> ThirdParty {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let connections = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (s, c) = (seen.clone(), connections.clone());
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { continue };
+                c.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
+                let mut buf = [0u8; 4096];
+                if let Ok(n) = stream.read(&mut buf) {
+                    s.lock().unwrap().extend_from_slice(&buf[..n]);
+                }
+                let _ = stream.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok");
+            }
+        });
+        ThirdParty { addr, seen, connections }
+    }
+
+    fn connections(&self) -> usize {
+        self.connections.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// One request on a fresh connection; the status and the body.
+fn raw_request(addr: &str, request: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(request.as_bytes()).unwrap();
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    let text = String::from_utf8_lossy(&out).into_owned();
+    let status = text.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    (status, body)
+}
+
+fn base64(input: &[u8]) -> String {
+    const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::new();
+    for chunk in input.chunks(3) {
+        let b = [chunk[0], *chunk.get(1).unwrap_or(&0), *chunk.get(2).unwrap_or(&0)];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for i in 0..4 {
+            out.push(if i <= chunk.len() { char::from(A[((n >> (18 - 6 * i)) & 63) as usize]) } else { '=' });
+        }
+    }
+    out
+}
+
+/// The `--inject` proxy forwards only to the gateway's proxy listener (a
+/// third party never sees the token or the principal's credentials; an
+/// `https://` target is refused, not downgraded) and serves only the
+/// command it was started for: a second local client without the per-run
+/// secret gets 407 and cannot write with the holder's token.
+#[test]
+fn inject_forwards_only_to_the_gateway_and_only_for_its_command() {
+    let (dir, gw) = start();
+    let third = ThirdParty::start();
+    let url_file = dir.path().join("proxy-url");
+    let done = dir.path().join("done");
+    let script = format!(
+        "echo \"$HTTP_PROXY $FENCEGATE_PROXY_URL $AWS_ENDPOINT_URL\" > {}; \
+         curl -s -o /dev/null -w '%{{http_code}}' -X PUT --data leak http://{}/x > {}.child; \
+         while [ ! -e {} ]; do sleep 0.05; done",
+        url_file.display(),
+        third.addr,
+        url_file.display(),
+        done.display()
+    );
+    let mut lock = fencegate(&gw)
+        .env("FENCEGATE_TOKEN", "holder-bearer")
+        .args(["lock", "ledger/inj", "--inject", "--", "sh", "-c", &script])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let child_result = url_file.with_extension("child");
+    let t = Instant::now();
+    while std::fs::read_to_string(&child_result).map_or(true, |s| s.len() < 3) {
+        assert!(t.elapsed() < Duration::from_secs(20), "the command never ran");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The command's own call to a third party through HTTP_PROXY: 403.
+    assert_eq!(std::fs::read_to_string(&child_result).unwrap(), "403");
+    let vars = std::fs::read_to_string(&url_file).unwrap();
+    let vars: Vec<&str> = vars.split_whitespace().collect();
+    let (proxy_url, origin_url, endpoint) = (vars[0], vars[1], vars[2]);
+    assert_eq!(proxy_url, origin_url);
+    assert_eq!(endpoint, gw.proxy_url(""), "an SDK's endpoint is the gateway, reached through HTTP_PROXY");
+    let (userinfo, injector) = proxy_url.strip_prefix("http://").unwrap().split_once('@').unwrap();
+    let (user, secret) = userinfo.split_once(':').unwrap();
+    assert!(secret.len() >= 32, "a per-run random secret: {secret}");
+    let good = format!("Proxy-Authorization: Basic {}\r\n", base64(format!("{user}:{secret}").as_bytes()));
+    let wrong = format!("Proxy-Authorization: Basic {}\r\n", base64(format!("{user}:not-{secret}").as_bytes()));
+    let gw_addr = gw.proxy.to_string();
+    let put = |target: &str, auth: &str| {
+        format!("PUT {target} HTTP/1.1\r\nHost: {gw_addr}\r\n{auth}Content-Length: 5\r\nConnection: close\r\n\r\nstray")
+    };
+    let object = gw.data_dir.join("objects/ledger/inj");
+
+    // A second local client without the secret: 407, nothing written.
+    for (target, auth) in [
+        (format!("http://{gw_addr}/ledger/inj"), String::new()),
+        ("/ledger/inj".to_string(), String::new()),
+        (format!("http://{gw_addr}/ledger/inj"), wrong.clone()),
+    ] {
+        let (status, body) = raw_request(injector, &put(&target, &auth));
+        assert_eq!(status, 407, "{target} {auth:?}: {body}");
+        assert!(body.contains("proxy_authentication_required"), "{body}");
+    }
+    assert!(!object.exists(), "a request without the secret must not be forwarded");
+
+    // With the secret: any authority but the gateway's, and https, is 403.
+    for target in [
+        format!("http://{}/x", third.addr),
+        format!("https://{}/x", third.addr),
+        format!("https://{gw_addr}/ledger/inj"),
+        format!("http://localhost:{}/ledger/inj", gw.proxy.port()),
+    ] {
+        let (status, body) = raw_request(injector, &put(&target, &good));
+        assert_eq!(status, 403, "{target}: {body}");
+        assert_eq!(serde_json::from_str::<serde_json::Value>(&body).unwrap()["error"], "forbidden");
+        let get = format!("GET {target} HTTP/1.1\r\nHost: x\r\n{good}Connection: close\r\n\r\n");
+        assert_eq!(raw_request(injector, &get).0, 403, "{target}");
+    }
+    assert_eq!(
+        third.connections(),
+        0,
+        "the third party saw: {:?}",
+        String::from_utf8_lossy(&third.seen.lock().unwrap())
+    );
+    assert!(!object.exists());
+
+    // The command's own way in still works, fenced with the lock's token.
+    let (status, body) = raw_request(injector, &put(&format!("http://{gw_addr}/ledger/inj"), &good));
+    assert!((200..300).contains(&status), "{status} {body}");
+    assert_eq!(std::fs::read(&object).unwrap(), b"stray");
+    // Origin-form, the secret as a base URL's credentials (curl sends the
+    // userinfo of FENCEGATE_PROXY_URL as Authorization: Basic).
+    let base = good.replace("Proxy-Authorization", "Authorization");
+    let (status, body) = raw_request(injector, &put("/ledger/inj", &base).replace("stray", "based"));
+    assert!((200..300).contains(&status), "{status} {body}");
+    assert_eq!(std::fs::read(&object).unwrap(), b"based");
+
+    std::fs::write(&done, b"").unwrap();
+    let status = lock.wait().unwrap();
+    assert_eq!(status.code(), Some(0));
+}
+
 /// `Lease::sequenced` numbers a lease's writes: sent in order they pass; a
 /// write replayed with an earlier number after a later one was forwarded is
 /// refused with 409 `stale_sequence`.

@@ -224,6 +224,39 @@ async fn unlisted_methods_and_trailing_slashes_are_refused_on_both_paths() {
     }
 }
 
+/// `Connection: X-Fencing-Token` would strip the token after the fence
+/// check, so a backend that checks tokens itself would never see it: both
+/// proxy paths refuse such a request (400) before it reaches the upstream.
+#[tokio::test(flavor = "multi_thread")]
+async fn connection_naming_a_fencing_header_is_refused_on_both_paths() {
+    for fast in [true, false] {
+        let rec = Recorder::start().await;
+        let (_d, gw) = gateway(&rec.url(), fast).await;
+        let http = Http::default();
+        let g = acquire(&http, &gw.api_url(""), "orders/1", 10_000, 0).await.unwrap();
+        let t = g.token.to_string();
+        for connection in ["X-Fencing-Token", "keep-alive, x-fencing-sequence", "close,x-fencing-token"] {
+            let mut c = Client::connect(gw.proxy).await;
+            let req = format!(
+                "PUT /orders/1 HTTP/1.1\r\nHost: front\r\nX-Fencing-Token: {t}\r\nX-Fencing-Sequence: 1\r\n\
+                 Connection: {connection}\r\nContent-Length: 2\r\n\r\nhi"
+            );
+            c.send(req.as_bytes()).await;
+            let r = c.read(false).await;
+            assert_eq!(r.status, 400, "fast={fast} {connection}");
+            let err: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+            assert_eq!(err["error"], "bad_request", "fast={fast}");
+            assert!(err["message"].as_str().unwrap().contains("Connection"), "{err}");
+        }
+        assert_eq!(rec.count(), 0, "fast={fast}: nothing reached the upstream");
+        // The same write without the hop-by-hop naming goes through.
+        let mut c = Client::connect(gw.proxy).await;
+        c.send(&put("/orders/1", &t, "ok")).await;
+        assert_eq!(c.read(false).await.status, 200, "fast={fast}");
+        assert_eq!(rec.requests()[0].headers["x-fencing-token"], t.as_str());
+    }
+}
+
 /// Requests sent back to back in one write are answered in order, and the
 /// upstream sees this hop's header edits.
 #[tokio::test(flavor = "multi_thread")]

@@ -177,6 +177,82 @@ async fn slowloris_on_both_listeners_is_cut_off() {
     r.still_fine(0).await;
 }
 
+/// What became of a connection that trickled its request body.
+#[derive(Debug, PartialEq)]
+enum Trickle {
+    /// Answered 408 with the JSON error, after this long.
+    TimedOut(Duration),
+    /// Closed without an answer, after this long.
+    Closed(Duration),
+    /// Still open when the test stopped waiting.
+    StillOpen,
+}
+
+/// Sends a request head, then one body byte every 200 ms, never finishing.
+async fn trickle(addr: std::net::SocketAddr, chunked: bool) -> Trickle {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let framing = if chunked { "transfer-encoding: chunked" } else { "content-length: 100" };
+    let head =
+        format!("POST /v1/locks/acquire HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n{framing}\r\n\r\n");
+    s.write_all(head.as_bytes()).await.unwrap();
+    let started = Instant::now();
+    let mut got = Vec::new();
+    while started.elapsed() < Duration::from_secs(10) {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let byte: &[u8] = if chunked { b"1\r\n{\r\n" } else { b"{" };
+        let wrote = s.write_all(byte).await.is_ok();
+        let mut buf = [0u8; 1024];
+        match tokio::time::timeout(Duration::from_millis(1), s.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => {
+                let text = String::from_utf8_lossy(&got);
+                if text.starts_with("HTTP/1.1 408") {
+                    assert!(text.contains("\"error\":\"request_timeout\""), "{text}");
+                    return Trickle::TimedOut(started.elapsed());
+                }
+                return Trickle::Closed(started.elapsed());
+            }
+            Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
+            Err(_) if !wrote => return Trickle::Closed(started.elapsed()),
+            Err(_) => {}
+        }
+    }
+    Trickle::StillOpen
+}
+
+/// Connections that trickle a lease API body (one byte every 200 ms, with
+/// a Content-Length or chunked, on the HTTP/1.1 loop and on the general
+/// path) take every connection slot of the api listener: each is cut off
+/// at the body deadline (408 JSON, then closed), and /healthz answers again
+/// within it.
+#[tokio::test(flavor = "multi_thread")]
+async fn slow_bodies_on_the_api_listener_are_cut_off_at_the_deadline() {
+    for fast in [true, false] {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = format!(
+            "[server]\nmax_connections = 4\nheader_read_timeout_ms = 5000\nbody_read_timeout_ms = 1000\n\
+             api_fast_path = {fast}\n"
+        );
+        let gw = Gateway::start(&dir.path().join("data"), Opts { config: Some(cfg), ..Opts::default() });
+        let tricklers: Vec<_> = (0..4).map(|i| tokio::spawn(trickle(gw.api, i % 2 == 1))).collect();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        // Every slot is taken; /healthz waits in the backlog until the
+        // deadline frees one.
+        let asked = Instant::now();
+        let http = Http::default();
+        let h = tokio::time::timeout(Duration::from_secs(5), http.get(&gw.api_url("/healthz"))).await;
+        assert_eq!(h.expect("/healthz must answer once the slow bodies are cut off").status, StatusCode::OK);
+        assert!(asked.elapsed() < Duration::from_secs(3), "fast={fast}: /healthz took {:?}", asked.elapsed());
+        for t in tricklers {
+            match t.await.unwrap() {
+                Trickle::TimedOut(after) | Trickle::Closed(after) => {
+                    assert!(after < Duration::from_millis(2500), "fast={fast}: cut off only after {after:?}")
+                }
+                Trickle::StillOpen => panic!("fast={fast}: a body trickled for 10 s without being cut off"),
+            }
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn thousands_of_idle_connections() {
     let r = rig().await;

@@ -186,3 +186,60 @@ async fn a_principal_may_queue_only_so_many_waiters() {
         assert_eq!(w.await.unwrap().error_code(), "locked");
     }
 }
+
+/// Watches are long-lived: one principal — or, when the lease API needs
+/// no principal, one client address — may hold only so many open. More get
+/// 429 at once; a watch whose client hangs up frees its slot.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_principal_or_an_address_may_hold_only_so_many_watches() {
+    let dir = tempfile::tempdir().unwrap();
+    let with_auth = format!(
+        "[locks]\nmax_watches_per_principal = 2\n[auth]\nprincipals_file = \"{}\"\n",
+        principals(dir.path()).display()
+    );
+    for (name, cfg, who) in [
+        ("auth", with_auth, Some("billing-secret")),
+        ("no-auth", "[locks]\nmax_watches_per_principal = 2\n".to_string(), None),
+    ] {
+        let gw = Gateway::start(&dir.path().join(name), Opts { config: Some(cfg), ..Opts::default() });
+        let http = Http::default();
+        let auth = who.map(|t| format!("Bearer {t}"));
+        let watch = |key: &str| {
+            let (http, url) = (http.clone(), gw.api_url(&format!("/v1/locks/watch?key={key}&timeout_ms=20000")));
+            let auth = auth.clone();
+            tokio::spawn(async move {
+                let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("authorization", a.as_str())).collect();
+                http.send(Method::GET, &url, &headers, "").await
+            })
+        };
+        let open: Vec<_> = (0..2).map(|i| watch(&format!("invoices/w{i}"))).collect();
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        let asked = std::time::Instant::now();
+        let third = watch("invoices/w2").await.unwrap();
+        assert_eq!(third.status, StatusCode::TOO_MANY_REQUESTS, "{name}");
+        assert_eq!(third.error_code(), "too_many_watches", "{name}");
+        assert!(asked.elapsed() < std::time::Duration::from_secs(2), "{name}: turned away at once");
+        if who.is_some() {
+            // Another principal is not affected.
+            let url = gw.api_url("/v1/locks/watch?key=x&timeout_ms=10");
+            let ops = http.send(Method::GET, &url, &[("authorization", "Bearer ops-secret")], "").await;
+            assert_eq!(ops.status, StatusCode::OK, "{name}");
+        }
+        // Clients that hang up free their slots.
+        for w in open {
+            w.abort();
+        }
+        let t = std::time::Instant::now();
+        loop {
+            let again = watch("invoices/w3");
+            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+            if !again.is_finished() {
+                again.abort();
+                break;
+            }
+            let status = again.await.unwrap().status;
+            assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{name}");
+            assert!(t.elapsed() < std::time::Duration::from_secs(5), "{name}: hung-up watches kept their slots");
+        }
+    }
+}

@@ -61,6 +61,8 @@ pub struct Handover {
 pub struct ConnLimits {
     pub max_header_bytes: usize,
     pub header_read_timeout: Duration,
+    /// The api fast loop's deadline for a whole request body.
+    pub body_read_timeout: Duration,
 }
 
 /// Why forwarding failed after admission.
@@ -250,6 +252,12 @@ async fn serve_one(
             match parse_head(&c.buf, limits.max_header_bytes, &mut c.head) {
                 Parsed::Complete => break,
                 Parsed::General => return Next::General,
+                // Refused before any routing; the body (if any) is not
+                // read, so the connection closes after the answer.
+                Parsed::FencingHopByHop => {
+                    let refused = crate::proxy::headers::fencing_header_named_hop_by_hop().into_response();
+                    return write_response(stream, refused, false, true, &mut c.out).await;
+                }
                 Parsed::Partial => {}
             }
         }

@@ -55,6 +55,29 @@ pub static X_FENCING_TOKEN: HeaderName = HeaderName::from_static("x-fencing-toke
 /// The optional per-grant sequence of one holder's writes.
 pub static X_FENCING_SEQUENCE: HeaderName = HeaderName::from_static("x-fencing-sequence");
 
+/// True for the names fencing reads (`X-Fencing-Token`,
+/// `X-Fencing-Sequence`), in any case.
+pub fn is_fencing_header(name: &[u8]) -> bool {
+    name.eq_ignore_ascii_case(b"x-fencing-token") || name.eq_ignore_ascii_case(b"x-fencing-sequence")
+}
+
+/// The refusal of a request whose `Connection` names a fencing header:
+/// hop-by-hop removal would strip the token after the fence check, so a
+/// backend that checks tokens itself would never see it. Both transports
+/// refuse such a request with this one error before anything else.
+pub fn fencing_header_named_hop_by_hop() -> crate::error::Error {
+    crate::error::Error::BadRequest(
+        "Connection must not name X-Fencing-Token or X-Fencing-Sequence: they are end-to-end headers".into(),
+    )
+}
+
+/// True when a `Connection` header names a fencing header.
+pub fn connection_names_fencing_header(h: &HeaderMap) -> bool {
+    h.get_all(header::CONNECTION)
+        .iter()
+        .any(|v| v.as_bytes().split(|b| *b == b',').any(|t| is_fencing_header(t.trim_ascii())))
+}
+
 /// Removes `Connection`, every header it names, and the fixed hop-by-hop set.
 pub fn strip_hop_by_hop(h: &mut HeaderMap) {
     // One pass over the names finds what is there; the common cases (none
@@ -258,5 +281,17 @@ mod tests {
         prepare_request(&mut req, &client(), HostHeader::Rewrite, Some(up), false);
         assert_eq!(req.headers()["host"], "127.0.0.1:9000");
         assert!(!req.headers().contains_key("x-fencing-token"));
+    }
+
+    #[test]
+    fn connection_naming_a_fencing_header_is_detected() {
+        for v in ["x-fencing-token", "close, X-Fencing-Token", "keep-alive,x-fencing-sequence "] {
+            let mut h = HeaderMap::new();
+            h.insert(header::CONNECTION, HeaderValue::from_str(v).unwrap());
+            assert!(connection_names_fencing_header(&h), "{v}");
+        }
+        let mut h = HeaderMap::new();
+        h.insert(header::CONNECTION, HeaderValue::from_static("close, x-fencing-tokens"));
+        assert!(!connection_names_fencing_header(&h));
     }
 }

@@ -314,6 +314,11 @@ impl Proxy {
         client: &ClientInfo,
         seen: &mut Seen<'a>,
     ) -> Result<Response<BoxBody>, Refused> {
+        // 0. A `Connection` that names a fencing header would strip it
+        //    after the check below: refused before anything else.
+        if headers::connection_names_fencing_header(req.headers()) {
+            return Err(headers::fencing_header_named_hop_by_hop().into());
+        }
         // 1. route
         let checked = match path::check_path(req.uri().path()) {
             Ok(p) => p,

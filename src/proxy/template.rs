@@ -178,6 +178,103 @@ impl Template {
     }
 }
 
+/// One element of a [`KeyShape`]: a class of characters, once or repeated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Class {
+    Char(char),
+    /// Any character but `/` (within one path segment).
+    NotSlash,
+    /// Any character.
+    Any,
+}
+
+impl Class {
+    fn meets(self, other: Class) -> bool {
+        match (self, other) {
+            (Class::Char(a), Class::Char(b)) => a == b,
+            (Class::Char(c), Class::NotSlash) | (Class::NotSlash, Class::Char(c)) => c != '/',
+            _ => true,
+        }
+    }
+}
+
+/// The set of resource keys a route can produce, as a small regular
+/// expression (`{id}`: one or more characters but `/`; `{*rest}`: any
+/// characters). Only for configuration checks, never on the data path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyShape(Vec<(Class, bool)>);
+
+impl KeyShape {
+    /// The keys of a route: its resource template over its match, or
+    /// (none) the matched path without its leading `/`.
+    pub fn of(matcher: &Template, resource: Option<&Template>) -> KeyShape {
+        let mut out = Vec::new();
+        let var = |out: &mut Vec<(Class, bool)>, rest: bool| {
+            if rest {
+                out.push((Class::Any, true));
+            } else {
+                out.push((Class::NotSlash, false));
+                out.push((Class::NotSlash, true));
+            }
+        };
+        match resource {
+            Some(r) => {
+                for piece in &r.pieces {
+                    match piece {
+                        Piece::Text(t) => out.extend(t.chars().map(|c| (Class::Char(c), false))),
+                        Piece::Var(v) => {
+                            let rest = matcher.parts.iter().any(|p| matches!(p, Part::Rest(n) if n == v));
+                            var(&mut out, rest);
+                        }
+                    }
+                }
+            }
+            None => {
+                for (i, part) in matcher.parts.iter().enumerate() {
+                    if i > 0 {
+                        out.push((Class::Char('/'), false));
+                    }
+                    match part {
+                        Part::Literal(l) => out.extend(l.chars().map(|c| (Class::Char(c), false))),
+                        Part::Param(_) => var(&mut out, false),
+                        Part::Rest(_) => var(&mut out, true),
+                    }
+                }
+            }
+        }
+        KeyShape(out)
+    }
+
+    /// True when some key is produced by both shapes (a walk over the
+    /// product of the two expressions).
+    pub fn overlaps(&self, other: &KeyShape) -> bool {
+        let (a, b) = (&self.0, &other.0);
+        let mut seen = std::collections::HashSet::new();
+        let mut todo = vec![(0usize, 0usize)];
+        while let Some((i, j)) = todo.pop() {
+            if !seen.insert((i, j)) {
+                continue;
+            }
+            if i == a.len() && j == b.len() {
+                return true;
+            }
+            // A repeated class may also be skipped.
+            if a.get(i).is_some_and(|x| x.1) {
+                todo.push((i + 1, j));
+            }
+            if b.get(j).is_some_and(|y| y.1) {
+                todo.push((i, j + 1));
+            }
+            if let (Some(x), Some(y)) = (a.get(i), b.get(j)) {
+                if x.0.meets(y.0) {
+                    todo.push((if x.1 { i } else { i + 1 }, if y.1 { j } else { j + 1 }));
+                }
+            }
+        }
+        false
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -220,5 +317,24 @@ mod tests {
         for bad in ["{nope}", "x/{id", "x}", ""] {
             assert!(Template::parse_resource(bad, &m).is_err(), "{bad}");
         }
+    }
+
+    fn shape(m: &str, r: Option<&str>) -> KeyShape {
+        let m = Template::parse_match(m).unwrap();
+        let r = r.map(|r| Template::parse_resource(r, &m).unwrap());
+        KeyShape::of(&m, r.as_ref())
+    }
+
+    #[test]
+    fn key_shapes_overlap_when_some_key_is_in_both() {
+        let invoices = shape("/invoices/{*rest}", None);
+        assert!(shape("/{*path}", None).overlaps(&invoices), "a catch-all covers every key");
+        assert!(shape("/{a}/{b}", None).overlaps(&invoices));
+        assert!(shape("/legacy/{id}", Some("invoices/{id}")).overlaps(&invoices));
+        assert!(!shape("/orders/{*rest}", None).overlaps(&invoices));
+        assert!(!shape("/invoices", None).overlaps(&shape("/invoices/{id}", None)));
+        assert!(!shape("/{id}", None).overlaps(&shape("/a/{id}", None)), "one segment never holds a slash");
+        assert!(shape("/x/{*rest}", Some("inv{rest}")).overlaps(&shape("/invoices/{id}", Some("invoices/{id}"))));
+        assert!(!shape("/x/{id}", Some("inv{id}")).overlaps(&shape("/invoices/{id}", None)), "{{id}} holds no slash");
     }
 }

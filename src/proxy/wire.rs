@@ -34,6 +34,9 @@ pub struct Head {
 pub enum Parsed {
     Complete,
     Partial,
+    /// `Connection` names a fencing header: refused with 400 (see
+    /// [`crate::proxy::headers::fencing_header_named_hop_by_hop`]).
+    FencingHopByHop,
     /// Not for the fast path: hand the connection over.
     General,
 }
@@ -126,6 +129,9 @@ pub fn parse_head(buf: &[u8], max_header_bytes: usize, head: &mut Head) -> Parse
         } else if is(b"connection") {
             let mut known = true;
             for t in tokens(h.value) {
+                if crate::proxy::headers::is_fencing_header(t) {
+                    return Parsed::FencingHopByHop;
+                }
                 if t.eq_ignore_ascii_case(b"close") {
                     head.close = true;
                 } else if !t.eq_ignore_ascii_case(b"keep-alive") {
@@ -518,6 +524,16 @@ mod tests {
         let mut h = Head::default();
         let big = format!("GET / HTTP/1.1\r\nHost: h\r\nX-Big: {}\r\n\r\n", "a".repeat(100));
         assert!(matches!(parse_head(big.as_bytes(), 64, &mut h), Parsed::General));
+    }
+
+    #[test]
+    fn connection_naming_a_fencing_header_is_refused_not_handed_over() {
+        for raw in [
+            "PUT /a HTTP/1.1\r\nHost: h\r\nX-Fencing-Token: 1\r\nConnection: X-Fencing-Token\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nHost: h\r\nConnection: close, x-fencing-sequence\r\n\r\n",
+        ] {
+            assert!(matches!(head(raw).0, Parsed::FencingHopByHop), "{raw:?}");
+        }
     }
 
     #[test]
