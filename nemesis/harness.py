@@ -817,6 +817,15 @@ connect_timeout_ms = 1000
         self.record_fault(kind="gateway-kill-during-stall", start=start, end=mono(), stall_s=round(d, 3),
                           upstream_inflight_at_kill=inflight, pid=self.gateway.pid)
 
+    def free_resources(self):
+        """The resources nobody holds right now (from the status API)."""
+        free = []
+        for k in range(self.args.resources):
+            st, body = http("GET", f"{self.api}/v1/locks/status?key=res/{k}", timeout=1)
+            if st == 200 and isinstance(body, dict) and not body.get("held"):
+                free.append(k)
+        return free
+
     def recorder_stats(self):
         st, stats = http("GET", f"{self.ctl}/stats", timeout=1)
         return stats if st == 200 and isinstance(stats, dict) else {}
@@ -847,15 +856,16 @@ connect_timeout_ms = 1000
         z, nn = self.zombie, self.successor
         kind = "gateway-stop-during-stall"
         hold = UPSTREAM_TIMEOUT_MS / 1000 - 0.5
-        key = f"res/{self.rng.randrange(self.args.resources)}"
         z.reconnect()
         nn.reconnect()
         start = mono()
         token = lease = None
-        while token is None and mono() - start < 2.5:
-            token, lease = z.acquire(key, ttl=3000, wait=1200)
+        while token is None and mono() - start < 3.0:
+            free = self.free_resources()
+            key = f"res/{self.rng.choice(free or range(self.args.resources))}"
+            token, lease = z.acquire(key, ttl=3000, wait=1000)
         if token is None:
-            self.record_fault(kind=kind, start=start, end=mono(), key=key, skipped="no grant within 2.5 s")
+            self.record_fault(kind=kind, start=start, end=mono(), key=key, skipped="no grant within 3 s")
             return
         ok, prev, n = z.read(key, token)
         if not ok:
