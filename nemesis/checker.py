@@ -304,6 +304,7 @@ def check(run_dir):
         + 2 * fk.get("gateway-kill-during-stall", 0),
         "gateway_kills": fk.get("gateway-kill", 0) + fk.get("gateway-kill-during-stall", 0),
         "upstream_kills": fk.get("upstream-kill", 0),
+        "gateway_stops": fk.get("gateway-stop-during-stall", 0),
         "upstream_inflight_at_kill": sum(f.get("inflight_at_kill", 0) or 0 for f in faults),
         "partition_ops_completed_while_cut": cut_ok,
         "liveness_bound_s": bound,
@@ -339,6 +340,7 @@ def render(s):
         f"  faults              {', '.join(f'{k} {v}' for k, v in sorted(s['faults'].items())) or 'none'}",
         f"  pauses {s['pauses']}, kills {s['kills']} (gateway {s['gateway_kills']}, upstream "
         f"{s['upstream_kills']} with {s['upstream_inflight_at_kill']} requests in flight), "
+        f"gateway SIGTERM stops {s.get('gateway_stops', 0)}, "
         f"ops completed by the cut client while cut {s['partition_ops_completed_while_cut']}",
         f"  liveness            bound {r(s['liveness_bound_s'])}s, max recovery {r(s['liveness_max_recovery_s'])}s "
         f"({', '.join(f'{k} {r(v)}' for k, v in s['liveness_by_kind_max_s'].items())})"

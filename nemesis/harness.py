@@ -26,9 +26,13 @@ followed by a quiet gap at least as long as the liveness bound:
   clock-step     step a lease holder's lease clock back by seconds, then
                  forward again (simulated in the client process: the
                  system clock is shared with the gateway and not touched)
-  gateway-kill-during-stall   (opt-in, ``--faults all``) kill -9 the
-                 gateway while the upstream is stalled with requests the
-                 gateway forwarded in flight
+  gateway-kill-during-stall   kill -9 the gateway while the upstream is
+                 stalled with requests the gateway forwarded in flight
+  gateway-stop-during-stall   the harness, as a recorded holder, sends a
+                 write the upstream holds, gives up on it (closes its
+                 connection), SIGTERMs the gateway and restarts it at once,
+                 then a newer holder is granted and writes before the held
+                 write goes on: the clean stop must have waited for it
 
 and finally runs ``checker.py`` over the histories and prints its summary.
 
@@ -55,18 +59,20 @@ import tempfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import checker  # noqa: E402
+import client as wl  # noqa: E402  (the workload client: its HTTP endpoint and record format)
 
 mono = time.monotonic
 LIBC = ctypes.CDLL(None, use_errno=True)
 PR_SET_PDEATHSIG = 1
 CLONE_NEWNET = 0x40000000
 DEFAULT_FAULTS = ["pause", "gateway-kill", "upstream-stall", "upstream-kill", "partition", "clock-step",
-                  "gateway-kill-during-stall"]
+                  "gateway-kill-during-stall", "gateway-stop-during-stall"]
 ALL_FAULTS = DEFAULT_FAULTS
 # The route's upstream_timeout_ms. The recorder abandons what it did not
 # apply within --upstream-request-timeout (< this), as the README asks; after
@@ -378,6 +384,147 @@ class NetnsNet:
 
 # ---------------------------------------------------------------- the run
 
+class RecordedHolder:
+    """A lock holder played by the harness itself, with its own record in
+    ``clients/<id>.jsonl`` in client.py's exact format (acquire, read,
+    write, release lines), so the checker judges its grants and writes like
+    any client's: its token is a granted one, and a write of it applied
+    after a newer grant is ``superseded-applied``."""
+
+    def __init__(self, cid, out, api, proxy):
+        self.id = cid
+        self.api, self.proxy = wl.Endpoint(api), wl.Endpoint(proxy)
+        u = urllib.parse.urlsplit(proxy)
+        self.proxy_addr = (u.hostname, u.port)
+        self.rec = open(os.path.join(out, "clients", f"{cid}.jsonl"), "a", buffering=1)
+        self.nops = 0
+
+    def record(self, **kv):
+        kv["c"] = self.id
+        self.rec.write(json.dumps(kv, separators=(",", ":")) + "\n")
+        self.rec.flush()
+
+    def api_call(self, verb, body, timeout):
+        return self.api.request("POST", f"/v1/locks/{verb}", json.dumps(body).encode(),
+                                {"Content-Type": "application/json"}, timeout)
+
+    def acquire(self, key, ttl, wait):
+        """(token, lease_id) or (None, None)."""
+        t0 = mono()
+        st, data, err = self.api_call("acquire", {"key": key, "ttl_ms": ttl, "wait_ms": wait, "holder": self.id},
+                                      timeout=wait / 1000 + 5)
+        t1 = mono()
+        if st != 200:
+            self.record(ev="acquire", key=key, t0=t0, t1=t1, st=st, err=err, code=wl.error_code(data), ttl=ttl,
+                        wait=wait)
+            return None, None
+        grant = json.loads(data)
+        self.record(ev="acquire", key=key, t0=t0, t1=t1, st=st, token=grant["fencing_token"], ttl=ttl, wait=wait)
+        return grant["fencing_token"], grant["lease_id"]
+
+    def read(self, key, token):
+        """(ok, op read, its n)."""
+        t0 = mono()
+        st, data, err = self.proxy.request("GET", "/" + key, headers={"X-Fencing-Token": str(token)}, timeout=5)
+        prev, n = None, 0
+        if st == 200:
+            try:
+                v = json.loads(data)
+                prev, n = v["op"], v["n"]
+            except (ValueError, KeyError, TypeError):
+                prev = "?unparseable"
+        self.record(ev="read", key=key, token=token, t0=t0, t1=mono(), st=st, err=err,
+                    code=wl.error_code(data) if st not in (200, None) else None, op=prev)
+        return st in (200, 404), prev, n
+
+    def value(self, prev, n, token):
+        self.nops += 1
+        op = f"{self.id}:{self.nops}"
+        return op, json.dumps({"op": op, "prev": prev, "n": n + 1, "by": self.id, "tok": token},
+                              separators=(",", ":"))
+
+    def write(self, key, token, prev, n):
+        """An ordinary write (small body, Content-Length: the fast path)."""
+        op, value = self.value(prev, n, token)
+        t0 = mono()
+        st, data, err = self.proxy.request("PUT", "/" + key, value.encode(),
+                                           {"X-Fencing-Token": str(token), "Content-Type": "application/json"},
+                                           timeout=10)
+        self.record(ev="write", key=key, token=token, t0=t0, t1=mono(), st=st, err=err,
+                    code=wl.error_code(data) if st is not None and st >= 300 else None, op=op, prev=prev,
+                    value=value)
+        return st
+
+    def send_abandoned_write(self, key, token, prev, n, hold_ms, held, give_up_after):
+        """Sends a write the recorder holds `hold_ms` from its arrival, waits
+        until `held()` says the recorder holds it (at most `give_up_after`
+        s), then gives up: closes the connection without an answer, like a
+        client whose timeout passed. The body is chunked, so the gateway
+        takes it on its general path (the fast path takes Content-Length
+        bodies only), where the upstream exchange outlives the client's
+        connection. Returns True if the write was held when given up."""
+        op, value = self.value(prev, n, token)
+        body = value.encode()
+        host = f"{self.proxy_addr[0]}:{self.proxy_addr[1]}"
+        req = (f"PUT /{key} HTTP/1.1\r\nHost: {host}\r\nX-Fencing-Token: {token}\r\n"
+               f"Content-Type: application/json\r\nX-Nemesis-Hold-Ms: {hold_ms}\r\n"
+               f"Transfer-Encoding: chunked\r\n\r\n{len(body):x}\r\n").encode() + body + b"\r\n0\r\n\r\n"
+        t0 = mono()
+        st, err, code, was_held = None, None, None, False
+        try:
+            s = socket.create_connection(self.proxy_addr, timeout=2)
+        except OSError as e:
+            self.record(ev="write", key=key, token=token, t0=t0, t1=mono(), st=None, err=f"connect: {e}"[:200],
+                        code=None, op=op, prev=prev, value=value)
+            return False
+        try:
+            s.sendall(req)
+            until = mono() + give_up_after
+            s.settimeout(0.01)
+            while mono() < until:
+                if held():
+                    was_held = True
+                    break
+                try:
+                    got = s.recv(65536)
+                except socket.timeout:
+                    continue
+                # An answer came (refused, or the upstream answered at once):
+                # nothing is left in flight to give up on.
+                m = re.match(rb"HTTP/1\.1 (\d{3})", got or b"")
+                st = int(m.group(1)) if m else None
+                err = None if m else "closed without an answer"
+                if m:
+                    code = wl.error_code(got.split(b"\r\n\r\n", 1)[-1])
+                break
+            else:
+                err = "no answer and not held at the upstream; gave up"
+            if was_held:
+                err = "nemesis: the client gave up while the upstream held the write"
+        except OSError as e:
+            err = f"{type(e).__name__}: {e}"[:200]
+        finally:
+            s.close()
+        self.record(ev="write", key=key, token=token, t0=t0, t1=mono(), st=st, err=err, code=code, op=op,
+                    prev=prev, value=value)
+        return was_held
+
+    def release(self, key, token, lease_id):
+        t0 = mono()
+        st, data, err = self.api_call("release", {"key": key, "lease_id": lease_id}, timeout=5)
+        self.record(ev="release", key=key, token=token, t0=t0, t1=mono(), st=st, err=err)
+        return st
+
+    def reconnect(self):
+        """Forgets kept-alive connections (the gateway was restarted)."""
+        self.api.close()
+        self.proxy.close()
+
+    def close(self):
+        self.reconnect()
+        self.rec.close()
+
+
 class Harness:
     def __init__(self, args):
         self.args = args
@@ -400,6 +547,7 @@ class Harness:
         self.unexpected = []
         self.cleaned = False
         self.run_info = {}
+        self.zombie = self.successor = None  # the harness's own recorded holders (gateway-stop-during-stall)
 
     # -- setup
     def choose_net(self):
@@ -487,7 +635,8 @@ connect_timeout_ms = 1000
             "partitioned_client": "c0", "clients": a.clients, "resources": a.resources, "seed": a.seed,
             "duration_s": a.duration, "ttl_min_ms": self.ttl_min, "ttl_max_ms": self.ttl_max,
             "liveness_bound_s": self.bound, "start": self.t0, "stop_at": self.stop_at,
-            "faults_enabled": a.faults, "binary": a.binary, "gateway_api": self.api, "gateway_proxy": self.proxy,
+            "faults_enabled": a.faults, "first_faults": a.first_faults, "binary": a.binary,
+            "gateway_api": self.api, "gateway_proxy": self.proxy,
             "upstream_request_timeout_s": a.upstream_request_timeout, "argv": sys.argv,
         }
         self.write_run()
@@ -668,6 +817,95 @@ connect_timeout_ms = 1000
         self.record_fault(kind="gateway-kill-during-stall", start=start, end=mono(), stall_s=round(d, 3),
                           upstream_inflight_at_kill=inflight, pid=self.gateway.pid)
 
+    def free_resources(self):
+        """The resources nobody holds right now (from the status API)."""
+        free = []
+        for k in range(self.args.resources):
+            st, body = http("GET", f"{self.api}/v1/locks/status?key=res/{k}", timeout=1)
+            if st == 200 and isinstance(body, dict) and not body.get("held"):
+                free.append(k)
+        return free
+
+    def recorder_stats(self):
+        st, stats = http("GET", f"{self.ctl}/stats", timeout=1)
+        return stats if st == 200 and isinstance(stats, dict) else {}
+
+    def fault_gateway_stop_during_stall(self):
+        """A clean stop while an old holder's write is still in flight
+        (issue 19). The harness, as the recorded holder "nz", acquires a
+        resource, reads it and sends a write derived from it that the
+        recorder holds (below), on the gateway's general path; once the
+        recorder holds it, nz gives up (closes the connection, no answer).
+        Then SIGTERM: a gateway that counts only connections finds nothing
+        of nz's to drain and records a clean stop. It is restarted at once,
+        nz releases, and the harness, as "nn", acquires the resource, reads
+        and writes it; only then is the held write let go.
+
+        The recorder holds the write until that moment, or HOLD_S after its
+        arrival, whichever comes first; HOLD_S stays below the route's
+        upstream_timeout_ms (the README's rule for a backend). A gateway
+        whose stop waits for the write cannot restart before the hold ends:
+        the write is applied before the stop completes, and nothing later
+        can be superseded by it. One that does not wait restarts without a
+        quarantine, nn (or a workload client) is granted while the write is
+        still held, and it lands after that grant (superseded-applied) and
+        after nn's write (non-monotonic, lost-update)."""
+        if self.zombie is None:
+            self.zombie = RecordedHolder("nz", self.out, self.api, self.proxy)
+            self.successor = RecordedHolder("nn", self.out, self.api, self.proxy)
+        z, nn = self.zombie, self.successor
+        kind = "gateway-stop-during-stall"
+        hold = UPSTREAM_TIMEOUT_MS / 1000 - 0.5
+        z.reconnect()
+        nn.reconnect()
+        start = mono()
+        token = lease = None
+        while token is None and mono() - start < 3.0:
+            free = self.free_resources()
+            key = f"res/{self.rng.choice(free or range(self.args.resources))}"
+            token, lease = z.acquire(key, ttl=3000, wait=1000)
+        if token is None:
+            self.record_fault(kind=kind, start=start, end=mono(), key=key, skipped="no grant within 3 s")
+            return
+        ok, prev, n = z.read(key, token)
+        if not ok:
+            z.release(key, token, lease)
+            self.record_fault(kind=kind, start=start, end=mono(), key=key, token=token, skipped="read failed")
+            return
+        before = self.recorder_stats().get("held_total", 0)
+        sent = mono()
+        held = z.send_abandoned_write(key, token, prev, n, int(hold * 1000),
+                                      lambda: self.recorder_stats().get("held_total", 0) > before, 1.0)
+        t_stop = mono()
+        code = self.gateway.stop(grace=15)
+        stop_s = mono() - t_stop
+        # 0: the stop waited for the held write (applied meanwhile); 1: it did not
+        held_after_stop = self.recorder_stats().get("held")
+        if code != 0:
+            self.unexpected.append({"process": "gateway", "code": code, "at": mono(), "when": f"SIGTERM ({kind})"})
+        self.gateway.start()
+        end = mono()
+        ready = self.wait_gateway()
+        z.reconnect()
+        nn.reconnect()
+        rel = z.release(key, token, lease)
+        # A newer holder at once: its grant, read and write, then the held
+        # write goes on (if it is still held: the stop did not wait for it).
+        ntok, nlease = nn.acquire(key, ttl=1000, wait=1000)
+        nst = None
+        if ntok is not None:
+            ok, p2, n2 = nn.read(key, ntok)
+            if ok:
+                nst = nn.write(key, ntok, p2, n2)
+            nn.release(key, ntok, nlease)
+        http("POST", f"{self.ctl}/unhold", timeout=1)
+        while mono() < sent + hold + 1.0 and self.recorder_stats().get("held", 0) > 0:
+            time.sleep(0.02)
+        self.record_fault(kind=kind, start=start, end=end, key=key, token=token, hold_s=round(hold, 3),
+                          held_when_given_up=held, stop_s=round(stop_s, 3), gateway_exit=code,
+                          held_after_stop=held_after_stop, ready_after_s=round(ready - end, 3), release_st=rel,
+                          successor_token=ntok, successor_write_st=nst, pid=self.gateway.pid)
+
     def check_processes(self):
         for p in [self.gateway, self.recorder]:
             if not p.alive():
@@ -685,15 +923,20 @@ connect_timeout_ms = 1000
     def run_nemesis(self):
         kinds = [k for k in self.args.faults.split(",") if k]
         fns = {k: getattr(self, "fault_" + k.replace("-", "_")) for k in kinds}
-        longest = 6.5  # the longest fault lasts at most this long
-        queue = []
+        # The longest fault lasts at most about this long (gateway-stop-during-stall:
+        # up to 3 s for its grant, 1 s to see its write held, a stop that waits
+        # out the hold, a restart, a successor's grant, read and write).
+        longest = 8.0
+        first = [k for k in (self.args.first_faults or "").split(",") if k]
+        queue = list(reversed(first))  # these run first, in order, then the shuffled rounds
         time.sleep(min(self.args.warmup, max(0.0, self.stop_at - mono())))
         while mono() + longest + self.bound + 1.0 < self.stop_at:
             self.check_processes()
             if not queue:
                 queue = list(kinds)
                 self.rng.shuffle(queue)
-            fns[queue.pop()]()
+            kind = queue.pop()
+            (fns.get(kind) or getattr(self, "fault_" + kind.replace("-", "_")))()
             self.check_processes()
             if self.args.quiet_gap is None:
                 gap = self.bound + self.rng.uniform(0.5, 2.0)  # quiet: liveness is judged here
@@ -747,6 +990,9 @@ connect_timeout_ms = 1000
                 p.stop(grace=5)
         if self.net is not None:
             self.net.teardown()
+        for holder in (self.zombie, self.successor):
+            if holder is not None:
+                holder.close()
         if self.faults_file is not None:
             self.faults_file.close()
 
@@ -766,7 +1012,10 @@ def main():
                                                                     "fencegate")))
     ap.add_argument("--out", help="run directory (default: a new temporary directory)")
     ap.add_argument("--faults", default=",".join(DEFAULT_FAULTS),
-                    help=f"comma list from {','.join(ALL_FAULTS)}, or 'all' (default: all but the last)")
+                    help=f"comma list from {','.join(ALL_FAULTS)}, or 'all' (the default: all of them)")
+    ap.add_argument("--first-faults", default="",
+                    help="comma list of faults run first, in this order, before the shuffled rounds (CI: "
+                         "a fault the run must exercise whatever the seed)")
     ap.add_argument("--partition", choices=["auto", "netns", "proxy"], default="auto",
                     help="how to cut c0 off: network namespaces if possible (auto), or the loopback TCP proxy")
     ap.add_argument("--ttl-min", type=int, default=300, help="shortest lease a client asks for, ms")
@@ -783,7 +1032,7 @@ def main():
     a = ap.parse_args()
     if a.faults == "all":
         a.faults = ",".join(ALL_FAULTS)
-    bad = [k for k in a.faults.split(",") if k and k not in ALL_FAULTS]
+    bad = [k for k in (a.faults + "," + a.first_faults).split(",") if k and k not in ALL_FAULTS]
     if bad:
         ap.error(f"unknown fault(s) {bad}; known: {ALL_FAULTS}")
     if a.clients < 5:

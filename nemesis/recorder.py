@@ -13,11 +13,19 @@ An HTTP/1.1 server that stands behind the gateway and *applies* writes:
   CLOCK_MONOTONIC, shared by every process on the machine, so they order
   against the clients' own records).
 * ``GET /<resource>``: the latest applied value (404 if none).
+* A PUT with ``X-Nemesis-Hold-Ms: N`` (a header the gateway forwards like
+  any other) is held after its body was read, then applied, N ms after its
+  arrival or at the next ``POST /unhold`` on the control listener, whichever
+  comes first: a slow upstream for that one request only (the
+  gateway-stop-during-stall fault). N stands in for ``--request-timeout``
+  for that request (it is never abandoned); the harness keeps N below the
+  route's ``upstream_timeout_ms``, as the README's rule asks.
 
 Control listener (``--control-port``, never reached through the gateway):
 
 * ``POST /stall?seconds=N``: every data request waits until N seconds from
   now before it is served (reads and writes alike);
+* ``POST /unhold``: every request held by ``X-Nemesis-Hold-Ms`` goes on now;
 * ``GET /stats``: requests in flight, writes applied, stall left;
 * ``GET /health``.
 
@@ -52,6 +60,9 @@ class State:
         self.applied = 0
         self.abandoned = 0
         self.inflight = 0
+        self.held = 0  # requests waiting out an X-Nemesis-Hold-Ms right now
+        self.held_total = 0
+        self.unhold_seq = 0  # bumped by POST /unhold: ends every hold
         self.count_lock = threading.Lock()
         self.stall_until = 0.0
         self.request_timeout = request_timeout
@@ -82,6 +93,23 @@ class State:
     def enter(self, n):
         with self.count_lock:
             self.inflight += n
+
+    def hold(self, until):
+        """Waits until `until` (monotonic) or the next POST /unhold, counted
+        in `held` meanwhile."""
+        with self.count_lock:
+            self.held += 1
+            self.held_total += 1
+            seq = self.unhold_seq
+        try:
+            while True:
+                left = until - time.monotonic()
+                if left <= 0 or self.unhold_seq != seq:
+                    return
+                time.sleep(min(left, 0.02))
+        finally:
+            with self.count_lock:
+                self.held -= 1
 
     def wait_stall(self):
         while True:
@@ -168,6 +196,14 @@ class DataHandler(BaseHTTPRequestHandler):
             return None
         return body
 
+    def _hold(self):
+        """Seconds of an ``X-Nemesis-Hold-Ms`` header, or None."""
+        try:
+            ms = float(self.headers.get("X-Nemesis-Hold-Ms", ""))
+        except ValueError:
+            return None
+        return ms / 1000 if ms >= 0 else None
+
     def do_GET(self):
         STATE.enter(1)
         try:
@@ -197,8 +233,11 @@ class DataHandler(BaseHTTPRequestHandler):
                 token = int(tok) if tok is not None else None
             except ValueError:
                 token = tok
+            hold = self._hold()
+            if hold is not None:
+                STATE.hold(arrival + hold)
             STATE.wait_stall()
-            if time.monotonic() - arrival > STATE.request_timeout:
+            if hold is None and time.monotonic() - arrival > STATE.request_timeout:
                 STATE.abandoned += 1
                 self._answer(503, '{"error":"abandoned","message":"request timeout passed before it could be applied"}')
                 return
@@ -231,6 +270,8 @@ class ControlHandler(BaseHTTPRequestHandler):
             "inflight": STATE.inflight,
             "applied": STATE.applied,
             "abandoned": STATE.abandoned,
+            "held": STATE.held,
+            "held_total": STATE.held_total,
             "seq": STATE.seq,
             "stall_left": max(0.0, STATE.stall_until - time.monotonic()),
         }
@@ -250,6 +291,10 @@ class ControlHandler(BaseHTTPRequestHandler):
             q = urllib.parse.parse_qs(url.query)
             seconds = float(q.get("seconds", ["0"])[0])
             STATE.stall_until = max(STATE.stall_until, time.monotonic() + seconds)
+            self._json(200, self._stats())
+        elif url.path == "/unhold":
+            with STATE.count_lock:
+                STATE.unhold_seq += 1
             self._json(200, self._stats())
         else:
             self._json(404, {"error": "not_found"})

@@ -27,9 +27,12 @@ mkdir -p "$OUT"
 started=$(date +%s)
 
 echo "== nemesis: fenced run (${NEMESIS_DURATION:-75} s, every default fault) =="
+# A 75 s run has room for about five faults of the eight: the clean stop
+# with a write in flight (issue 19) runs first whatever the seed, the rest
+# are shuffled.
 timeout --signal=TERM --kill-after=30 $(( ${NEMESIS_DURATION:-75} + 300 )) \
     python3 nemesis/harness.py --duration "${NEMESIS_DURATION:-75}" --binary "$FENCEGATE_BIN" \
-    --out "$OUT/fenced" ${NEMESIS_SEED:+--seed "$NEMESIS_SEED"}
+    --out "$OUT/fenced" ${NEMESIS_SEED:+--seed "$NEMESIS_SEED"} --first-faults gateway-stop-during-stall
 fenced=$?
 
 echo

@@ -87,6 +87,35 @@ class CheckerTest(unittest.TestCase):
         h.write("a", "k", 1, "a:1", None, 0.3, 1.2, apply_at=1.1)  # applied after b's grant was answered
         self.assertEqual(h.check(), {"superseded-applied": 1})
 
+    def abandoned_write_across_a_stop(self, zombie_applied_at):
+        """The shape of gateway-stop-during-stall: nz's write (token 2) is
+        held by the upstream, nz gives up (no answer), the gateway is
+        stopped and restarted, nn is granted token 3 at 1.1 and writes."""
+        h = History()
+        h.grant("a", "k", 1, 0.0, 0.1)
+        h.write("a", "k", 1, "a:1", None, 0.15, 0.2, apply_at=0.18)
+        h.grant("nz", "k", 2, 0.3, 0.35)
+        h.read("nz", "k", 2, "a:1", 0.4, 0.45)
+        h.write("nz", "k", 2, "nz:1", "a:1", 0.5, 0.7, st=None, apply_at=zombie_applied_at)
+        h.grant("nn", "k", 3, 1.0, 1.1)
+        seen = "nz:1" if zombie_applied_at < 1.2 else "a:1"
+        h.read("nn", "k", 3, seen, 1.2, 1.25)
+        h.write("nn", "k", 3, "nn:1", seen, 1.3, 1.35, apply_at=1.32)
+        h.log.sort(key=lambda r: r["applied"])
+        for i, r in enumerate(h.log, 1):
+            r["seq"] = i
+        return h.check()
+
+    def test_abandoned_write_applied_after_the_restart_grant(self):
+        # No quarantine after a stop marked clean too early: the held write
+        # lands after nn's grant and nn's write.
+        self.assertEqual(self.abandoned_write_across_a_stop(1.9),
+                         {"superseded-applied": 1, "non-monotonic": 1, "lost-update": 1})
+
+    def test_abandoned_write_applied_during_the_stop_is_clean(self):
+        # The stop waited for it: applied before the restart and nn's grant.
+        self.assertEqual(self.abandoned_write_across_a_stop(0.9), {})
+
     def test_token_granted_twice(self):
         h = clean()
         h.grant("c", "k", 2, 2.0, 2.1)
