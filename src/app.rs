@@ -115,7 +115,13 @@ impl Gateway {
             let longest = cfg
                 .effective_routes()
                 .iter()
-                .filter(|r| r.upstream.starts_with("http://") || r.upstream.starts_with("https://"))
+                // Parsed, not matched as text: `HTTP://` is an HTTP upstream too.
+                .filter(|r| {
+                    matches!(
+                        crate::proxy::upstream::UpstreamUrl::parse(&r.upstream),
+                        Ok(crate::proxy::upstream::UpstreamUrl::Http { .. })
+                    )
+                })
                 .map(|r| r.upstream_timeout_ms)
                 .max()
                 .unwrap_or(0);

@@ -502,3 +502,54 @@ max_body_bytes = 10
     assert_eq!(r.error_code(), "payload_too_large");
     assert_eq!(rec.count(), 0);
 }
+
+/// External route: a request that waited for older in-flight mutations is
+/// re-checked against the fence before it is forwarded. Without that, 101
+/// (waiting for 100's slow exchange) was forwarded after 102's barrier had
+/// given up on it, and landed after 102.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_external_request_that_waited_is_refused_if_the_fence_moved_meanwhile() {
+    let cfg = r#"
+[[routes]]
+match = "/{k}/{*rest}"
+resource = "{k}"
+upstream = "UPSTREAM"
+fence_authority = "external"
+upstream_timeout_ms = 3000
+"#;
+    let (_d, gw, rec, http) = setup_with(Some(cfg.into())).await;
+    rec.set_delay("/x/slow", 2000);
+    rec.set_delay("/x/older", 2000);
+    let send = |path: &'static str, token: &'static str| {
+        let (http, url) = (http.clone(), gw.proxy_url(path));
+        tokio::spawn(async move { http.send(Method::PUT, &url, &[("x-fencing-token", token)], "w").await })
+    };
+    let first = send("/x/slow", "100");
+    tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+    let older = send("/x/older", "101");
+    tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+    let newer = send("/x/newer", "102");
+    assert_eq!(first.await.unwrap().status, StatusCode::OK);
+    assert_eq!(newer.await.unwrap().status, StatusCode::OK);
+    let r = older.await.unwrap();
+    assert_eq!(r.status, StatusCode::CONFLICT, "101 must not be forwarded once 102 moved the fence");
+    assert_eq!(r.error_code(), "stale_fencing_token");
+    let order: Vec<String> = rec.requests().iter().map(|s| s.path.clone()).collect();
+    assert_eq!(order, ["/x/slow", "/x/newer"]);
+}
+
+/// The quarantine after `kill -9` covers every HTTP upstream, however its
+/// scheme is spelled (`HTTP://` too).
+#[tokio::test(flavor = "multi_thread")]
+async fn an_upper_case_http_upstream_is_quarantined_after_kill9() {
+    let rec = Recorder::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let up = rec.url().replace("http://", "HTTP://");
+    let cfg = format!("[[routes]]\nmatch = \"/{{*path}}\"\nupstream = \"{up}\"\nupstream_timeout_ms = 1500\n");
+    let opts = Opts { config: Some(cfg), ..Opts::default() };
+    let gw = Gateway::start(&data, opts.clone());
+    gw.kill9();
+    let gw = Gateway::start(&data, opts);
+    assert!(gw.log_text().contains("did not stop cleanly"), "{}", gw.log_text());
+}

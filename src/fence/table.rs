@@ -421,7 +421,12 @@ impl FenceTable {
         }
         if token > slot.fence {
             check_step(token, slot.fence, policy)?;
-            slot.raise(token, true);
+            // No lease stands behind an external token: a strict embedded
+            // route on the same key refuses it (lease_expired), and the
+            // embedded sequence moves past it, so no grant of another key
+            // is ever issued this number.
+            slot.raise(token, false);
+            self.next_token.fetch_max(token.saturating_add(1), Ordering::AcqRel);
         } else if let Some(seq) = sequence.filter(|s| slot.sequence_next > *s) {
             return Err(Refusal::StaleSequence { token, sequence: seq, last_sequence: slot.sequence_next - 1 });
         }
@@ -850,5 +855,17 @@ mod tests {
         t.mark_durable("k", 9);
         assert!(matches!(t.advance("k", 9, Some(1), EXT, &store), Err(Refusal::StaleSequence { .. })));
         assert!(t.advance("k", 9, Some(2), EXT, &store).is_ok());
+    }
+
+    #[test]
+    fn an_external_token_is_never_issued_again_nor_live_for_embedded_routes() {
+        let store = Store::memory();
+        let t = FenceTable::new();
+        let (_g, _rx) = t.advance("e", 3, None, EXT, &store).unwrap();
+        t.mark_durable("e", 3);
+        let issue = |key: &str| t.issue(key, &store, |k, token| vec![Op::Fence { key: k.clone(), token }]).unwrap().0;
+        assert_eq!(issue("b"), 4, "the sequence moved past the external token");
+        // No lease behind token 3 on "e": a strict embedded route refuses it.
+        assert!(matches!(t.check("e", 3, STRICT), Err(Refusal::LeaseExpired { token: 3 })));
     }
 }

@@ -415,8 +415,8 @@ impl Proxy {
             Admit::Forward(Some(guard)) if route.policy.external => {
                 // Another request may be advancing to this very token:
                 // wait, as it does, for older in-flight mutations.
-                Box::pin(self.fences.barrier(key, token.unwrap_or(0), route.upstream_timeout)).await;
-                Some(guard)
+                Box::pin(self.fences.barrier(key, guard.token(), route.upstream_timeout)).await;
+                self.still_current(route, key, guard, client)?
             }
             Admit::Forward(guard) => guard,
             Admit::ForwardAfter(guard, durable) => {
@@ -427,14 +427,17 @@ impl Proxy {
                     return Err(e.into());
                 }
                 if route.policy.external {
-                    Box::pin(self.fences.barrier(key, token.unwrap_or(0), route.upstream_timeout)).await;
+                    Box::pin(self.fences.barrier(key, guard.token(), route.upstream_timeout)).await;
                 }
-                Some(guard)
+                self.still_current(route, key, guard, client)?
             }
             Admit::Advance(token, sequence) => {
                 match self.fences.advance(key, token, sequence, route.policy, &self.store) {
                     // Boxed: the rarer path, kept out of the common future.
-                    Ok((guard, durable)) => Box::pin(self.activate(route, key, token, guard, durable)).await?,
+                    Ok((guard, durable)) => {
+                        let guard = Box::pin(self.activate(route, key, token, guard, durable)).await?;
+                        self.still_current(route, key, guard, client)?
+                    }
                     Err(refusal) => self.refusal(route, key, token, refusal, client)?,
                 }
             }
@@ -461,7 +464,7 @@ impl Proxy {
         token: u64,
         guard: InflightGuard,
         durable: Option<tokio::sync::oneshot::Receiver<Result<(), Error>>>,
-    ) -> Result<Option<InflightGuard>, Refused> {
+    ) -> Result<InflightGuard, Refused> {
         if let Some(rx) = durable {
             if let Err(e) = wait_durable(rx).await {
                 // The fence stays raised in memory (older tokens are still
@@ -478,7 +481,27 @@ impl Proxy {
         if outcome.overrun {
             self.metrics.activation_overruns.inc();
         }
-        Ok(Some(guard))
+        Ok(guard)
+    }
+
+    /// After a wait (a barrier, an fsync), the fence may have moved past
+    /// the request's token: it is then refused as stale instead of being
+    /// forwarded behind the newer holder's back (a newer barrier may
+    /// already have given up on it).
+    fn still_current(
+        &self,
+        route: &Route,
+        key: &str,
+        guard: InflightGuard,
+        client: &ClientInfo,
+    ) -> Result<Option<InflightGuard>, Refused> {
+        let fence = self.fences.fence(key);
+        let token = guard.token();
+        if fence <= token {
+            return Ok(Some(guard));
+        }
+        drop(guard);
+        self.refusal(route, key, token, Refusal::Stale { token, fence, superseded_for: Duration::ZERO }, client)
     }
 
     fn refusal(
