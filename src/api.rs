@@ -35,6 +35,8 @@ pub struct Api {
     pub waiting: Arc<WaitingPerPrincipal>,
     /// Open watches, per principal (or client address).
     pub watching: Arc<WaitingPerPrincipal>,
+    /// Fenced keys per principal.
+    pub fences: Arc<FencesPerPrincipal>,
 }
 
 /// Counts long-lived requests (acquires with a wait, watches) per owner —
@@ -67,6 +69,40 @@ impl WaitingPerPrincipal {
         }
         *n += 1;
         Some(WaitingSlot { owner: self, name: name.to_string() })
+    }
+}
+
+/// Fenced keys per principal, against `locks.max_fences_per_principal`:
+/// at start every key on disk counts for each principal whose prefixes
+/// cover it; then every new key a principal's acquire fences.
+#[derive(Debug, Default)]
+pub struct FencesPerPrincipal {
+    counts: dashmap::DashMap<String, usize>,
+    limit: usize,
+}
+
+impl FencesPerPrincipal {
+    /// Counts the keys already fenced in `fences` for every principal.
+    pub fn count(auth: &Auth, fences: &crate::fence::FenceTable, limit: usize) -> FencesPerPrincipal {
+        let counts = dashmap::DashMap::new();
+        if auth.enabled() {
+            fences.for_each_key(|key| {
+                for p in auth.principals() {
+                    if p.may(key) {
+                        *counts.entry(p.name.clone()).or_insert(0) += 1;
+                    }
+                }
+            });
+        }
+        FencesPerPrincipal { counts, limit }
+    }
+
+    fn full(&self, p: &Principal) -> bool {
+        self.counts.get(&p.name).is_some_and(|n| *n >= self.limit)
+    }
+
+    fn add(&self, p: &Principal) {
+        *self.counts.entry(p.name.clone()).or_insert(0) += 1;
     }
 }
 
@@ -192,7 +228,17 @@ impl Api {
         } else {
             None
         };
+        // A principal may fence only so many keys (a fence is for good).
+        let new_key = self.authority.fences().fence(&body.key) == 0;
+        if let Some(p) = p.filter(|p| new_key && self.fences.full(p)) {
+            return Err(Error::FenceQuota { scope: "principal", limit: self.fences.limit }).inspect_err(|_| {
+                tracing::warn!(principal = %p.name, "fence quota of the principal reached");
+            });
+        }
         let grant = self.authority.acquire(body).await?;
+        if let Some(p) = p.filter(|_| new_key) {
+            self.fences.add(p);
+        }
         Ok(json_response(StatusCode::OK, &grant))
     }
 

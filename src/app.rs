@@ -95,6 +95,7 @@ impl Gateway {
         let started = std::time::Instant::now();
         let fences = FenceTable::with_capacity(store.estimated_fences());
         store.for_each_fence(|key, record| fences.load_record(key, record))?;
+        fences.set_max_fences(cfg.locks.max_fences);
         let authority = Authority::restore(fences.clone(), store.clone(), metrics.clone(), cfg.locks.clone())?;
         let fences_for_quarantine = fences.clone();
         tracing::info!(
@@ -154,6 +155,11 @@ impl Gateway {
             auth: auth.clone(),
             waiting: Arc::new(crate::api::WaitingPerPrincipal::new(cfg.locks.max_waiters_per_principal)),
             watching: Arc::new(crate::api::WaitingPerPrincipal::new(cfg.locks.max_watches_per_principal)),
+            fences: Arc::new(crate::api::FencesPerPrincipal::count(
+                &auth,
+                &fences_for_quarantine,
+                cfg.locks.max_fences_per_principal,
+            )),
         });
         let api_handler: Handler = Arc::new(move |req, client| {
             let api = api.clone();

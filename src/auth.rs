@@ -161,6 +161,11 @@ impl Auth {
         Ok(Auth { principals, api_required: cfg.api.unwrap_or(true), metrics_principal: cfg.metrics_principal.clone() })
     }
 
+    /// Every configured principal.
+    pub fn principals(&self) -> &[Principal] {
+        &self.principals
+    }
+
     /// True when principals are configured at all.
     pub fn enabled(&self) -> bool {
         !self.principals.is_empty()

@@ -62,6 +62,13 @@ pub struct LocksConfig {
     /// Most watches one principal (or, when the lease API needs no
     /// principal, one client address) may have open at once.
     pub max_watches_per_principal: usize,
+    /// Most keys with a fence in the whole gateway; a grant or external
+    /// advance on one more is refused (507 `fence_quota_exceeded`). A fence
+    /// costs ~100-250 bytes of memory and disk for good.
+    pub max_fences: usize,
+    /// Most fenced keys under one principal's prefixes that the lease API
+    /// lets it create (counted from the keys on disk at start).
+    pub max_fences_per_principal: usize,
     /// Longest a grant waits at activation for older in-flight mutations
     /// before it is returned anyway (they are then counted as overrun).
     pub activation_timeout_ms: u64,
@@ -289,6 +296,8 @@ impl Default for LocksConfig {
             max_waiters_per_key: 1024,
             max_waiters_per_principal: 256,
             max_watches_per_principal: 256,
+            max_fences: 10_000_000,
+            max_fences_per_principal: 1_000_000,
             activation_timeout_ms: 60_000,
         }
     }
@@ -385,6 +394,9 @@ impl Config {
         }
         if l.max_waiters_per_key == 0 {
             return Err("locks.max_waiters_per_key: must be at least 1".into());
+        }
+        if l.max_fences == 0 || l.max_fences_per_principal == 0 {
+            return Err("locks.max_fences and locks.max_fences_per_principal: must be at least 1".into());
         }
         if l.max_waiters_per_principal == 0 || l.max_watches_per_principal == 0 {
             return Err(

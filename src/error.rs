@@ -59,6 +59,10 @@ pub enum Error {
         "X-Fencing-Sequence {sequence} for {key} under token {token} is not above the last forwarded one ({last_sequence})"
     )]
     StaleSequence { key: String, token: u64, sequence: u64, last_sequence: u64 },
+    /// A new key would pass a fence quota (`max_fences`): every key ever
+    /// fenced costs memory and disk for good.
+    #[error("no fence for a new key: the {scope} holds its limit of {limit} fenced keys")]
+    FenceQuota { scope: &'static str, limit: usize },
     /// External route: a token too far above the fence to be believed.
     #[error(
         "fencing token {token} for {key} is more than max_token_step ({max_step}) above the fence {fence}: refused"
@@ -135,6 +139,7 @@ impl Error {
             Error::UpstreamUnavailable(_) => StatusCode::BAD_GATEWAY,
             Error::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             Error::Store(_) | Error::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            Error::FenceQuota { .. } => StatusCode::INSUFFICIENT_STORAGE,
             Error::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
@@ -165,6 +170,7 @@ impl Error {
             Error::UpstreamUnavailable(_) => "upstream_unavailable",
             Error::UpstreamTimeout { .. } => "upstream_timeout",
             Error::Store(_) => "store_error",
+            Error::FenceQuota { .. } => "fence_quota_exceeded",
             Error::Unavailable(_) => "unavailable",
             Error::Internal(_) => "internal",
         }
@@ -245,6 +251,7 @@ mod tests {
             (Error::StaleFencingToken { key: "k".into(), token: 1, fence: 2 }, 409, "stale_fencing_token"),
             (Error::UnissuedFencingToken { key: "k".into(), token: 9, fence: 2 }, 403, "unissued_fencing_token"),
             (Error::LeaseExpired { key: "k".into(), token: 2 }, 409, "lease_expired"),
+            (Error::FenceQuota { scope: "gateway", limit: 5 }, 507, "fence_quota_exceeded"),
             (Error::StaleSequence { key: "k".into(), token: 2, sequence: 3, last_sequence: 4 }, 409, "stale_sequence"),
             (
                 Error::TokenStepTooLarge { key: "k".into(), token: u64::MAX, fence: 2, max_step: 10 },

@@ -243,3 +243,60 @@ async fn a_principal_or_an_address_may_hold_only_so_many_watches() {
         }
     }
 }
+
+/// Every key ever fenced costs memory and disk for good: a principal may
+/// fence only `max_fences_per_principal` keys (counted across restarts from
+/// the keys on disk under its prefixes), the gateway only `max_fences`.
+/// Keys already fenced stay usable.
+#[tokio::test(flavor = "multi_thread")]
+async fn fence_quotas_bound_new_keys_per_principal_and_per_gateway() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = format!(
+        "[locks]\nmax_fences_per_principal = 3\n[auth]\nprincipals_file = \"{}\"\n",
+        principals(dir.path()).display()
+    );
+    let data = dir.path().join("data");
+    let opts = Opts { config: Some(cfg), ..Opts::default() };
+    let acquire = |gw: &Gateway, http: &Http, who: &'static str, key: String| {
+        let (http, url) = (http.clone(), gw.api_url("/v1/locks/acquire"));
+        async move {
+            let body = serde_json::json!({"key": key, "ttl_ms": 1000}).to_string();
+            let auth = format!("Bearer {who}");
+            http.send(
+                Method::POST,
+                &url,
+                &[("authorization", auth.as_str()), ("content-type", "application/json")],
+                body,
+            )
+            .await
+        }
+    };
+    let gw = Gateway::start(&data, opts.clone());
+    let http = Http::default();
+    for i in 0..3 {
+        assert_eq!(acquire(&gw, &http, "billing-secret", format!("invoices/{i}")).await.status, StatusCode::OK);
+    }
+    let r = acquire(&gw, &http, "billing-secret", "invoices/3".into()).await;
+    assert_eq!(r.status, StatusCode::INSUFFICIENT_STORAGE);
+    assert_eq!(r.error_code(), "fence_quota_exceeded");
+    assert!(gw.terminate().success());
+    // After a restart the count comes from the keys on disk.
+    let gw = Gateway::start(&data, opts);
+    let r = acquire(&gw, &http, "billing-secret", "invoices/4".into()).await;
+    assert_eq!(r.error_code(), "fence_quota_exceeded", "counted again at start");
+    // A key it already fenced is not refused (its lease of 1 s has ended).
+    tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+    assert_eq!(acquire(&gw, &http, "billing-secret", "invoices/0".into()).await.status, StatusCode::OK);
+    // The gateway's own limit, whoever asks.
+    let cfg = format!(
+        "[locks]\nmax_fences_per_principal = 100\nmax_fences = 2\n[auth]\nprincipals_file = \"{}\"\n",
+        principals(dir.path()).display()
+    );
+    let gw = Gateway::start(&dir.path().join("data2"), Opts { config: Some(cfg), ..Opts::default() });
+    for i in 0..2 {
+        assert_eq!(acquire(&gw, &http, "ops-secret", format!("ops/{i}")).await.status, StatusCode::OK);
+    }
+    let r = acquire(&gw, &http, "billing-secret", "invoices/9".into()).await;
+    assert_eq!(r.status, StatusCode::INSUFFICIENT_STORAGE);
+    assert!(r.json()["message"].as_str().unwrap().contains("gateway"), "{}", r.json());
+}

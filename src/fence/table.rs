@@ -56,6 +56,8 @@ pub enum Refusal {
     /// `token == fence` with an `X-Fencing-Sequence` not above the highest
     /// one already forwarded under this token.
     StaleSequence { token: u64, sequence: u64, last_sequence: u64 },
+    /// A new key would pass the gateway's `max_fences`.
+    NoRoom { limit: usize },
 }
 
 impl Refusal {
@@ -70,6 +72,7 @@ impl Refusal {
             Refusal::StaleSequence { token, sequence, last_sequence } => {
                 Error::StaleSequence { key, token, sequence, last_sequence }
             }
+            Refusal::NoRoom { limit } => Error::FenceQuota { scope: "gateway", limit },
         }
     }
 }
@@ -187,6 +190,9 @@ pub struct FenceTable {
     /// [`FenceTable::wait_idle`] when the count reaches zero.
     inflight_total: AtomicUsize,
     idle: Notify,
+    /// Keys with a fence, and the most there may be ([`FenceTable::set_max_fences`]).
+    fence_count: AtomicUsize,
+    max_fences: AtomicUsize,
     /// The next token of the embedded authority: one sequence for every
     /// key, so a token names exactly one grant of one key. At start it is
     /// above every fence on disk (every issued token was fsynced as its
@@ -225,6 +231,39 @@ impl FenceTable {
             inflight_total: AtomicUsize::new(0),
             idle: Notify::new(),
             next_token: AtomicU64::new(1),
+            fence_count: AtomicUsize::new(0),
+            max_fences: AtomicUsize::new(usize::MAX),
+        }
+    }
+
+    /// The most keys that may have a fence: a grant or an external advance
+    /// that would fence one more key is refused beyond it. A fence can
+    /// never be forgotten while a holder of an older token may still write
+    /// (the oldest token would pass again), so growth is bounded here,
+    /// before it happens.
+    pub fn set_max_fences(&self, max: usize) {
+        self.max_fences.store(max, Ordering::Release);
+    }
+
+    /// Calls `f` for every key with a fence (start-up accounting).
+    pub fn for_each_key(&self, mut f: impl FnMut(&str)) {
+        for slot in &self.slots {
+            f(slot.key());
+        }
+    }
+
+    /// The slot of `key`, made if the quota allows one more.
+    fn slot_or_new(&self, key: &str) -> Result<dashmap::mapref::one::RefMut<'_, Arc<str>, Slot>, usize> {
+        match self.slots.entry(Arc::from(key)) {
+            dashmap::Entry::Occupied(o) => Ok(o.into_ref()),
+            dashmap::Entry::Vacant(v) => {
+                let max = self.max_fences.load(Ordering::Acquire);
+                if self.fence_count.fetch_add(1, Ordering::AcqRel) >= max {
+                    self.fence_count.fetch_sub(1, Ordering::AcqRel);
+                    return Err(max);
+                }
+                Ok(v.insert(Slot::default()))
+            }
         }
     }
 
@@ -237,7 +276,9 @@ impl FenceTable {
     /// Installs a fence read from the store at start (durable, not live);
     /// the next token issued is above it.
     pub fn load(&self, key: &str, fence: u64) {
-        self.slots.insert(Arc::from(key), Slot { fence, durable: fence, ..Slot::default() });
+        if self.slots.insert(Arc::from(key), Slot { fence, durable: fence, ..Slot::default() }).is_none() {
+            self.fence_count.fetch_add(1, Ordering::AcqRel);
+        }
         self.next_token.fetch_max(fence.saturating_add(1), Ordering::AcqRel);
     }
 
@@ -414,7 +455,7 @@ impl FenceTable {
         policy: CheckPolicy,
         store: &Store,
     ) -> Result<(InflightGuard, Option<oneshot::Receiver<Result<(), Error>>>), Refusal> {
-        let mut slot = self.slots.entry(Arc::from(key)).or_default();
+        let mut slot = self.slot_or_new(key).map_err(|limit| Refusal::NoRoom { limit })?;
         if token < slot.fence {
             let superseded_for = slot.moved_at.map_or(Duration::ZERO, |t| t.elapsed());
             return Err(Refusal::Stale { token, fence: slot.fence, superseded_for });
@@ -457,7 +498,7 @@ impl FenceTable {
         store: &Store,
         ops: impl FnOnce(&Arc<str>, u64) -> Vec<Op>,
     ) -> Result<(u64, oneshot::Receiver<Result<(), Error>>), Error> {
-        let mut slot = self.slots.entry(Arc::from(key)).or_default();
+        let mut slot = self.slot_or_new(key).map_err(|limit| Error::FenceQuota { scope: "gateway", limit })?;
         let token = self.take_token(slot.fence).ok_or_else(|| Error::Internal("token space exhausted".into()))?;
         slot.raise(token, true);
         let durable = store.submit(ops(slot.key(), token));
@@ -867,5 +908,19 @@ mod tests {
         assert_eq!(issue("b"), 4, "the sequence moved past the external token");
         // No lease behind token 3 on "e": a strict embedded route refuses it.
         assert!(matches!(t.check("e", 3, STRICT), Err(Refusal::LeaseExpired { token: 3 })));
+    }
+
+    #[test]
+    fn new_keys_beyond_max_fences_are_refused_and_known_ones_still_work() {
+        let store = Store::memory();
+        let t = FenceTable::new();
+        t.load("a", 3);
+        t.set_max_fences(2);
+        let issue = |key: &str| t.issue(key, &store, |k, token| vec![Op::Fence { key: k.clone(), token }]);
+        assert!(issue("b").is_ok());
+        assert!(matches!(issue("c"), Err(Error::FenceQuota { limit: 2, .. })));
+        assert!(matches!(t.advance("d", 5, None, EXT, &store), Err(Refusal::NoRoom { limit: 2 })));
+        assert!(issue("a").is_ok(), "a key with a fence is never refused");
+        assert_eq!(t.len(), 2);
     }
 }

@@ -192,6 +192,7 @@ fn outcome_of(r: &Refusal) -> &'static str {
         Refusal::Unissued { .. } | Refusal::TooFar { .. } => "unissued",
         Refusal::StaleSequence { .. } => "stale_sequence",
         Refusal::LeaseExpired { .. } => "lease_expired",
+        Refusal::NoRoom { .. } => "quota_exceeded",
     }
 }
 
