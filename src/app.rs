@@ -141,6 +141,7 @@ impl Gateway {
         let (trigger, stop) = shutdown::channel();
         let limits = Limits {
             max_connections: cfg.server.max_connections,
+            max_connections_per_address: cfg.server.max_connections_per_address,
             max_header_bytes: cfg.server.max_header_bytes,
             header_read_timeout: Duration::from_millis(cfg.server.header_read_timeout_ms),
             body_read_timeout: Duration::from_millis(cfg.server.body_read_timeout_ms),

@@ -38,10 +38,48 @@ pub type Handler = Arc<dyn Fn(Request<BoxBody>, ClientInfo) -> ResponseFuture + 
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
     pub max_connections: usize,
+    /// Most connections open at once from one client address (0: no
+    /// per-address bound).
+    pub max_connections_per_address: usize,
     pub max_header_bytes: usize,
     pub header_read_timeout: Duration,
     pub body_read_timeout: Duration,
     pub shutdown_grace: Duration,
+}
+
+/// Open connections per client address, against a bound (0: none).
+struct PerAddress {
+    open: dashmap::DashMap<std::net::IpAddr, usize>,
+    limit: usize,
+}
+
+/// One open connection of an address; dropping it uncounts it.
+struct AddressSlot {
+    owner: Arc<PerAddress>,
+    ip: std::net::IpAddr,
+}
+
+impl PerAddress {
+    fn enter(self: &Arc<Self>, ip: std::net::IpAddr) -> Option<Option<AddressSlot>> {
+        if self.limit == 0 {
+            return Some(None);
+        }
+        let mut n = self.open.entry(ip).or_insert(0);
+        if *n >= self.limit {
+            return None;
+        }
+        *n += 1;
+        Some(Some(AddressSlot { owner: self.clone(), ip }))
+    }
+}
+
+impl Drop for AddressSlot {
+    fn drop(&mut self) {
+        self.owner.open.remove_if_mut(&self.ip, |_, n| {
+            *n = n.saturating_sub(1);
+            *n == 0
+        });
+    }
 }
 
 async fn serve_conn<I>(
@@ -168,6 +206,7 @@ pub async fn serve(
         .keep_alive_timeout(Duration::from_secs(10));
     let graceful = GracefulShutdown::new();
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let per_address = Arc::new(PerAddress { open: dashmap::DashMap::new(), limit: limits.max_connections_per_address });
     loop {
         let permit = tokio::select! {
             p = slots.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
@@ -185,6 +224,12 @@ pub async fn serve(
             },
             () = shutdown.wait() => break,
         };
+        let Some(address_slot) = per_address.enter(addr.ip()) else {
+            // Closed at once: one address may not take the whole listener.
+            tracing::debug!(listener = name, client = %addr, "connection refused: too many from this address");
+            drop(stream);
+            continue;
+        };
         let _ = stream.set_nodelay(true);
         let handler = handler.clone();
         let builder = builder.clone();
@@ -194,6 +239,8 @@ pub async fn serve(
         let conn_shutdown = shutdown.clone();
         let handshake_timeout = limits.header_read_timeout;
         tokio::spawn(async move {
+            // Counted against its address for as long as it is open.
+            let _address_slot = address_slot;
             match tls.and_then(|t| t.current()) {
                 None => {
                     let client = ClientInfo::new(addr, false, None);

@@ -313,3 +313,32 @@ async fn h2_rapid_reset_does_not_hurt() {
     assert!(r.rec.requests().iter().all(|s| s.method == Method::GET));
     r.still_fine(n).await;
 }
+
+/// `[server] max_connections_per_address`: one client address cannot hold
+/// the whole listener; a connection beyond the bound is closed at once and
+/// the address gets its slots back as its connections close.
+#[tokio::test(flavor = "multi_thread")]
+async fn one_address_may_hold_only_so_many_connections() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = "[server]\nmax_connections_per_address = 2\n".to_string();
+    let gw = Gateway::start(&dir.path().join("data"), Opts { config: Some(cfg), ..Opts::default() });
+    let idle1 = tokio::net::TcpStream::connect(gw.api).await.unwrap();
+    let idle2 = tokio::net::TcpStream::connect(gw.api).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut third = tokio::net::TcpStream::connect(gw.api).await.unwrap();
+    third.write_all(b"GET /healthz HTTP/1.1\r\nHost: a\r\n\r\n").await.ok();
+    let mut buf = [0u8; 256];
+    let n = tokio::time::timeout(Duration::from_secs(5), third.read(&mut buf)).await.unwrap().unwrap_or(0);
+    assert_eq!(n, 0, "the third connection is closed unanswered: {:?}", String::from_utf8_lossy(&buf[..n]));
+    drop((idle1, idle2));
+    let started = Instant::now();
+    loop {
+        let http = Http::default();
+        if let Ok(r) = http.try_send(Method::GET, &gw.api_url("/healthz"), &[], Bytes::new()).await {
+            assert_eq!(r.status, StatusCode::OK);
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(5), "slots came back when the connections closed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
