@@ -1,0 +1,596 @@
+#!/usr/bin/env python3
+"""Issue 18, items 1 and 3: N held leases on fencegate and on Redis.
+
+    python3 benches/compare/leases500k.py                 # N = 500,000
+    python3 benches/compare/leases500k.py --smoke         # N = 5,000, well under a minute
+    python3 benches/compare/leases500k.py --keys 100000 --out FILE.json
+
+Fill: N distinct keys acquired and held on fencegate (POST /v1/locks/acquire),
+and the same N locks on Redis (`appendonly yes`, `appendfsync always`) the
+way a careful Redis user takes them: `SET lock:K <32-hex owner> PX ttl NX`
+plus `INCR fence:K`. Memory per held lease = (VmRSS after - VmRSS before) / N
+for each server, and Redis's `used_memory` delta / N.
+
+Restart: with the N leases live, SIGTERM fencegate and start it again on the
+same data dir (time until /readyz answers 200), then check a sample of leases
+(still held, same token, expires_in_ms close to what is left of the TTL), and
+that releasing a sampled key and acquiring it again gives a token above its
+last one. The same again after kill -9.
+
+The leases' TTL is 15 minutes (--ttl-ms), longer than the whole run, so the
+N leases stay held without renewals (renewing 500K leases every 10 s means
+50K renewals/s, more than this one-process Python client does). The sample is
+renewed right before each restart, so its expires_in_ms is checked against
+the full TTL.
+
+Standard library only. Starts fencegate ($FENCEGATE_BIN, default
+target/debug/fencegate) and redis-server (installed with apt-get when
+missing) on free 127.0.0.1 ports, each with a fresh directory; the servers on
+one CPU and this client on the other (taskset) when there are two; every loop
+is bounded; the whole run stops itself after --budget-s seconds (default 540);
+every process it started is stopped by PID at the end. Exits non-zero when a
+check fails. KEEP_WORK=1 keeps the scratch directory (logs, data).
+"""
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+class Budget(Exception):
+    pass
+
+
+def free_ports(n):
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def rss_kib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no VmRSS for {pid}")
+
+
+def ensure_redis():
+    if shutil.which("redis-server"):
+        return
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        sys.exit("redis-server is missing (Debian: apt-get install redis-server)")
+    log("installing redis-server (apt-get update, apt-get install)")
+    made = False
+    if not os.path.exists("/usr/sbin/policy-rc.d"):  # keep the package's own service from starting
+        with open("/usr/sbin/policy-rc.d", "w") as f:
+            f.write("#!/bin/sh\nexit 101\n")
+        os.chmod("/usr/sbin/policy-rc.d", 0o755)
+        made = True
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    try:
+        subprocess.run(["apt-get", "update", "-qq"], check=True, env=env, timeout=300)
+        subprocess.run(["apt-get", "install", "-y", "-qq", "redis-server"], check=True, env=env,
+                       stdout=subprocess.DEVNULL, timeout=300)
+    finally:
+        if made:
+            os.remove("/usr/sbin/policy-rc.d")
+
+
+class Procs:
+    """Every process we start, stopped by PID at the end."""
+
+    def __init__(self, work, cpu):
+        self.work, self.cpu, self.live = work, cpu, {}
+
+    def start(self, name, argv, env=None):
+        if self.cpu is not None and shutil.which("taskset"):
+            argv = ["taskset", "-c", str(self.cpu)] + argv  # taskset execs: the PID is the server's
+        logf = open(os.path.join(self.work, f"{name}.log"), "ab")
+        p = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             env=dict(os.environ, **(env or {})))
+        logf.close()
+        self.live[name] = p
+        return p
+
+    def stop(self, name, sig=signal.SIGTERM, wait_s=30.0):
+        p = self.live.pop(name, None)
+        if p is None:
+            return None
+        t0 = time.monotonic()
+        if p.poll() is None:
+            p.send_signal(sig)
+            try:
+                p.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=10)
+        return time.monotonic() - t0
+
+    def stop_all(self):
+        for name in list(self.live)[::-1]:
+            self.stop(name, wait_s=15)
+
+
+# ---------------------------------------------------------------- HTTP/1.1, pipelined, keep-alive
+
+class Http:
+    def __init__(self, port):
+        self.port = port
+
+    async def open(self):
+        self.r, self.w = await asyncio.open_connection("127.0.0.1", self.port)
+        return self
+
+    def close(self):
+        self.w.close()
+
+    async def batch(self, reqs):
+        """Sends the requests pipelined on this connection; returns [(status, body bytes)]."""
+        self.w.write(b"".join(reqs))
+        await self.w.drain()
+        out = []
+        for _ in reqs:
+            head = await self.r.readuntil(b"\r\n\r\n")
+            lines = head.split(b"\r\n")
+            status = int(lines[0].split()[1])
+            cl = None
+            for h in lines[1:]:
+                k, _, v = h.partition(b":")
+                if k.strip().lower() == b"content-length":
+                    cl = int(v)
+            if cl is None:
+                raise RuntimeError(f"response without content-length: {head!r}")
+            out.append((status, await self.r.readexactly(cl)))
+        return out
+
+
+def post(path, obj):
+    body = json.dumps(obj, separators=(",", ":")).encode()
+    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+def get(path):
+    return f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode()
+
+
+# (send time of the batch, time its last reply was read), set before on_reply is called
+BATCH_TIMES = [0.0, 0.0]
+
+
+def key_of(i):
+    return f"l18/{i:07d}"
+
+
+async def run_ops(port, items, make_req, on_reply, conns, depth, deadline):
+    """items split over `conns` keep-alive connections, `depth` requests in flight on each."""
+    errors = []
+
+    async def worker(part):
+        c = await Http(port).open()
+        try:
+            for j in range(0, len(part), depth):
+                if time.monotonic() > deadline:
+                    raise Budget("out of time")
+                chunk = part[j:j + depth]
+                t_send = time.monotonic()
+                replies = await c.batch([make_req(x) for x in chunk])
+                BATCH_TIMES[:] = [t_send, time.monotonic()]
+                for x, (st, body) in zip(chunk, replies):
+                    err = on_reply(x, st, body)
+                    if err and len(errors) < 5:
+                        errors.append(err)
+                    elif err:
+                        errors.append(None)
+        finally:
+            c.close()
+
+    await asyncio.gather(*(worker(items[w::conns]) for w in range(conns)))
+    return [e for e in errors if e], len(errors)
+
+
+async def wait_ready(port, timeout_s):
+    """Polls GET /readyz on a fresh connection every 5 ms; returns True once it answers 200."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            c = await asyncio.wait_for(Http(port).open(), 1)
+            try:
+                (st, _), = await asyncio.wait_for(c.batch([get("/readyz")]), 1)
+            finally:
+                c.close()
+            if st == 200:
+                return True
+        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, RuntimeError):
+            pass
+        await asyncio.sleep(0.005)
+    return False
+
+
+# ---------------------------------------------------------------- RESP, pipelined
+
+def resp(*args):
+    out = [b"*%d\r\n" % len(args)]
+    for a in args:
+        a = a if isinstance(a, bytes) else str(a).encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(a), a))
+    return b"".join(out)
+
+
+async def resp_read(r):
+    line = await r.readuntil(b"\r\n")
+    t, rest = line[:1], line[1:-2]
+    if t in (b"+", b":"):
+        return rest
+    if t == b"-":
+        return RuntimeError(rest.decode())
+    if t == b"$":
+        n = int(rest)
+        return None if n < 0 else (await r.readexactly(n + 2))[:-2]
+    if t == b"*":
+        return [await resp_read(r) for _ in range(int(rest))]
+    raise RuntimeError(f"bad RESP {line!r}")
+
+
+async def redis_cmd(port, *args):
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write(resp(*args))
+    await w.drain()
+    v = await resp_read(r)
+    w.close()
+    return v
+
+
+async def redis_info_memory(port):
+    txt = (await redis_cmd(port, "INFO", "memory")).decode()
+    return int(re.search(r"^used_memory:(\d+)", txt, re.M).group(1))
+
+
+async def redis_fill(port, n, ttl_ms, conns, batch, deadline, prefix=""):
+    bad = []
+
+    async def worker(idx):
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            for j in range(0, len(idx), batch):
+                if time.monotonic() > deadline:
+                    raise Budget("out of time")
+                chunk = idx[j:j + batch]
+                buf = []
+                for i in chunk:
+                    k = f"{prefix}{key_of(i)}"
+                    buf.append(resp("SET", f"lock:{k}", "%032x" % random.getrandbits(128), "PX", ttl_ms, "NX"))
+                    buf.append(resp("INCR", f"fence:{k}"))
+                w.write(b"".join(buf))
+                await w.drain()
+                for _ in chunk:
+                    a, b = await resp_read(r), await resp_read(r)
+                    if a != b"OK" or not isinstance(b, bytes):
+                        bad.append((a, b))
+        finally:
+            w.close()
+
+    ids = list(range(n))
+    await asyncio.gather(*(worker(ids[w::conns]) for w in range(conns)))
+    return bad
+
+
+# ---------------------------------------------------------------- the run
+
+async def main_async(a, procs, work, fg_bin, deadline):
+    res = {"keys": a.keys, "ttl_ms": a.ttl_ms, "sample": a.sample}
+    problems = []
+    p_fg, p_api, p_redis = free_ports(3)
+    fg_dir = os.path.join(work, "fg-data")
+    redis_dir = os.path.join(work, "redis")
+    os.makedirs(redis_dir)
+    fg_argv = [fg_bin, "serve", "--data-dir", fg_dir, "--listen", f"127.0.0.1:{p_fg}",
+               "--api-listen", f"127.0.0.1:{p_api}"]
+    fg_env = {"RUST_LOG": "warn,fencegate::app=info"}  # keeps the "fence table rebuilt" line
+    procs.start("fencegate", fg_argv, fg_env)
+    procs.start("redis", ["redis-server", "--bind", "127.0.0.1", "--port", str(p_redis), "--dir", redis_dir,
+                          "--save", "", "--appendonly", "yes", "--appendfsync", "always",
+                          "--daemonize", "no", "--protected-mode", "no", "--logfile", ""])
+    if not await wait_ready(p_api, 30):
+        raise RuntimeError("fencegate not ready after 30 s")
+    for _ in range(600):
+        try:
+            if await redis_cmd(p_redis, "PING") == b"PONG":
+                break
+        except OSError:
+            await asyncio.sleep(0.05)
+    else:
+        raise RuntimeError("redis not answering after 30 s")
+    res["versions"] = {
+        "redis": subprocess.run(["redis-server", "--version"], capture_output=True, text=True).stdout.strip(),
+    }
+
+    # Warm-up (not counted): 64 acquire + release on other keys, 64 SET/INCR/DEL on Redis.
+    def warm_acq(i):
+        return post("/v1/locks/acquire", {"key": f"warm/{i}", "ttl_ms": 1000})
+    leases_w = {}
+    await run_ops(p_api, list(range(64)), warm_acq,
+                  lambda i, st, b: leases_w.__setitem__(i, json.loads(b)["lease_id"]) if st == 200 else f"warm {st}",
+                  8, 8, deadline)
+    await run_ops(p_api, list(range(64)),
+                  lambda i: post("/v1/locks/release", {"key": f"warm/{i}", "lease_id": leases_w[i]}),
+                  lambda i, st, b: None, 8, 8, deadline)
+    await redis_fill(p_redis, 64, 1000, 4, 16, deadline, prefix="warm/")
+    await redis_cmd(p_redis, "FLUSHALL")
+    await asyncio.sleep(1.0)
+
+    fg_pid, redis_pid = procs.live["fencegate"].pid, procs.live["redis"].pid
+    n, ttl = a.keys, a.ttl_ms
+
+    # ------------------------------------------------------------ Fill: fencegate
+    tokens, lease_ids = [0] * n, [None] * n
+    rss0 = rss_kib(fg_pid)
+
+    def on_acq(i, st, body):
+        if st != 200:
+            return f"acquire {key_of(i)}: {st} {body[:200]!r}"
+        v = json.loads(body)
+        tokens[i], lease_ids[i] = v["fencing_token"], v["lease_id"]
+        return None
+
+    t0 = time.monotonic()
+    errs, nerr = await run_ops(p_api, list(range(n)),
+                               lambda i: post("/v1/locks/acquire", {"key": key_of(i), "ttl_ms": ttl}),
+                               on_acq, a.conns, a.depth, deadline)
+    fill_s = time.monotonic() - t0
+    await asyncio.sleep(1.0)
+    rss1 = rss_kib(fg_pid)
+    if nerr:
+        problems.append(f"fencegate fill: {nerr} errors, first: {errs[:2]}")
+    res["fencegate_fill"] = {"secs": round(fill_s, 2), "per_s": round(n / fill_s), "errors": nerr,
+                             "rss_before_kib": rss0, "rss_after_kib": rss1,
+                             "bytes_per_lease": round((rss1 - rss0) * 1024 / n, 1)}
+    log(f"fencegate: {n} leases acquired in {fill_s:.1f} s ({n / fill_s:,.0f}/s, {nerr} errors); "
+        f"RSS {rss0} -> {rss1} KiB = {res['fencegate_fill']['bytes_per_lease']} B/lease")
+
+    # ------------------------------------------------------------ Fill: Redis
+    rrss0, um0 = rss_kib(redis_pid), await redis_info_memory(p_redis)
+    t0 = time.monotonic()
+    bad = await redis_fill(p_redis, n, ttl, a.redis_conns, a.redis_batch, deadline)
+    rfill_s = time.monotonic() - t0
+    await asyncio.sleep(1.0)
+    rrss1, um1 = rss_kib(redis_pid), await redis_info_memory(p_redis)
+    dbsize = int(await redis_cmd(p_redis, "DBSIZE"))
+    if bad:
+        problems.append(f"redis fill: {len(bad)} bad replies, first: {bad[:2]}")
+    if dbsize != 2 * n:
+        problems.append(f"redis DBSIZE {dbsize}, expected {2 * n}")
+    res["redis_fill"] = {"secs": round(rfill_s, 2), "per_s": round(n / rfill_s), "errors": len(bad), "dbsize": dbsize,
+                         "rss_before_kib": rrss0, "rss_after_kib": rrss1,
+                         "used_memory_before": um0, "used_memory_after": um1,
+                         "bytes_per_lock_rss": round((rrss1 - rrss0) * 1024 / n, 1),
+                         "bytes_per_lock_used_memory": round((um1 - um0) / n, 1)}
+    log(f"redis: {n} locks (SET NX PX + INCR) in {rfill_s:.1f} s; RSS {rrss0} -> {rrss1} KiB = "
+        f"{res['redis_fill']['bytes_per_lock_rss']} B/lock; used_memory delta "
+        f"{res['redis_fill']['bytes_per_lock_used_memory']} B/lock")
+    fgb = res["fencegate_fill"]["bytes_per_lease"]
+    res["ratio_rss"] = round(fgb / res["redis_fill"]["bytes_per_lock_rss"], 2)
+    res["ratio_used_memory"] = round(fgb / res["redis_fill"]["bytes_per_lock_used_memory"], 2)
+    log(f"memory per held lease, fencegate / Redis: {res['ratio_rss']}x (RSS), "
+        f"{res['ratio_used_memory']}x (vs Redis used_memory)")
+    procs.stop("redis")  # not needed for the restarts; frees its CPU
+
+    # ------------------------------------------------------------ Restart
+    rnd = random.Random(18)
+    sample = rnd.sample(range(n), min(a.sample, n))
+    renewed = {}  # i -> (renewal sent, its reply read), client clock
+
+    async def renew_sample():
+        def on_renew(i, st, body):
+            if st != 200:
+                return f"renew {key_of(i)}: {st} {body[:200]!r}"
+            renewed[i] = tuple(BATCH_TIMES)
+            return None
+        errs, nerr = await run_ops(p_api, sample, lambda i: post("/v1/locks/renew", {"key": key_of(i), "lease_id": lease_ids[i]}),
+                                   on_renew, min(a.conns, 32), a.depth, deadline)
+        return nerr, errs
+
+    async def check_sample(t_start, t_ready):
+        stats = {"held_same_token": 0, "wrong": 0, "expires_in_ms": [], "bounds": [], "first_wrong": []}
+
+        def on_status(i, st, body):
+            v = json.loads(body) if st == 200 else {}
+            if st == 200 and v.get("held") and v.get("fencing_token") == tokens[i]:
+                stats["held_same_token"] += 1
+                stats["expires_in_ms"].append(v["expires_in_ms"])
+                # The TTL left since the last renewal, bounded with the client's clock: the server
+                # renewed between (renewal sent, reply read) and answered the status between
+                # (status sent, reply read).
+                (rs, rr), (ss, sr) = renewed[i], BATCH_TIMES
+                # fencegate documents that a grant live at a restart comes back with its full TTL
+                # counted from the restart: between the process start and /readyz answering.
+                stats["bounds"].append((ttl - (sr - rs) * 1000, ttl - (ss - rr) * 1000,
+                                        ttl - (sr - t_start) * 1000, ttl - (ss - t_ready) * 1000))
+            else:
+                stats["wrong"] += 1
+                if len(stats["first_wrong"]) < 3:
+                    stats["first_wrong"].append((key_of(i), tokens[i], st, body[:200].decode(errors="replace")))
+            return None
+        await run_ops(p_api, sample, lambda i: get(f"/v1/locks/status?key={key_of(i)}"), on_status,
+                      min(a.conns, 32), a.depth, deadline)
+        e, b = stats.pop("expires_in_ms"), stats.pop("bounds")
+        if e:
+            stats["expires_in_ms"] = {"min": min(e), "median": statistics.median(e), "max": max(e)}
+            # above the TTL left (> 0: the server holds the lease longer than its holder counts on)
+            over = [ei - x[1] for ei, x in zip(e, b)]
+            stats["over_ttl_left_since_renewal_ms"] = {"min": round(min(over)), "max": round(max(over))}
+            # the documented rule: the full TTL counted from the restart (1 ms rounding either side)
+            stats["full_ttl_from_restart"] = sum(1 for ei, x in zip(e, b) if x[2] - 1 <= ei <= x[3] + 1)
+        return stats
+
+    async def release_reacquire(keys):
+        """Releases each key, acquires it again; counts next tokens above the last."""
+        out = {"released": 0, "token_above": 0, "not_above": [], "errors": []}
+
+        def on_rel(i, st, body):
+            if st == 200 and json.loads(body).get("released"):
+                out["released"] += 1
+            elif len(out["errors"]) < 3:
+                out["errors"].append((key_of(i), st, body[:200].decode(errors="replace")))
+        await run_ops(p_api, keys, lambda i: post("/v1/locks/release", {"key": key_of(i), "lease_id": lease_ids[i]}),
+                      on_rel, 16, 4, deadline)
+
+        def on_acq2(i, st, body):
+            if st != 200:
+                if len(out["errors"]) < 3:
+                    out["errors"].append((key_of(i), st, body[:200].decode(errors="replace")))
+                return None
+            v = json.loads(body)
+            if v["fencing_token"] > tokens[i]:
+                out["token_above"] += 1
+            elif len(out["not_above"]) < 3:
+                out["not_above"].append((key_of(i), tokens[i], v["fencing_token"]))
+            tokens[i], lease_ids[i] = v["fencing_token"], v["lease_id"]
+            renewed[i] = tuple(BATCH_TIMES)
+        await run_ops(p_api, keys, lambda i: post("/v1/locks/acquire", {"key": key_of(i), "ttl_ms": ttl}),
+                      on_acq2, 16, 4, deadline)
+        return out
+
+    def rebuild_line():
+        try:
+            with open(os.path.join(work, "fencegate.log"), errors="replace") as f:
+                lines = [re.sub(r"\x1b\[[0-9;]*m", "", l) for l in f if "fence table rebuilt" in l]
+        except OSError:
+            return None
+        if not lines:
+            return None
+        m = dict(re.findall(r"(\w+)=(\d+)", lines[-1]))
+        return {k: int(v) for k, v in m.items() if k in ("fences", "live_grants", "elapsed_ms")}
+
+    async def restart(kind, reacquire):
+        nerr, errs = await renew_sample()
+        if nerr:
+            problems.append(f"{kind}: renewing the sample before the restart: {nerr} errors, first {errs[:2]}")
+        await asyncio.sleep(2.0)  # so a restart that granted a fresh TTL would show (above the TTL left)
+        t_sig = time.monotonic()
+        stop_s = procs.stop("fencegate", sig=signal.SIGTERM if kind == "sigterm" else signal.SIGKILL, wait_s=60)
+        t_start = time.monotonic()
+        p = procs.start("fencegate", fg_argv, fg_env)
+        ok = await wait_ready(p_api, min(120, max(1, deadline - time.monotonic())))
+        t_ready = time.monotonic()
+        if not ok:
+            raise RuntimeError(f"{kind}: fencegate not ready after the restart")
+        r = {"stop_ms": round(stop_s * 1000), "start_to_ready_ms": round((t_ready - t_start) * 1000),
+             "signal_to_ready_ms": round((t_ready - t_sig) * 1000), "rebuild_log": rebuild_line()}
+        await asyncio.sleep(0.5)
+        r["rss_kib"] = rss_kib(p.pid)
+        r["sample"] = await check_sample(t_start, t_ready)
+        r["reacquire"] = await release_reacquire(reacquire)
+        s, q = r["sample"], r["reacquire"]
+        if s["held_same_token"] != len(sample):
+            problems.append(f"{kind}: {s['wrong']} of {len(sample)} sampled leases not held with their token: {s['first_wrong']}")
+        if s.get("full_ttl_from_restart", 0) != s["held_same_token"]:
+            problems.append(f"{kind}: expires_in_ms is not the full TTL counted from the restart on "
+                            f"{s['held_same_token'] - s.get('full_ttl_from_restart', 0)} sampled leases ({s.get('expires_in_ms')})")
+        if q["token_above"] != len(reacquire) or q["released"] != len(reacquire):
+            problems.append(f"{kind}: release + acquire: {q}")
+        log(f"restart ({kind}): stop {r['stop_ms']} ms, start -> /readyz {r['start_to_ready_ms']} ms "
+            f"(rebuild {r['rebuild_log']}); sample {s['held_same_token']}/{len(sample)} held with their token, "
+            f"expires_in_ms = full TTL from the restart on {s.get('full_ttl_from_restart')}, "
+            f"above the TTL left since the last renewal by {s.get('over_ttl_left_since_renewal_ms')} ms; next token above the last on "
+            f"{q['token_above']}/{len(reacquire)} released keys")
+        return r
+
+    k = max(1, len(sample) // 10)
+    res["restart_sigterm"] = await restart("sigterm", sample[:k])
+    res["restart_kill9"] = await restart("kill9", sample[k:2 * k])
+    procs.stop("fencegate")
+    res["problems"] = problems
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--keys", type=int, default=500_000)
+    ap.add_argument("--smoke", action="store_true", help="N = 5,000 (unless --keys is given)")
+    ap.add_argument("--ttl-ms", type=int, default=900_000)
+    ap.add_argument("--sample", type=int, default=1000)
+    ap.add_argument("--conns", type=int, default=64, help="fencegate connections")
+    ap.add_argument("--depth", type=int, default=8, help="requests pipelined per fencegate connection")
+    ap.add_argument("--redis-conns", type=int, default=8)
+    ap.add_argument("--redis-batch", type=int, default=500, help="locks (SET + INCR) pipelined per Redis write")
+    ap.add_argument("--budget-s", type=float, default=540, help="the whole run stops itself after this")
+    ap.add_argument("--out", help="write the figures as JSON here")
+    a = ap.parse_args()
+    if a.smoke and "--keys" not in " ".join(sys.argv):
+        a.keys = 5000
+    a.sample = min(a.sample, a.keys)
+    t_begin = time.monotonic()
+    deadline = t_begin + a.budget_s - 30  # leaves time to stop everything
+
+    def on_alarm(*_):
+        raise Budget(f"the run exceeded its budget of {a.budget_s:.0f} s")
+    signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(int(a.budget_s - 15))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+    fg_bin = os.environ.get("FENCEGATE_BIN") or os.path.join(ROOT, "target", "debug", "fencegate")
+    if not os.access(fg_bin, os.X_OK):
+        sys.exit(f"no fencegate binary at {fg_bin} (build it, or set FENCEGATE_BIN)")
+    ensure_redis()
+    work = tempfile.mkdtemp(prefix="fencegate-leases.")
+    shutil.copy(fg_bin, os.path.join(work, "fencegate"))  # a snapshot: a rebuild cannot swap it mid-run
+    ncpu = os.cpu_count() or 1
+    server_cpu = 1 if ncpu >= 2 else None
+    if server_cpu is not None:
+        os.sched_setaffinity(0, {0})
+    procs = Procs(work, server_cpu)
+    rc = 0
+    try:
+        res = asyncio.run(main_async(a, procs, work, os.path.join(work, "fencegate"), deadline))
+        res["total_s"] = round(time.monotonic() - t_begin, 1)
+        res["placement"] = ("servers on CPU 1, this client on CPU 0" if server_cpu is not None else "unpinned")
+        res["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        res["command"] = "python3 benches/compare/leases500k.py " + " ".join(sys.argv[1:])
+        print(json.dumps(res, indent=1))
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(res, f, indent=1)
+        if res["problems"]:
+            log("PROBLEMS: " + "; ".join(res["problems"]))
+            rc = 1
+        log(f"done in {res['total_s']} s")
+    except (Budget, RuntimeError, OSError, asyncio.IncompleteReadError) as e:
+        log(f"FAILED: {e!r}")
+        rc = 1
+    finally:
+        signal.alarm(0)
+        procs.stop_all()
+        if os.environ.get("KEEP_WORK") == "1":
+            log(f"scratch kept in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    sys.exit(rc)
+
+
+if __name__ == "__main__":
+    main()
