@@ -73,6 +73,9 @@ impl Drop for Injector {
 struct State {
     client: Client<HttpConnector, BoxBody>,
     gateway: Authority,
+    /// The injector's own address: a client given the injector both as
+    /// its proxy (`HTTP_PROXY`) and as a base URL names it as the target.
+    own: Authority,
     /// `Basic <base64(fencegate:SECRET)>`, as a client sends it.
     credentials: Vec<u8>,
     token: HeaderValue,
@@ -100,9 +103,12 @@ pub async fn start(gateway: &str, token: u64, bearer: Option<&str>) -> Result<In
         TcpListener::bind(("127.0.0.1", 0)).await.map_err(|e| Error::Internal(format!("binding the injector: {e}")))?;
     let addr = listener.local_addr().map_err(|e| Error::Internal(e.to_string()))?;
     let credentials = format!("Basic {}", base64(format!("{PROXY_USER}:{secret}").as_bytes())).into_bytes();
+    let own: Authority =
+        addr.to_string().parse().map_err(|e| Error::Internal(format!("the injector's own address: {e}")))?;
     let state = Arc::new(State {
         client: Client::builder(TokioExecutor::new()).build_http(),
         gateway,
+        own,
         credentials,
         token: HeaderValue::from(token),
         proxy_auth: bearer.and_then(|b| HeaderValue::from_str(&format!("Bearer {b}")).ok()),
@@ -133,7 +139,8 @@ fn carries_secret(headers: &HeaderMap, name: &header::HeaderName, credentials: &
 }
 
 /// Where an accepted request goes: always the gateway. `Err`: a target
-/// that is not the gateway's proxy listener over plain http.
+/// that is not the gateway's proxy listener (or the injector itself, as
+/// a base URL) over plain http.
 fn target(state: &State, uri: &Uri) -> Result<Uri, Error> {
     if let Some(authority) = uri.authority() {
         if uri.scheme() != Some(&Scheme::HTTP) {
@@ -143,7 +150,7 @@ fn target(state: &State, uri: &Uri) -> Result<Uri, Error> {
                 state.gateway
             )));
         }
-        if !same_authority(authority, &state.gateway) {
+        if !same_authority(authority, &state.gateway) && !same_authority(authority, &state.own) {
             return Err(Error::Forbidden(format!(
                 "the injector forwards only to the gateway's proxy listener http://{}, not to {authority}",
                 state.gateway
@@ -241,5 +248,25 @@ mod tests {
         assert!(same_authority(&a("GW.local:80"), &a("gw.local")));
         assert!(!same_authority(&a("127.0.0.1:8081"), &a("127.0.0.1:8080")));
         assert!(!same_authority(&a("localhost:8080"), &a("127.0.0.1:8080")));
+    }
+
+    #[test]
+    fn only_the_gateway_or_the_injector_itself_are_targets() {
+        let a = |s: &str| s.parse::<Authority>().unwrap();
+        let state = State {
+            client: Client::builder(TokioExecutor::new()).build_http(),
+            gateway: a("127.0.0.1:8080"),
+            own: a("127.0.0.1:40000"),
+            credentials: Vec::new(),
+            token: HeaderValue::from(1u64),
+            proxy_auth: None,
+        };
+        let u = |s: &str| s.parse::<Uri>().unwrap();
+        for ok in ["/k", "http://127.0.0.1:8080/k", "http://127.0.0.1:40000/k"] {
+            assert_eq!(target(&state, &u(ok)).unwrap().to_string(), "http://127.0.0.1:8080/k", "{ok}");
+        }
+        for bad in ["http://127.0.0.1:9/k", "https://127.0.0.1:8080/k", "http://example.com/k"] {
+            assert!(target(&state, &u(bad)).is_err(), "{bad}");
+        }
     }
 }

@@ -231,3 +231,40 @@ async fn kill9_between_sequenced_writes_loses_no_ordering() {
     assert_eq!(r.status, StatusCode::OK);
     assert_eq!(rec.count(), 6);
 }
+
+/// After `kill -9`, a write the dead process forwarded may still be applied;
+/// a higher sequence of the same holder must not overtake it: sequenced
+/// writes wait out the quarantine as grants do.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_higher_sequence_after_kill9_waits_for_the_dead_process_writes() {
+    let rec = common::Recorder::start().await;
+    rec.set_delay("/q/slow", 2500);
+    rec.apply_even_if_abandoned("/q/slow");
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let cfg = format!(
+        "[[routes]]\nmatch = \"/{{k}}/{{*rest}}\"\nresource = \"{{k}}\"\nupstream = \"{}\"\nupstream_timeout_ms = 3500\n",
+        rec.url()
+    );
+    let opts = Opts { config: Some(cfg), ..Opts::default() };
+    let http = Http::default();
+    let gw = Gateway::start(&data, opts.clone());
+    let g = common::acquire(&http, &gw.api_url(""), "q", 60_000, 0).await.unwrap();
+    let t = g.token.to_string();
+    let (slow, t2) = (gw.proxy_url("/q/slow"), t.clone());
+    let http2 = http.clone();
+    let first = tokio::spawn(async move {
+        let headers = [("x-fencing-token", t2.as_str()), ("x-fencing-sequence", "42")];
+        http2.try_send(http::Method::PUT, &slow, &headers, "42").await
+    });
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    gw.kill9();
+    let _ = first.await;
+    let gw = Gateway::start(&data, opts);
+    let headers = [("x-fencing-token", t.as_str()), ("x-fencing-sequence", "43")];
+    let r = http.send(http::Method::PUT, &gw.proxy_url("/q/fast"), &headers, "43").await;
+    assert_eq!(r.status, StatusCode::OK);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let order: Vec<String> = rec.requests().iter().map(|s| s.path.clone()).collect();
+    assert_eq!(order, ["/q/slow", "/q/fast"], "43 overtook 42, which the dead process had forwarded");
+}

@@ -322,9 +322,19 @@ async fn one_address_may_hold_only_so_many_connections() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = "[server]\nmax_connections_per_address = 2\n".to_string();
     let gw = Gateway::start(&dir.path().join("data"), Opts { config: Some(cfg), ..Opts::default() });
-    let idle1 = tokio::net::TcpStream::connect(gw.api).await.unwrap();
-    let idle2 = tokio::net::TcpStream::connect(gw.api).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The start-up check's own connections must have closed first.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let mut open = Vec::new();
+    for _ in 0..2 {
+        // Each answered once: both are open and counted.
+        let mut c = tokio::net::TcpStream::connect(gw.api).await.unwrap();
+        c.write_all(b"GET /healthz HTTP/1.1\r\nHost: a\r\n\r\n").await.unwrap();
+        let mut buf = [0u8; 256];
+        let n = tokio::time::timeout(Duration::from_secs(5), c.read(&mut buf)).await.unwrap().unwrap();
+        assert!(buf[..n].starts_with(b"HTTP/1.1 200"), "{:?}", String::from_utf8_lossy(&buf[..n]));
+        open.push(c);
+    }
+    let (idle1, idle2) = (open.remove(0), open.remove(0));
     let mut third = tokio::net::TcpStream::connect(gw.api).await.unwrap();
     third.write_all(b"GET /healthz HTTP/1.1\r\nHost: a\r\n\r\n").await.ok();
     let mut buf = [0u8; 256];

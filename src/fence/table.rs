@@ -124,6 +124,8 @@ impl InflightCtl {
 
 struct InflightEntry {
     token: u64,
+    /// Its `X-Fencing-Sequence`, if it has one.
+    sequence: Option<u64>,
     id: u64,
     ctl: Arc<InflightCtl>,
 }
@@ -137,9 +139,12 @@ struct Slot {
     /// token could be issued again).
     durable: u64,
     live: bool,
-    /// The highest `X-Fencing-Sequence` forwarded under `fence`, plus one
-    /// (0: none yet). A raise of the fence starts a new sequence.
-    sequence_next: u64,
+    /// The highest `X-Fencing-Sequence` admitted under `fence`. A raise of
+    /// the fence starts a new sequence.
+    last_sequence: Option<u64>,
+    /// The fence was set by an external authority's token: no grant of
+    /// this gateway stands behind it, so embedded routes never admit it.
+    external: bool,
     moved_at: Option<Instant>,
     inflight: Vec<InflightEntry>,
     barrier: Option<Arc<Notify>>,
@@ -150,22 +155,47 @@ impl Slot {
     fn raise(&mut self, token: u64, live: bool) {
         self.fence = token;
         self.live = live;
-        self.sequence_next = 0;
+        self.last_sequence = None;
         self.moved_at = Some(Instant::now());
         for e in self.inflight.iter().filter(|e| e.token < token) {
             e.ctl.abort_if_streaming();
         }
     }
 
-    fn register(&mut self, token: u64, id: u64, total: &AtomicUsize) -> Arc<InflightCtl> {
-        let ctl = Arc::new(InflightCtl::default());
-        self.inflight.push(InflightEntry { token, id, ctl: ctl.clone() });
-        total.fetch_add(1, Ordering::AcqRel);
-        ctl
+    /// Takes `seq` as the highest sequence under the current token, and
+    /// aborts this holder's lower-numbered uploads still streaming.
+    fn take_sequence(&mut self, token: u64, seq: u64) -> Result<(), Refusal> {
+        if let Some(last) = self.last_sequence.filter(|l| seq <= *l) {
+            return Err(Refusal::StaleSequence { token, sequence: seq, last_sequence: last });
+        }
+        self.last_sequence = Some(seq);
+        for e in self.inflight.iter().filter(|e| e.token == token && e.sequence.is_some_and(|s| s < seq)) {
+            e.ctl.abort_if_streaming();
+        }
+        Ok(())
     }
 
-    fn has_older_than(&self, token: u64) -> bool {
-        self.inflight.iter().any(|e| e.token < token)
+    /// The store write that makes the current fence durable, with its
+    /// sequence if it has one (a plain fence write would erase it).
+    fn fence_op(&self, key: Arc<str>) -> Op {
+        if self.last_sequence.is_none() && !self.external {
+            return Op::Fence { key, token: self.fence };
+        }
+        let record = FenceRecord { token: self.fence, sequence: self.last_sequence, external: self.external };
+        Op::FenceWith { key, record }
+    }
+
+    fn set_entry_sequence(&mut self, id: u64, seq: u64) {
+        if let Some(e) = self.inflight.iter_mut().find(|e| e.id == id) {
+            e.sequence = Some(seq);
+        }
+    }
+
+    fn register(&mut self, token: u64, id: u64, total: &AtomicUsize) -> Arc<InflightCtl> {
+        let ctl = Arc::new(InflightCtl::default());
+        self.inflight.push(InflightEntry { token, sequence: None, id, ctl: ctl.clone() });
+        total.fetch_add(1, Ordering::AcqRel);
+        ctl
     }
 }
 
@@ -285,10 +315,9 @@ impl FenceTable {
     /// Installs a stored fence with its highest sequence, if any.
     pub fn load_record(&self, key: &str, record: FenceRecord) {
         self.load(key, record.token);
-        if let Some(seq) = record.sequence {
-            if let Some(mut slot) = self.slots.get_mut(key) {
-                slot.sequence_next = seq.saturating_add(1);
-            }
+        if let Some(mut slot) = self.slots.get_mut(key) {
+            slot.last_sequence = record.sequence;
+            slot.external = record.external;
         }
     }
 
@@ -374,7 +403,10 @@ impl FenceTable {
             }
             return Err(Refusal::Unissued { token, fence });
         }
-        if fence == 0 {
+        if fence == 0 || (slot.external && !policy.external) {
+            // An external authority's token: this gateway issued no grant
+            // for it, so on an embedded route it is unissued here (it may
+            // well be another key's embedded token).
             return Err(Refusal::Unissued { token, fence });
         }
         if token > slot.durable {
@@ -393,7 +425,7 @@ impl FenceTable {
         let ctl = slot.register(token, id, &self.inflight_total);
         let key = slot.key().clone();
         drop(slot);
-        Ok(Admission::Admitted(InflightGuard { table: self.clone(), key, token, id, ctl }))
+        Ok(Admission::Admitted(InflightGuard { table: self.clone(), key, token, sequence: None, id, ctl }))
     }
 
     /// [`FenceTable::check`] for a mutation that carries `X-Fencing-Sequence:
@@ -427,12 +459,12 @@ impl FenceTable {
             let superseded_for = slot.moved_at.map_or(Duration::ZERO, |t| t.elapsed());
             return Err(Refusal::Stale { token, fence: slot.fence, superseded_for });
         }
-        if slot.sequence_next > sequence {
-            return Err(Refusal::StaleSequence { token, sequence, last_sequence: slot.sequence_next - 1 });
-        }
-        slot.sequence_next = sequence.saturating_add(1);
-        let durable = store.submit(vec![Op::Sequence { key: slot.key().clone(), token, sequence }]);
+        slot.take_sequence(token, sequence)?;
+        slot.set_entry_sequence(guard.id, sequence);
+        let durable = store.submit(vec![slot.fence_op(slot.key().clone())]);
         drop(slot);
+        let mut guard = guard;
+        guard.sequence = Some(sequence);
         Ok(Admission::AdmittedAfter(guard, durable))
     }
 
@@ -467,24 +499,24 @@ impl FenceTable {
             // embedded sequence moves past it, so no grant of another key
             // is ever issued this number.
             slot.raise(token, false);
+            slot.external = true;
             self.next_token.fetch_max(token.saturating_add(1), Ordering::AcqRel);
-        } else if let Some(seq) = sequence.filter(|s| slot.sequence_next > *s) {
-            return Err(Refusal::StaleSequence { token, sequence: seq, last_sequence: slot.sequence_next - 1 });
+        }
+        if let Some(seq) = sequence {
+            slot.take_sequence(token, seq)?;
         }
         let key_ref = slot.key().clone();
-        let durable = match sequence {
-            Some(seq) => {
-                slot.sequence_next = seq.saturating_add(1);
-                Some(store.submit(vec![Op::Sequence { key: key_ref, token, sequence: seq }]))
-            }
-            None if token > slot.durable => Some(store.submit(vec![Op::Fence { key: key_ref, token }])),
-            None => None,
-        };
+        // The fence's record carries its sequence, if any: a plain fence
+        // write here would erase a sequence another request just took.
+        let durable = (sequence.is_some() || token > slot.durable).then(|| store.submit(vec![slot.fence_op(key_ref)]));
         let key_arc = slot.key().clone();
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let ctl = slot.register(token, id, &self.inflight_total);
+        if let Some(seq) = sequence {
+            slot.set_entry_sequence(id, seq);
+        }
         drop(slot);
-        Ok((InflightGuard { table: self.clone(), key: key_arc, token, id, ctl }, durable))
+        Ok((InflightGuard { table: self.clone(), key: key_arc, token, sequence, id, ctl }, durable))
     }
 
     /// Embedded authority: issues the next token of the one sequence (above
@@ -501,6 +533,7 @@ impl FenceTable {
         let mut slot = self.slot_or_new(key).map_err(|limit| Error::FenceQuota { scope: "gateway", limit })?;
         let token = self.take_token(slot.fence).ok_or_else(|| Error::Internal("token space exhausted".into()))?;
         slot.raise(token, true);
+        slot.external = false;
         let durable = store.submit(ops(slot.key(), token));
         Ok((token, durable))
     }
@@ -508,6 +541,19 @@ impl FenceTable {
     /// The activation barrier: waits until no mutation with a token older
     /// than `token` is in flight for `key`, or `timeout` passes.
     pub async fn barrier(&self, key: &str, token: u64, timeout: Duration) -> BarrierOutcome {
+        self.barrier_for(key, token, None, timeout).await
+    }
+
+    /// [`FenceTable::barrier`] for a sequenced mutation: it also waits for
+    /// the same holder's lower-numbered mutations still in flight (same
+    /// token, lower `X-Fencing-Sequence`), so a holder's writes reach the
+    /// upstream in the order of their numbers. After an unclean restart it
+    /// waits out the quarantine too: writes the dead process forwarded
+    /// cannot be seen here.
+    pub async fn barrier_for(&self, key: &str, token: u64, sequence: Option<u64>, timeout: Duration) -> BarrierOutcome {
+        let older = move |e: &InflightEntry| {
+            e.token < token || (e.token == token && sequence.is_some_and(|n| e.sequence.is_some_and(|s| s < n)))
+        };
         let started = Instant::now();
         if let Some(until) = self.quarantine.get().copied().filter(|u| *u > started) {
             // Never cut short by `timeout`: what the dead process forwarded
@@ -521,7 +567,7 @@ impl FenceTable {
                 let Some(mut slot) = self.slots.get_mut(key) else {
                     break;
                 };
-                if !slot.has_older_than(token) {
+                if !slot.inflight.iter().any(older) {
                     break;
                 }
                 slot.barrier.get_or_insert_with(|| Arc::new(Notify::new())).clone()
@@ -530,7 +576,7 @@ impl FenceTable {
             tokio::pin!(notified);
             notified.as_mut().enable();
             // Re-check after enabling: a guard may have dropped in between.
-            if !self.slots.get(key).is_some_and(|s| s.has_older_than(token)) {
+            if !self.slots.get(key).is_some_and(|s| s.inflight.iter().any(older)) {
                 break;
             }
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
@@ -602,6 +648,7 @@ pub struct InflightGuard {
     table: Arc<FenceTable>,
     key: Arc<str>,
     token: u64,
+    sequence: Option<u64>,
     id: u64,
     ctl: Arc<InflightCtl>,
 }
@@ -616,6 +663,10 @@ impl InflightGuard {
     /// The token this mutation carries.
     pub fn token(&self) -> u64 {
         self.token
+    }
+    /// Its `X-Fencing-Sequence`, if it has one.
+    pub fn sequence(&self) -> Option<u64> {
+        self.sequence
     }
     /// The abort control shared with the table.
     pub fn ctl(&self) -> &Arc<InflightCtl> {
@@ -877,7 +928,7 @@ mod tests {
     #[test]
     fn a_stored_sequence_comes_back_with_its_fence() {
         let t = FenceTable::new();
-        t.load_record("k", FenceRecord { token: 5, sequence: Some(7) });
+        t.load_record("k", FenceRecord { token: 5, sequence: Some(7), external: false });
         t.set_live("k", 5, true);
         let store = Store::memory();
         assert!(matches!(
@@ -906,8 +957,8 @@ mod tests {
         t.mark_durable("e", 3);
         let issue = |key: &str| t.issue(key, &store, |k, token| vec![Op::Fence { key: k.clone(), token }]).unwrap().0;
         assert_eq!(issue("b"), 4, "the sequence moved past the external token");
-        // No lease behind token 3 on "e": a strict embedded route refuses it.
-        assert!(matches!(t.check("e", 3, STRICT), Err(Refusal::LeaseExpired { token: 3 })));
+        // No grant of this gateway behind token 3 on "e": embedded routes refuse it.
+        assert!(matches!(t.check("e", 3, STRICT), Err(Refusal::Unissued { token: 3, .. })));
     }
 
     #[test]
@@ -922,5 +973,76 @@ mod tests {
         assert!(matches!(t.advance("d", 5, None, EXT, &store), Err(Refusal::NoRoom { limit: 2 })));
         assert!(issue("a").is_ok(), "a key with a fence is never refused");
         assert_eq!(t.len(), 2);
+    }
+
+    #[test]
+    fn the_highest_sequence_is_taken_once_even_at_u64_max() {
+        let store = Store::memory();
+        let t = table_with("k", 5, true);
+        assert!(matches!(t.check_sequenced("k", 5, u64::MAX, STRICT, &store), Ok(Admission::AdmittedAfter(..))));
+        assert!(matches!(
+            t.check_sequenced("k", 5, u64::MAX, STRICT, &store),
+            Err(Refusal::StaleSequence { last_sequence: u64::MAX, .. })
+        ));
+    }
+
+    #[tokio::test]
+    async fn an_unsequenced_external_request_keeps_the_stored_sequence() {
+        let store = Store::memory();
+        let t = table_with("k", 5, false);
+        store.hold_acks();
+        let (_a, _rx) = t.advance("k", 9, Some(9), EXT, &store).unwrap();
+        // Same token, no sequence, while the fence's fsync is pending.
+        let (_b, _rx2) = t.advance("k", 9, None, EXT, &store).unwrap();
+        store.release_acks(Ok(()));
+        let mut seen = Vec::new();
+        store.for_each_fence(|k, r| seen.push((k.to_string(), r))).unwrap();
+        assert_eq!(seen, vec![("k".to_string(), FenceRecord { token: 9, sequence: Some(9), external: true })]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_higher_sequence_waits_for_the_lower_ones_in_flight_and_aborts_their_uploads() {
+        let store = Store::memory();
+        let t = table_with("k", 5, true);
+        let Ok(Admission::AdmittedAfter(sent, _)) = t.check_sequenced("k", 5, 1, STRICT, &store) else { panic!() };
+        sent.ctl().mark_body_done();
+        let Ok(Admission::AdmittedAfter(streaming, _)) = t.check_sequenced("k", 5, 2, STRICT, &store) else { panic!() };
+        let Ok(Admission::AdmittedAfter(third, _)) = t.check_sequenced("k", 5, 3, STRICT, &store) else { panic!() };
+        assert!(streaming.ctl().is_aborted(), "2 was still streaming when 3 came");
+        assert!(!sent.ctl().is_aborted(), "1 was sent whole: waited for, not aborted");
+        let t2 = t.clone();
+        let waiter = tokio::spawn(async move { t2.barrier_for("k", 5, Some(3), Duration::from_secs(10)).await });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        drop(streaming);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(!waiter.is_finished(), "3 waits for 1");
+        drop(sent);
+        assert!(!waiter.await.unwrap().overrun);
+        drop(third);
+        // Unsequenced writes of the same token are not waited for.
+        let Ok(Admission::Admitted(_plain)) = t.check("k", 5, STRICT) else { panic!() };
+        assert!(!t.barrier_for("k", 5, Some(4), Duration::from_secs(1)).await.overrun);
+    }
+
+    #[test]
+    fn an_external_fence_is_never_admitted_on_an_embedded_route_even_lax_or_after_restart() {
+        let store = Store::memory();
+        let t = FenceTable::new();
+        let (_g, _rx) = t.advance("mx", 5, None, EXT, &store).unwrap();
+        t.mark_durable("mx", 5);
+        assert!(matches!(t.check("mx", 5, LAX), Err(Refusal::Unissued { token: 5, .. })));
+        assert!(matches!(t.check("mx", 5, EXT), Ok(Admission::Admitted(_))));
+        // As a restart reads it back.
+        let mut records = Vec::new();
+        store.for_each_fence(|k, r| records.push((k.to_string(), r))).unwrap();
+        let restarted = FenceTable::new();
+        for (k, r) in records {
+            restarted.load_record(&k, r);
+        }
+        assert!(matches!(restarted.check("mx", 5, LAX), Err(Refusal::Unissued { .. })));
+        // A grant of this gateway on the key makes it embedded again.
+        let (token, _rx) = restarted.issue("mx", &store, |k, token| vec![Op::Fence { key: k.clone(), token }]).unwrap();
+        restarted.mark_durable("mx", token);
+        assert!(matches!(restarted.check("mx", token, LAX), Ok(Admission::Admitted(_))));
     }
 }

@@ -427,9 +427,10 @@ impl Proxy {
                     tracing::error!(key = %key, error = %e, "sequence not durable; request refused");
                     return Err(e.into());
                 }
-                if route.policy.external {
-                    Box::pin(self.fences.barrier(key, guard.token(), route.upstream_timeout)).await;
-                }
+                // After the older writes of this holder (lower numbers, and
+                // after an unclean restart the quarantine): in order.
+                let (t, n) = (guard.token(), guard.sequence());
+                Box::pin(self.fences.barrier_for(key, t, n, route.upstream_timeout)).await;
                 self.still_current(route, key, guard, client)?
             }
             Admit::Advance(token, sequence) => {
@@ -477,7 +478,7 @@ impl Proxy {
             self.fences.mark_durable(key, token);
             self.metrics.fence_advances.inc();
         }
-        let outcome = self.fences.barrier(key, token, route.upstream_timeout).await;
+        let outcome = self.fences.barrier_for(key, token, guard.sequence(), route.upstream_timeout).await;
         self.metrics.activation_wait.observe(outcome.waited.as_secs_f64());
         if outcome.overrun {
             self.metrics.activation_overruns.inc();

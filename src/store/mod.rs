@@ -52,10 +52,11 @@ pub enum Op {
     /// Forget `key`'s grant (released or expired). `ended` is the grant
     /// that ends: the released record written in its place has its length.
     DropGrant { key: Arc<str>, ended: GrantRecord },
-    /// Set `key`'s fence to `token` and the highest `X-Fencing-Sequence`
-    /// forwarded under it to `sequence` (one value: a later plain fence
-    /// write of the key starts a new sequence).
-    Sequence { key: Arc<str>, token: u64, sequence: u64 },
+    /// Set `key`'s fence with what is known of it: the highest
+    /// `X-Fencing-Sequence` admitted under it, and whether an external
+    /// authority set it (one value: a later plain fence write of the key
+    /// starts a new sequence and is the embedded authority's).
+    FenceWith { key: Arc<str>, record: FenceRecord },
 }
 
 /// One stored fence: the token and, if a sequenced write was forwarded
@@ -64,6 +65,29 @@ pub enum Op {
 pub struct FenceRecord {
     pub token: u64,
     pub sequence: Option<u64>,
+    /// Set by an external authority's token (no grant of this gateway's
+    /// stands behind it: embedded routes never admit it).
+    pub external: bool,
+}
+
+impl FenceRecord {
+    /// A plain embedded fence.
+    pub fn embedded(token: u64) -> FenceRecord {
+        FenceRecord { token, sequence: None, external: false }
+    }
+
+    /// The `fences` value: the token (8 bytes, big-endian), then the
+    /// sequence (8 more) if any, then one byte 1 if external.
+    #[cfg_attr(not(feature = "rocksdb"), allow(dead_code))]
+    fn encode(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.token.to_be_bytes());
+        if let Some(seq) = self.sequence {
+            out.extend_from_slice(&seq.to_be_bytes());
+        }
+        if self.external {
+            out.push(1);
+        }
+    }
 }
 
 #[cfg_attr(not(feature = "rocksdb"), allow(dead_code))]
@@ -105,10 +129,10 @@ impl MemoryStore {
         for op in ops {
             match op {
                 Op::Fence { key, token } => {
-                    self.fences.insert(key.to_string(), FenceRecord { token, sequence: None });
+                    self.fences.insert(key.to_string(), FenceRecord::embedded(token));
                 }
-                Op::Sequence { key, token, sequence } => {
-                    self.fences.insert(key.to_string(), FenceRecord { token, sequence: Some(sequence) });
+                Op::FenceWith { key, record } => {
+                    self.fences.insert(key.to_string(), record);
                 }
                 Op::Grant { key, record } => {
                     self.grants.insert(key.to_string(), record);
@@ -302,15 +326,17 @@ fn decode_u64(v: &[u8]) -> Option<u64> {
     Some(u64::from_be_bytes(v.try_into().ok()?))
 }
 
-/// A `fences` value: the token (8 bytes, big-endian), then the highest
-/// sequence forwarded under it (8 more) if there is one.
+/// A `fences` value (see [`FenceRecord::encode`]).
 #[cfg_attr(not(feature = "rocksdb"), allow(dead_code))]
 fn decode_fence(v: &[u8]) -> Option<FenceRecord> {
-    match v.len() {
-        8 => Some(FenceRecord { token: decode_u64(v)?, sequence: None }),
-        16 => Some(FenceRecord { token: decode_u64(&v[..8])?, sequence: Some(decode_u64(&v[8..])?) }),
-        _ => None,
-    }
+    let (body, external) = match v.len() {
+        9 | 17 if v[v.len() - 1] == 1 => (&v[..v.len() - 1], true),
+        8 | 16 => (v, false),
+        _ => return None,
+    };
+    let token = decode_u64(&body[..8])?;
+    let sequence = if body.len() == 16 { Some(decode_u64(&body[8..])?) } else { None };
+    Some(FenceRecord { token, sequence, external })
 }
 
 /// First byte of a `grants` value: the grant is live.

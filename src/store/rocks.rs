@@ -409,7 +409,7 @@ fn last_writes(group: &[Commit]) -> Vec<&Op> {
         .into_iter()
         .rev()
         .filter(|op| match op {
-            Op::Fence { key, .. } | Op::Sequence { key, .. } => seen.insert((true, key)),
+            Op::Fence { key, .. } | Op::FenceWith { key, .. } => seen.insert((true, key)),
             Op::Grant { key, .. } | Op::DropGrant { key, .. } => seen.insert((false, key)),
         })
         .collect();
@@ -426,10 +426,9 @@ fn write_group(db: &DB, group: &[Commit], wo: &WriteOptions, observe: &SyncObser
     for op in last_writes(group) {
         match op {
             Op::Fence { key, token } => batch.put_cf(fences, key.as_bytes(), token.to_be_bytes()),
-            Op::Sequence { key, token, sequence } => {
+            Op::FenceWith { key, record } => {
                 value.clear();
-                value.extend_from_slice(&token.to_be_bytes());
-                value.extend_from_slice(&sequence.to_be_bytes());
+                record.encode(&mut value);
                 batch.put_cf(fences, key.as_bytes(), &value);
             }
             Op::Grant { key, record: grant } | Op::DropGrant { key, ended: grant } => {
@@ -489,8 +488,11 @@ mod tests {
             let s = open(dir.path());
             let (a, b): (Arc<str>, Arc<str>) = (Arc::from("a"), Arc::from("b"));
             s.commit(vec![Op::Fence { key: a.clone(), token: 4 }]).await.unwrap();
-            s.commit(vec![Op::Sequence { key: a.clone(), token: 4, sequence: 17 }]).await.unwrap();
-            s.commit(vec![Op::Sequence { key: b.clone(), token: 2, sequence: 1 }]).await.unwrap();
+            let with = |token, sequence, external| FenceRecord { token, sequence, external };
+            s.commit(vec![Op::FenceWith { key: a.clone(), record: with(4, Some(17), false) }]).await.unwrap();
+            s.commit(vec![Op::FenceWith { key: b.clone(), record: with(2, Some(1), true) }]).await.unwrap();
+            let c: Arc<str> = Arc::from("c");
+            s.commit(vec![Op::FenceWith { key: c.clone(), record: with(6, None, true) }]).await.unwrap();
             s.commit(vec![Op::Fence { key: b.clone(), token: 9 }]).await.unwrap();
         }
         let s = open(dir.path());
@@ -499,8 +501,9 @@ mod tests {
         assert_eq!(
             seen,
             vec![
-                ("a".to_string(), FenceRecord { token: 4, sequence: Some(17) }),
-                ("b".to_string(), FenceRecord { token: 9, sequence: None }),
+                ("a".to_string(), FenceRecord { token: 4, sequence: Some(17), external: false }),
+                ("b".to_string(), FenceRecord { token: 9, sequence: None, external: false }),
+                ("c".to_string(), FenceRecord { token: 6, sequence: None, external: true }),
             ]
         );
     }
@@ -674,7 +677,7 @@ mod tests {
             .into_iter()
             .map(|op| match op {
                 Op::Fence { key, token } => format!("fence {key} {token}"),
-                Op::Sequence { key, token, sequence } => format!("sequence {key} {token} {sequence}"),
+                Op::FenceWith { key, record } => format!("fence {key} {record:?}"),
                 Op::Grant { key, record } => format!("grant {key} {}", record.lease_id),
                 Op::DropGrant { key, .. } => format!("drop {key}"),
             })
