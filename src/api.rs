@@ -1,4 +1,4 @@
-//! The control plane (api listener): the lease API of SPEC 3, `/metrics`,
+//! The control plane (api listener): the lease API of docs/lease-api.md, `/metrics`,
 //! `/healthz` and `/readyz`. One small function per verb; each parses its
 //! input, calls the authority, and renders JSON. Errors are rendered only
 //! by `Error::into_response`.

@@ -1,4 +1,4 @@
-//! Who may do what (SPEC 7): principals authenticated by a bearer token
+//! Who may do what (docs/security.md): principals authenticated by a bearer token
 //! (stored only as its SHA-256, compared in constant time) or by the common
 //! name of a verified mTLS client certificate; each principal may touch only
 //! keys under its prefixes.

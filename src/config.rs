@@ -40,7 +40,7 @@ pub struct Config {
     pub routes: Vec<RouteConfig>,
 }
 
-/// Bounds of SPEC section 3.
+/// Bounds of the lease API (docs/lease-api.md).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct LocksConfig {
@@ -146,7 +146,7 @@ pub enum HostHeader {
     Rewrite,
 }
 
-/// Whether a route's upstream tells `a/` from `a` (the path rule, SPEC 4).
+/// Whether a route's upstream tells `a/` from `a` (the path rule, docs/proxy.md).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum TrailingSlash {
@@ -160,7 +160,7 @@ pub enum TrailingSlash {
     Distinct,
 }
 
-/// One `[[routes]]` entry (SPEC section 4).
+/// One `[[routes]]` entry (docs/proxy.md).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RouteConfig {
@@ -331,7 +331,7 @@ impl Default for ServerConfig {
     }
 }
 
-/// The `serve` flags of SPEC 2a; each one that is set overrides the file.
+/// The `serve` flags (docs/running.md); each one that is set overrides the file.
 #[derive(Debug, Clone, Default)]
 pub struct Overrides {
     pub data_dir: Option<PathBuf>,
@@ -492,7 +492,7 @@ impl Config {
 }
 
 impl RouteConfig {
-    /// SPEC 2a's `--upstream URL`: everything, keyed by the path.
+    /// `--upstream URL` (docs/running.md): everything, keyed by the path.
     pub fn catch_all(upstream: String) -> RouteConfig {
         RouteConfig {
             name: Some("default".into()),

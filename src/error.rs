@@ -1,5 +1,5 @@
 //! The crate's one error enum and the one place where an HTTP status and a
-//! JSON `error` code are chosen for it (SPEC sections 3, 4 and 7).
+//! JSON `error` code are chosen for it (docs/errors.md).
 //!
 //! Variants are grouped by who is at fault: the client (4xx), the upstream
 //! (502/504) or fencegate itself (5xx). Every variant maps to exactly one
@@ -144,7 +144,7 @@ impl Error {
         }
     }
 
-    /// The one `error` code of this error, exactly as SPEC.md names it.
+    /// The one `error` code of this error, exactly as docs/errors.md names it.
     pub fn code(&self) -> &'static str {
         match self {
             Error::BadRequest(_) => "bad_request",

@@ -1,7 +1,7 @@
 //! Every Prometheus handle fencegate exports, in one struct, and the text
 //! rendering of `GET /metrics`.
 //!
-//! Names, types and labels are those of SPEC section 6 (plus the zombie
+//! Names, types and labels are those of docs/metrics.md (plus the zombie
 //! telemetry below them). Labels are route names and fixed outcome words
 //! only — never keys, paths, tokens or lease ids — so cardinality stays
 //! bounded by the configuration.

@@ -1,5 +1,5 @@
 //! The lease authority: grants with TTL leases, FIFO waiters, expiry and
-//! watch (SPEC 3).
+//! watch (docs/lease-api.md).
 //!
 //! Guarantees, in the manner of etcd's mutex:
 //! - At most one live grant per key. A grant's fencing token is the next of

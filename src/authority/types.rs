@@ -1,4 +1,4 @@
-//! The lease API's request and response bodies (SPEC 3) and the checks of
+//! The lease API's request and response bodies (docs/lease-api.md) and the checks of
 //! their bounds. Pure data: no locks, no I/O.
 
 use serde::{Deserialize, Serialize};
@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::LocksConfig;
 use crate::error::Error;
 
-/// Longest key, in bytes (SPEC 1).
+/// Longest key, in bytes (docs/concepts.md).
 pub const MAX_KEY_BYTES: usize = 512;
 
 /// `POST /v1/locks/acquire`.
@@ -72,7 +72,7 @@ pub struct StatusView {
     pub expires_in_ms: Option<u64>,
 }
 
-/// Checks a key against SPEC 1: UTF-8 (guaranteed by `&str`), 1–512
+/// Checks a key against docs/concepts.md: UTF-8 (guaranteed by `&str`), 1–512
 /// bytes, no control characters.
 pub fn validate_key(key: &str) -> Result<(), Error> {
     if key.is_empty() || key.len() > MAX_KEY_BYTES {

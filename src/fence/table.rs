@@ -382,7 +382,7 @@ impl FenceTable {
         }
     }
 
-    /// The fence check of SPEC 4 and, when it passes, the registration of
+    /// The fence check of docs/proxy.md and, when it passes, the registration of
     /// the request as in flight — one atomic step per key.
     pub fn check(self: &Arc<Self>, key: &str, token: u64, policy: CheckPolicy) -> Result<Admission, Refusal> {
         let Some(mut slot) = self.slots.get_mut(key) else {

@@ -1,4 +1,4 @@
-//! Parsing of `X-Fencing-Token` (SPEC 4): exactly one decimal u64.
+//! Parsing of `X-Fencing-Token` (docs/proxy.md): exactly one decimal u64.
 //!
 //! The header may appear several times or as a comma-separated list (HTTP
 //! list syntax, optional whitespace around commas); all values must be the

@@ -1,4 +1,4 @@
-//! The fenced reverse proxy (SPEC 4). One request's life, and the only
+//! The fenced reverse proxy (docs/proxy.md). One request's life, and the only
 //! path that forwards a mutation:
 //!
 //! 1. `route`   — the path is checked (no aliases) and decoded, matched to
@@ -342,7 +342,7 @@ impl Proxy {
         self.admit_and_forward(route, &key, &checked.decoded, mutation, req, client).await
     }
 
-    /// The fence check of SPEC 4 for one request: the one decision both
+    /// The fence check of docs/proxy.md for one request: the one decision both
     /// transports act on (the general path below, and [`fast`] for plain
     /// HTTP/1.1, which forwards only on [`Admit::Forward`] and hands every
     /// other outcome to the general path). An admissible mutation is
