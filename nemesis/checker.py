@@ -13,6 +13,12 @@ and checks, reporting every violation as an *anomaly*:
 safety
   non-monotonic       per resource, the tokens of applied writes never
                       decrease in applied order;
+  sequence-order      per resource, among the applied writes of one token
+                      that carry an X-Fencing-Sequence, the sequences
+                      strictly increase in applied order: a holder's
+                      write is never applied after a higher-numbered
+                      write of the same grant, nor twice (a repeat or a
+                      decrease is an anomaly);
   superseded-applied  no write is applied after a grant of a higher token
                       for its key had been received by a client (the
                       grant's answer is the latest instant activation
@@ -50,8 +56,8 @@ import os
 import sys
 from collections import Counter, defaultdict
 
-SAFETY = ["non-monotonic", "superseded-applied", "duplicate-grant", "grant-order", "lost-ack", "lost-update",
-          "ungranted-token", "phantom-read"]
+SAFETY = ["non-monotonic", "sequence-order", "superseded-applied", "duplicate-grant", "grant-order", "lost-ack",
+          "lost-update", "ungranted-token", "phantom-read"]
 LIVENESS = ["liveness"]
 OTHER = ["process-crash"]
 
@@ -171,10 +177,22 @@ def check(run_dir):
     # per-resource checks over the applied log
     last = {}
     applied_by_op = {}
+    top_sequence = {}  # (resource, token) -> the applied record with the highest sequence so far
     for r in log:
         res, tok = r["resource"], r["token"]
         v = parse_value(r["value"])
-        applied_by_op[(res, v.get("op"))] = r
+        # the first application of an op (a retried request may be applied again)
+        applied_by_op.setdefault((res, v.get("op")), r)
+        sq = r.get("sequence")
+        if isinstance(sq, int) and not isinstance(sq, bool):
+            top = top_sequence.get((res, tok))
+            if top is not None and sq <= top["sequence"]:
+                rep.add("sequence-order", resource=res, seq=r["seq"], token=tok, sequence=sq, op=v.get("op"),
+                        after_seq=top["seq"], after_sequence=top["sequence"],
+                        after_op=parse_value(top["value"]).get("op"),
+                        shape="repeat" if sq == top["sequence"] else "decrease")
+            else:
+                top_sequence[(res, tok)] = r
         if (res, tok) not in granted:
             rep.add("ungranted-token", resource=res, seq=r["seq"], token=tok)
         t_sup, g_sup = superseded_at(res, tok)
@@ -295,6 +313,8 @@ def check(run_dir):
         "stale_writes_refused": code_count(writes, "stale_fencing_token"),
         "lease_expired_writes_refused": code_count(writes, "lease_expired"),
         "stale_reads_refused": code_count(reads, "stale_fencing_token"),
+        "stale_sequence_writes_refused": code_count(writes, "stale_sequence"),
+        "sequenced_writes_applied": sum(1 for r in log if r.get("sequence") is not None),
         "writes_failed_upstream_or_network": sum(1 for w in writes if w.get("st") is None or w["st"] >= 500),
         "stale_writes_attempted": stale_attempts,
         "stale_writes_attempted_refused": stale_attempts_refused,
@@ -332,9 +352,10 @@ def render(s):
         f"  grants              {s['grants']}  (acquire 409 locked {s['acquire_locked']}, "
         f"failed {s['acquire_failed']})",
         f"  writes              sent {s['writes_sent']}, acked {s['writes_acked']}, "
-        f"applied by upstream {s['writes_applied']}, failed (5xx/network) {s['writes_failed_upstream_or_network']}",
+        f"applied by upstream {s['writes_applied']} ({s.get('sequenced_writes_applied', 0)} sequenced), failed (5xx/network) {s['writes_failed_upstream_or_network']}",
         f"  stale writes refused {s['stale_writes_refused']} stale_fencing_token + "
-        f"{s['lease_expired_writes_refused']} lease_expired (stale reads refused {s['stale_reads_refused']})",
+        f"{s['lease_expired_writes_refused']} lease_expired + {s.get('stale_sequence_writes_refused', 0)} "
+        f"stale_sequence (stale reads refused {s['stale_reads_refused']})",
         f"  zombie writes       {s['stale_writes_attempted']} sent with an already-superseded token, "
         f"{s['stale_writes_attempted_refused']} of them refused",
         f"  faults              {', '.join(f'{k} {v}' for k, v in sorted(s['faults'].items())) or 'none'}",

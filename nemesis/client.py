@@ -14,11 +14,17 @@ Every operation is one JSON line in ``--record`` (flushed at once), with
 
     {"ev":"acquire","c":"c3","key":"res/1","t0":..,"t1":..,"st":200,"token":41,"ttl":600,"wait":1200}
     {"ev":"read","c":"c3","key":"res/1","token":41,"t0":..,"t1":..,"st":200,"op":"c1:17"}
-    {"ev":"write","c":"c3","key":"res/1","token":41,"t0":..,"t1":..,"st":200,"op":"c3:9","prev":"c1:17"}
+    {"ev":"write","c":"c3","key":"res/1","token":41,"sequence":2,"t0":..,"t1":..,"st":200,"op":"c3:9","prev":"c1:17"}
     {"ev":"renew"|"release"|"lost", ...}
 
 ``st`` is the HTTP status (null when the exchange failed: then ``err``),
 ``code`` the JSON error code of a refusal (``stale_fencing_token``, ...).
+
+Each write carries ``X-Fencing-Sequence``: the writes of one grant are
+numbered 1, 2, 3, ... (``sequence`` in the record), so the gateway refuses
+a same-holder write that comes after a higher-numbered one (409
+``stale_sequence``) and orders a higher one after the lower ones still in
+flight.
 
 A written value is ``{"op": <unique id>, "prev": <op it was derived
 from>, "n": <counter>, "by": <client>, "tok": <token>}``: the checker
@@ -37,7 +43,9 @@ import http.client
 import json
 import os
 import random
+import re
 import signal
+import socket
 import sys
 import time
 import urllib.parse
@@ -100,6 +108,58 @@ def error_code(data):
         return None
 
 
+def put_and_give_up(addr, path, headers, body, held, give_up_after):
+    """One PUT on a connection of its own, given up on like a client whose
+    timeout passed: sends it whole (chunked, so the gateway takes it on its
+    general path, where the upstream exchange outlives the client's
+    connection; the fast path takes Content-Length bodies only), waits
+    until ``held()`` says the upstream holds it (at most ``give_up_after``
+    s), then closes the connection without reading an answer.
+
+    Returns ``(st, code, err, was_held)``: the status and error code if an
+    answer came first (refused, or applied at once: nothing left in flight
+    to give up on), else ``st`` None and ``was_held`` whether the upstream
+    held it when the client gave up. This is how a holder produces the
+    first half of a same-holder reordering (the harness's holder-retry and
+    gateway-stop-during-stall faults)."""
+    host = f"{addr[0]}:{addr[1]}"
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    req = (f"PUT {path} HTTP/1.1\r\nHost: {host}\r\n{head}Transfer-Encoding: chunked\r\n\r\n"
+           f"{len(body):x}\r\n").encode() + body + b"\r\n0\r\n\r\n"
+    st, code, err, was_held = None, None, None, False
+    try:
+        s = socket.create_connection(addr, timeout=2)
+    except OSError as e:
+        return None, None, f"connect: {e}"[:200], False
+    try:
+        s.sendall(req)
+        until = mono() + give_up_after
+        s.settimeout(0.01)
+        while mono() < until:
+            if held():
+                was_held = True
+                break
+            try:
+                got = s.recv(65536)
+            except socket.timeout:
+                continue
+            m = re.match(rb"HTTP/1\.1 (\d{3})", got or b"")
+            st = int(m.group(1)) if m else None
+            err = None if m else "closed without an answer"
+            if m:
+                code = error_code(got.split(b"\r\n\r\n", 1)[-1])
+            break
+        else:
+            err = "no answer and not held at the upstream; gave up"
+        if was_held:
+            err = "nemesis: the client gave up while the upstream held the write"
+    except OSError as e:
+        err = f"{type(e).__name__}: {e}"[:200]
+    finally:
+        s.close()
+    return st, code, err, was_held
+
+
 class Client:
     def __init__(self, args):
         self.id = args.id
@@ -150,6 +210,7 @@ class Client:
         grant = json.loads(data)
         token, lease_id = grant["fencing_token"], grant["lease_id"]
         self.record(ev="acquire", key=key, t0=t0, t1=t1, st=st, token=token, ttl=ttl, wait=wait)
+        sequence = 0  # X-Fencing-Sequence of this grant's writes: 1, 2, 3, ...
         deadline = started + ttl / 1000
         margin = 0.05
         lost = False
@@ -196,18 +257,22 @@ class Client:
             time.sleep(rng.uniform(0.01, 0.12))
             # write, derived from what was read
             self.nops += 1
+            sequence += 1
             op = f"{self.id}:{self.nops}"
             value = json.dumps({"op": op, "prev": prev, "n": n + 1, "by": self.id, "tok": token},
                                separators=(",", ":"))
             t0 = mono()
             st, data, err = self.proxy.request("PUT", "/" + key, value.encode(),
-                                               {"X-Fencing-Token": str(token), "Content-Type": "application/json"},
+                                               {"X-Fencing-Token": str(token), "X-Fencing-Sequence": str(sequence),
+                                                "Content-Type": "application/json"},
                                                timeout=15)
             t1 = mono()
-            self.record(ev="write", key=key, token=token, t0=t0, t1=t1, st=st, err=err,
+            self.record(ev="write", key=key, token=token, sequence=sequence, t0=t0, t1=t1, st=st, err=err,
                         code=error_code(data) if st is not None and st >= 300 else None, op=op, prev=prev,
                         value=value)
             if st in (409, 403):
+                # stale_fencing_token, lease_expired (stale_sequence cannot
+                # happen: every write of this grant has a new number)
                 lost = True
                 break
             # renew, or not: when the lease clock says half the TTL is gone

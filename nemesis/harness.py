@@ -33,6 +33,11 @@ followed by a quiet gap at least as long as the liveness bound:
                  connection), SIGTERMs the gateway and restarts it at once,
                  then a newer holder is granted and writes before the held
                  write goes on: the clean stop must have waited for it
+  holder-retry   the harness, as a recorded holder, numbers its writes
+                 (X-Fencing-Sequence): write n is held by the upstream and
+                 given up on, write n+1 goes on a new connection (it must
+                 wait for n), then n is retried (it must be refused with
+                 409 stale_sequence): same-holder ordering
 
 and finally runs ``checker.py`` over the histories and prints its summary.
 
@@ -72,7 +77,7 @@ LIBC = ctypes.CDLL(None, use_errno=True)
 PR_SET_PDEATHSIG = 1
 CLONE_NEWNET = 0x40000000
 DEFAULT_FAULTS = ["pause", "gateway-kill", "upstream-stall", "upstream-kill", "partition", "clock-step",
-                  "gateway-kill-during-stall", "gateway-stop-during-stall"]
+                  "gateway-kill-during-stall", "gateway-stop-during-stall", "holder-retry"]
 ALL_FAULTS = DEFAULT_FAULTS
 # The route's upstream_timeout_ms. The recorder abandons what it did not
 # apply within --upstream-request-timeout (< this), as the README asks; after
@@ -443,71 +448,45 @@ class RecordedHolder:
         return op, json.dumps({"op": op, "prev": prev, "n": n + 1, "by": self.id, "tok": token},
                               separators=(",", ":"))
 
-    def write(self, key, token, prev, n):
-        """An ordinary write (small body, Content-Length: the fast path)."""
-        op, value = self.value(prev, n, token)
+    def write(self, key, token, prev, n, sequence=None, op_value=None, fresh=False):
+        """An ordinary write (small body, Content-Length: the fast path,
+        unless it carries a sequence). With `sequence`, it carries
+        X-Fencing-Sequence; `op_value` re-sends a value already written
+        (a retry); `fresh` sends it on a new connection. Returns (st, code)."""
+        op, value = op_value or self.value(prev, n, token)
+        headers = {"X-Fencing-Token": str(token), "Content-Type": "application/json"}
+        if sequence is not None:
+            headers["X-Fencing-Sequence"] = str(sequence)
+        if fresh:
+            self.proxy.close()
         t0 = mono()
-        st, data, err = self.proxy.request("PUT", "/" + key, value.encode(),
-                                           {"X-Fencing-Token": str(token), "Content-Type": "application/json"},
-                                           timeout=10)
-        self.record(ev="write", key=key, token=token, t0=t0, t1=mono(), st=st, err=err,
-                    code=wl.error_code(data) if st is not None and st >= 300 else None, op=op, prev=prev,
-                    value=value)
-        return st
+        st, data, err = self.proxy.request("PUT", "/" + key, value.encode(), headers, timeout=10)
+        code = wl.error_code(data) if st is not None and st >= 300 else None
+        extra = {} if sequence is None else {"sequence": sequence}
+        self.record(ev="write", key=key, token=token, **extra, t0=t0, t1=mono(), st=st, err=err, code=code, op=op,
+                    prev=prev, value=value)
+        return st, code
 
-    def send_abandoned_write(self, key, token, prev, n, hold_ms, held, give_up_after):
+    def send_abandoned_write(self, key, token, prev, n, hold_ms, held, give_up_after, sequence=None):
         """Sends a write the recorder holds `hold_ms` from its arrival, waits
         until `held()` says the recorder holds it (at most `give_up_after`
         s), then gives up: closes the connection without an answer, like a
-        client whose timeout passed. The body is chunked, so the gateway
-        takes it on its general path (the fast path takes Content-Length
-        bodies only), where the upstream exchange outlives the client's
-        connection. Returns True if the write was held when given up."""
+        client whose timeout passed (client.put_and_give_up: chunked, so on
+        the gateway's general path, where the upstream exchange outlives
+        the client's connection). Returns (was_held, (op, value))."""
         op, value = self.value(prev, n, token)
-        body = value.encode()
-        host = f"{self.proxy_addr[0]}:{self.proxy_addr[1]}"
-        req = (f"PUT /{key} HTTP/1.1\r\nHost: {host}\r\nX-Fencing-Token: {token}\r\n"
-               f"Content-Type: application/json\r\nX-Nemesis-Hold-Ms: {hold_ms}\r\n"
-               f"Transfer-Encoding: chunked\r\n\r\n{len(body):x}\r\n").encode() + body + b"\r\n0\r\n\r\n"
+        headers = {"X-Fencing-Token": str(token), "Content-Type": "application/json",
+                   "X-Nemesis-Hold-Ms": str(hold_ms)}
+        extra = {}
+        if sequence is not None:
+            headers["X-Fencing-Sequence"] = str(sequence)
+            extra["sequence"] = sequence
         t0 = mono()
-        st, err, code, was_held = None, None, None, False
-        try:
-            s = socket.create_connection(self.proxy_addr, timeout=2)
-        except OSError as e:
-            self.record(ev="write", key=key, token=token, t0=t0, t1=mono(), st=None, err=f"connect: {e}"[:200],
-                        code=None, op=op, prev=prev, value=value)
-            return False
-        try:
-            s.sendall(req)
-            until = mono() + give_up_after
-            s.settimeout(0.01)
-            while mono() < until:
-                if held():
-                    was_held = True
-                    break
-                try:
-                    got = s.recv(65536)
-                except socket.timeout:
-                    continue
-                # An answer came (refused, or the upstream answered at once):
-                # nothing is left in flight to give up on.
-                m = re.match(rb"HTTP/1\.1 (\d{3})", got or b"")
-                st = int(m.group(1)) if m else None
-                err = None if m else "closed without an answer"
-                if m:
-                    code = wl.error_code(got.split(b"\r\n\r\n", 1)[-1])
-                break
-            else:
-                err = "no answer and not held at the upstream; gave up"
-            if was_held:
-                err = "nemesis: the client gave up while the upstream held the write"
-        except OSError as e:
-            err = f"{type(e).__name__}: {e}"[:200]
-        finally:
-            s.close()
-        self.record(ev="write", key=key, token=token, t0=t0, t1=mono(), st=st, err=err, code=code, op=op,
+        st, code, err, was_held = wl.put_and_give_up(self.proxy_addr, "/" + key, headers, value.encode(), held,
+                                                     give_up_after)
+        self.record(ev="write", key=key, token=token, **extra, t0=t0, t1=mono(), st=st, err=err, code=code, op=op,
                     prev=prev, value=value)
-        return was_held
+        return was_held, (op, value)
 
     def release(self, key, token, lease_id):
         t0 = mono()
@@ -548,6 +527,7 @@ class Harness:
         self.cleaned = False
         self.run_info = {}
         self.zombie = self.successor = None  # the harness's own recorded holders (gateway-stop-during-stall)
+        self.retrier = None  # and the one of holder-retry
 
     # -- setup
     def choose_net(self):
@@ -874,8 +854,8 @@ connect_timeout_ms = 1000
             return
         before = self.recorder_stats().get("held_total", 0)
         sent = mono()
-        held = z.send_abandoned_write(key, token, prev, n, int(hold * 1000),
-                                      lambda: self.recorder_stats().get("held_total", 0) > before, 1.0)
+        held, _ = z.send_abandoned_write(key, token, prev, n, int(hold * 1000),
+                                         lambda: self.recorder_stats().get("held_total", 0) > before, 1.0)
         t_stop = mono()
         code = self.gateway.stop(grace=15)
         stop_s = mono() - t_stop
@@ -896,7 +876,7 @@ connect_timeout_ms = 1000
         if ntok is not None:
             ok, p2, n2 = nn.read(key, ntok)
             if ok:
-                nst = nn.write(key, ntok, p2, n2)
+                nst, _ = nn.write(key, ntok, p2, n2)
             nn.release(key, ntok, nlease)
         http("POST", f"{self.ctl}/unhold", timeout=1)
         while mono() < sent + hold + 1.0 and self.recorder_stats().get("held", 0) > 0:
@@ -905,6 +885,67 @@ connect_timeout_ms = 1000
                           held_when_given_up=held, stop_s=round(stop_s, 3), gateway_exit=code,
                           held_after_stop=held_after_stop, ready_after_s=round(ready - end, 3), release_st=rel,
                           successor_token=ntok, successor_write_st=nst, pid=self.gateway.pid)
+
+    def fault_holder_retry(self):
+        """Same-holder ordering (issue 17, X-Fencing-Sequence). The harness,
+        as the recorded holder "nr", acquires a resource nobody holds (TTL
+        3 s), reads it and numbers its writes 1, 2, 3 under that grant:
+
+        1. write 1, derived from the read;
+        2. write 2, derived from write 1, which the recorder holds HOLD_S
+           from its arrival (below the route's upstream_timeout_ms, the
+           longest a higher sequence waits for it); once held, nr gives up
+           on it (closes the connection, no answer);
+        3. write 3, derived from write 2, on a new connection: the gateway
+           orders it after write 2 still in flight (it waits for it);
+        4. write 2 again, the very same request on a new connection (a
+           retry layer that did not see write 3 go): refused with 409
+           stale_sequence, never forwarded.
+
+        A gateway that ignores the header (shadow mode forwards the retry)
+        lets write 2 land again after write 3: sequence-order (and
+        lost-update); one that does not wait lets write 3 land before the
+        held write 2: sequence-order too."""
+        if self.retrier is None:
+            self.retrier = RecordedHolder("nr", self.out, self.api, self.proxy)
+        r = self.retrier
+        kind = "holder-retry"
+        hold = UPSTREAM_TIMEOUT_MS / 2000
+        r.reconnect()
+        start = mono()
+        token = lease = None
+        while token is None and mono() - start < 3.0:
+            free = self.free_resources()
+            key = f"res/{self.rng.choice(free or range(self.args.resources))}"
+            token, lease = r.acquire(key, ttl=3000, wait=1000)
+        if token is None:
+            self.record_fault(kind=kind, start=start, end=mono(), key=key, skipped="no grant within 3 s")
+            return
+        ok, prev, n = r.read(key, token)
+        st1 = st3 = retry = code3 = retry_code = None
+        held = False
+        waited = None
+        if ok:
+            st1, _ = r.write(key, token, prev, n, sequence=1)
+        if st1 == 200:
+            op1 = f"{r.id}:{r.nops}"
+            before = self.recorder_stats().get("held_total", 0)
+            held, (op2, value2) = r.send_abandoned_write(
+                key, token, op1, n + 1, int(hold * 1000),
+                lambda: self.recorder_stats().get("held_total", 0) > before, 1.0, sequence=2)
+            if held:
+                t3 = mono()
+                st3, code3 = r.write(key, token, op2, n + 2, sequence=3, fresh=True)
+                waited = round(mono() - t3, 3)
+                retry, retry_code = r.write(key, token, op1, n + 1, sequence=2, op_value=(op2, value2), fresh=True)
+        rel = r.release(key, token, lease)
+        http("POST", f"{self.ctl}/unhold", timeout=1)
+        until = mono() + hold + 1.0
+        while mono() < until and self.recorder_stats().get("held", 0) > 0:
+            time.sleep(0.02)
+        self.record_fault(kind=kind, start=start, end=mono(), key=key, token=token, hold_s=round(hold, 3),
+                          write1_st=st1, held_when_given_up=held, write3_st=st3, write3_code=code3,
+                          write3_took_s=waited, retry_st=retry, retry_code=retry_code, release_st=rel)
 
     def check_processes(self):
         for p in [self.gateway, self.recorder]:
@@ -990,7 +1031,7 @@ connect_timeout_ms = 1000
                 p.stop(grace=5)
         if self.net is not None:
             self.net.teardown()
-        for holder in (self.zombie, self.successor):
+        for holder in (self.zombie, self.successor, self.retrier):
             if holder is not None:
                 holder.close()
         if self.faults_file is not None:

@@ -9,6 +9,8 @@ An HTTP/1.1 server that stands behind the gateway and *applies* writes:
   "pid"}`` to the log and fsyncs it **before** answering 200. ``token`` is
   the ``X-Fencing-Token`` header the gateway forwarded (the recorder never
   checks it: judging tokens is the gateway's job, and the checker's).
+  A write that carries ``X-Fencing-Sequence`` (the holder's number for
+  it, forwarded by the gateway) is logged with ``"sequence": N`` too.
   ``arrival`` and ``applied`` are ``time.monotonic()`` readings (Linux
   CLOCK_MONOTONIC, shared by every process on the machine, so they order
   against the clients' own records).
@@ -118,7 +120,7 @@ class State:
                 return
             time.sleep(min(left, 0.05))
 
-    def apply(self, resource, token, value, arrival):
+    def apply(self, resource, token, value, arrival, sequence=None):
         with self.lock:
             self.seq += 1
             rec = {
@@ -131,6 +133,8 @@ class State:
                 "wall": time.time(),
                 "pid": os.getpid(),
             }
+            if sequence is not None:
+                rec["sequence"] = sequence
             line = (json.dumps(rec, separators=(",", ":")) + "\n").encode()
             os.write(self.fd, line)
             os.fsync(self.fd)
@@ -233,6 +237,11 @@ class DataHandler(BaseHTTPRequestHandler):
                 token = int(tok) if tok is not None else None
             except ValueError:
                 token = tok
+            sq = self.headers.get("X-Fencing-Sequence")
+            try:
+                sequence = int(sq) if sq is not None else None
+            except ValueError:
+                sequence = sq
             hold = self._hold()
             if hold is not None:
                 STATE.hold(arrival + hold)
@@ -241,7 +250,7 @@ class DataHandler(BaseHTTPRequestHandler):
                 STATE.abandoned += 1
                 self._answer(503, '{"error":"abandoned","message":"request timeout passed before it could be applied"}')
                 return
-            seq = STATE.apply(self._resource(), token, body.decode("utf-8", "replace"), arrival)
+            seq = STATE.apply(self._resource(), token, body.decode("utf-8", "replace"), arrival, sequence)
             self._answer(200, json.dumps({"seq": seq}), {"X-Recorder-Seq": str(seq)})
         finally:
             STATE.enter(-1)

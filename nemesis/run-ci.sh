@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Nemesis run for CI (issue 7): a short fenced run under every default fault,
 # then the self-test against a deliberately unfenced gateway (shadow mode).
-# Fails if the fenced run shows any anomaly, or if the self-test shows none
-# (a checker that cannot catch a broken gateway proves nothing).
+# Fails if the fenced run shows any anomaly, or if the self-test shows none,
+# or none of the sequence rule (a checker that cannot catch a broken gateway
+# proves nothing).
 #
 #   bash nemesis/run-ci.sh
 #
@@ -27,22 +28,27 @@ mkdir -p "$OUT"
 started=$(date +%s)
 
 echo "== nemesis: fenced run (${NEMESIS_DURATION:-75} s, every default fault) =="
-# A 75 s run has room for about five faults of the eight: the clean stop
-# with a write in flight (issue 19) runs first whatever the seed, the rest
-# are shuffled.
+# A 75 s run has room for about five faults of the nine: the clean stop
+# with a write in flight (issue 19) and the same-holder retry (issue 17)
+# run first whatever the seed, the rest are shuffled.
 timeout --signal=TERM --kill-after=30 $(( ${NEMESIS_DURATION:-75} + 300 )) \
     python3 nemesis/harness.py --duration "${NEMESIS_DURATION:-75}" --binary "$FENCEGATE_BIN" \
-    --out "$OUT/fenced" ${NEMESIS_SEED:+--seed "$NEMESIS_SEED"} --first-faults gateway-stop-during-stall
+    --out "$OUT/fenced" ${NEMESIS_SEED:+--seed "$NEMESIS_SEED"} --first-faults gateway-stop-during-stall,holder-retry
 fenced=$?
 
 echo
 echo "== nemesis: self-test against an unfenced gateway (shadow mode, ${NEMESIS_SELFTEST_DURATION:-30} s) =="
 # The faults that make zombie writers (paused holders, stepped lease clocks,
-# a client cut off mid-request), one after the other with short gaps.
+# a client cut off mid-request), one after the other with short gaps, and
+# first a same-holder retry: shadow mode forwards the retried write the
+# sequence rule refuses, and the checker must report it (sequence-order).
 timeout --signal=TERM --kill-after=30 $(( ${NEMESIS_SELFTEST_DURATION:-30} + 300 )) \
     python3 nemesis/harness.py --unfenced --duration "${NEMESIS_SELFTEST_DURATION:-30}" \
-    --binary "$FENCEGATE_BIN" --out "$OUT/unfenced" --faults pause,clock-step,partition --quiet-gap 1
+    --binary "$FENCEGATE_BIN" --out "$OUT/unfenced" --faults pause,clock-step,partition,holder-retry \
+    --first-faults holder-retry --quiet-gap 1
 selftest=$?
+seqorder=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1])).get("anomalies_by_kind", {}).get("sequence-order", 0))' \
+    "$OUT/unfenced/summary.json" 2>/dev/null || echo 0)
 
 echo
 echo "== nemesis: $(( $(date +%s) - started )) s; histories in $OUT =="
@@ -58,5 +64,11 @@ if [ "$selftest" -ne 0 ]; then
     status=1
 else
     echo "ok: self-test, the checker caught the unfenced gateway"
+fi
+if [ "$seqorder" -gt 0 ] 2>/dev/null; then
+    echo "ok: self-test, $seqorder sequence-order anomalies (the sequence rule ignored in shadow mode)"
+else
+    echo "FAIL: the self-test found no sequence-order anomaly (the holder-retry fault did not catch the gateway that ignores X-Fencing-Sequence)"
+    status=1
 fi
 exit $status

@@ -29,16 +29,27 @@ class History:
     def grant(self, c, key, token, t0, t1):
         self.ops.append({"ev": "acquire", "c": c, "key": key, "token": token, "t0": t0, "t1": t1, "st": 200})
 
-    def write(self, c, key, token, op, prev, t0, t1, st=200, apply_at=None):
+    def write(self, c, key, token, op, prev, t0, t1, st=200, apply_at=None, sequence=None, code=None):
         v = value(op, prev, token)
-        self.ops.append({"ev": "write", "c": c, "key": key, "token": token, "op": op, "prev": prev, "t0": t0,
-                         "t1": t1, "st": st, "value": v})
+        w = {"ev": "write", "c": c, "key": key, "token": token, "op": op, "prev": prev, "t0": t0, "t1": t1,
+             "st": st, "code": code, "value": v}
+        if sequence is not None:
+            w["sequence"] = sequence
+        self.ops.append(w)
         if apply_at is not None:
-            self.apply(key, token, v, apply_at)
+            self.apply(key, token, v, apply_at, sequence)
 
-    def apply(self, key, token, v, at):
-        self.log.append({"seq": len(self.log) + 1, "resource": key, "token": token, "value": v, "arrival": at,
-                         "applied": at})
+    def apply(self, key, token, v, at, sequence=None):
+        r = {"seq": len(self.log) + 1, "resource": key, "token": token, "value": v, "arrival": at, "applied": at}
+        if sequence is not None:
+            r["sequence"] = sequence
+        self.log.append(r)
+
+    def in_applied_order(self):
+        self.log.sort(key=lambda r: r["applied"])
+        for i, r in enumerate(self.log, 1):
+            r["seq"] = i
+        return self
 
     def read(self, c, key, token, op, t0, t1):
         self.ops.append({"ev": "read", "c": c, "key": key, "token": token, "op": op, "t0": t0, "t1": t1, "st": 200})
@@ -115,6 +126,66 @@ class CheckerTest(unittest.TestCase):
     def test_abandoned_write_applied_during_the_stop_is_clean(self):
         # The stop waited for it: applied before the restart and nn's grant.
         self.assertEqual(self.abandoned_write_across_a_stop(0.9), {})
+
+    def holder_retry(self, second_applied_at, retry_applied_at=None):
+        """The shape of the holder-retry fault: holder a (token 1) writes
+        sequence 1, then sequence 2 (a:2) which the upstream holds until
+        0.9, gives up on it, sends sequence 3 (a:3, derived from a:2) on a
+        new connection at 0.5, then retries sequence 2 (the same request)
+        at 1.0. An enforcing gateway makes 3 wait for 2 and refuses the
+        retry with 409 stale_sequence; a gateway that ignores the header
+        applies the retry after 3 (shadow mode), or does not wait."""
+        h = History()
+        h.grant("a", "k", 1, 0.0, 0.1)
+        h.read("a", "k", 1, None, 0.12, 0.13)
+        h.write("a", "k", 1, "a:1", None, 0.15, 0.2, apply_at=0.18, sequence=1)
+        h.write("a", "k", 1, "a:2", "a:1", 0.3, 0.4, st=None, apply_at=0.9, sequence=2)
+        h.write("a", "k", 1, "a:3", "a:2", 0.5, second_applied_at + 0.01, apply_at=second_applied_at, sequence=3)
+        if retry_applied_at is None:
+            h.write("a", "k", 1, "a:2", "a:1", 1.0, 1.01, st=409, code="stale_sequence", sequence=2)
+        else:
+            h.write("a", "k", 1, "a:2", "a:1", 1.0, retry_applied_at + 0.01, apply_at=retry_applied_at, sequence=2)
+        return h.in_applied_order().check()
+
+    def test_holder_retry_ordered_and_refused_is_clean(self):
+        self.assertEqual(self.holder_retry(0.95), {})
+
+    def test_holder_retry_applied_after_the_higher_sequence(self):
+        # shadow mode: the retry of sequence 2 lands after sequence 3
+        self.assertEqual(self.holder_retry(0.95, retry_applied_at=1.05), {"sequence-order": 1, "lost-update": 1})
+
+    def test_higher_sequence_not_waiting_for_the_lower_one(self):
+        # sequence 3 applied at 0.6, before the held sequence 2 (0.9)
+        self.assertEqual(self.holder_retry(0.6), {"sequence-order": 1, "lost-update": 2})
+
+    def test_sequence_order_reports_a_repeat_and_a_decrease(self):
+        h = History()
+        h.grant("a", "k", 1, 0.0, 0.1)
+        h.write("a", "k", 1, "a:1", None, 0.2, 0.25, apply_at=0.22, sequence=5)
+        h.write("a", "k", 1, "a:2", "a:1", 0.3, 0.35, apply_at=0.32, sequence=5)
+        h.write("a", "k", 1, "a:3", "a:2", 0.4, 0.45, apply_at=0.42, sequence=4)
+        h.write("a", "k", 1, "a:4", "a:3", 0.5, 0.55, apply_at=0.52, sequence=6)
+        d = tempfile.mkdtemp(prefix="checker-test-")
+        try:
+            os.makedirs(os.path.join(d, "clients"))
+            for name, rows in (("recorder.jsonl", h.log), ("clients/all.jsonl", h.ops)):
+                with open(os.path.join(d, name), "w") as f:
+                    f.writelines(json.dumps(r) + "\n" for r in rows)
+            got = checker.check(d)
+        finally:
+            shutil.rmtree(d)
+        self.assertEqual(got["anomalies_by_kind"], {"sequence-order": 2})
+        ex = got["anomaly_examples"]["sequence-order"]
+        self.assertEqual([(e["sequence"], e["after_sequence"], e["shape"]) for e in ex],
+                         [(5, 5, "repeat"), (4, 5, "decrease")])
+
+    def test_a_new_token_starts_a_new_sequence(self):
+        h = clean()  # a (token 1) and b (token 2), one write each
+        h.log[0]["sequence"] = 7
+        h.log[1]["sequence"] = 1  # lower, but under a newer token
+        h.write("b", "k", 2, "b:2", "b:1", 1.3, 1.35, apply_at=1.32)  # unsequenced: not judged
+        h.write("b", "k", 2, "b:3", "b:2", 1.4, 1.45, apply_at=1.42, sequence=2)
+        self.assertEqual(h.check(), {})
 
     def test_token_granted_twice(self):
         h = clean()
