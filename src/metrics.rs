@@ -210,9 +210,17 @@ impl Metrics {
 
     /// Pre-creates the series of one route so dashboards see zeros.
     pub fn register_route(&self, route: &str) {
-        for outcome in
-            ["forwarded", "stale", "unissued", "lease_expired", "missing_token", "malformed_token", "upstream_error"]
-        {
+        for outcome in [
+            "forwarded",
+            "stale",
+            "unissued",
+            "lease_expired",
+            "stale_sequence",
+            "quota_exceeded",
+            "missing_token",
+            "malformed_token",
+            "upstream_error",
+        ] {
             self.mutations.with_label_values(&[route, outcome]);
         }
         self.aborted_uploads.with_label_values(&[route]);
