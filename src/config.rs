@@ -109,8 +109,9 @@ pub struct ServerConfig {
     /// Most connections open at once per listener.
     pub max_connections: usize,
     /// Most connections open at once per listener from one client address
-    /// (0, the default: no per-address bound; loopback benchmarks open
-    /// thousands). Beyond it a new connection is closed at once.
+    /// (default 5,000, half the default `max_connections`, so one address
+    /// cannot take a whole listener; 0: no per-address bound). Beyond it a
+    /// new connection is closed at once.
     pub max_connections_per_address: usize,
     /// TLS on the proxy listener (plain text when absent).
     pub proxy_tls: Option<crate::tls::TlsSettings>,
@@ -322,7 +323,7 @@ impl Default for ServerConfig {
             body_read_timeout_ms: 10_000,
             shutdown_grace_ms: 10_000,
             max_connections: 10_000,
-            max_connections_per_address: 0,
+            max_connections_per_address: 5_000,
             proxy_tls: None,
             api_tls: None,
             proxy_fast_path: true,

@@ -66,7 +66,14 @@ impl Gateway {
 
     fn spawn(data_dir: &Path, opts: &Opts) -> Gateway {
         let proxy: SocketAddr = format!("127.0.0.1:{}", opts.proxy_port.unwrap_or_else(free_port)).parse().unwrap();
-        let api: SocketAddr = format!("127.0.0.1:{}", opts.api_port.unwrap_or_else(free_port)).parse().unwrap();
+        // Two free ports drawn one after the other can be the same one.
+        let api_port = opts.api_port.unwrap_or_else(|| loop {
+            let p = free_port();
+            if p != proxy.port() {
+                break p;
+            }
+        });
+        let api: SocketAddr = format!("127.0.0.1:{api_port}").parse().unwrap();
         let log = data_dir.with_extension(format!("{}.log", api.port()));
         let mut cmd = match opts.one_cpu {
             Some(cpu) => {
