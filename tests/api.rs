@@ -1,5 +1,5 @@
 //! The lease API over a real socket, against the real binary: every status
-//! and error code of SPEC section 3.
+//! and error code of the lease API (docs/lease-api.md).
 #![allow(clippy::unwrap_used)]
 
 mod common;

@@ -1,5 +1,5 @@
 //! The fenced proxy against the real binary and a recording upstream:
-//! every row of the SPEC 4 check table, each asserting that a refused
+//! every row of the check table (docs/proxy.md), each asserting that a refused
 //! request never reached the upstream; reads; path aliases; proxy headers.
 #![allow(clippy::unwrap_used)]
 

@@ -1,5 +1,5 @@
 //! A live grant survives a graceful restart: it comes back with its full
-//! TTL, can be renewed, and its key stays locked (SPEC 3, "Restart").
+//! TTL, can be renewed, and its key stays locked (docs/lease-api.md, "Restarts").
 #![allow(clippy::unwrap_used)]
 
 mod common;
