@@ -810,6 +810,19 @@ connect_timeout_ms = 1000
         st, stats = http("GET", f"{self.ctl}/stats", timeout=1)
         return stats if st == 200 and isinstance(stats, dict) else {}
 
+    def grant_free_resource(self, holder, kind, start):
+        """A grant for `holder` on a resource nobody holds, tried for up to
+        3 s; (key, token, lease_id), token None (and the fault recorded as
+        skipped) if none came."""
+        token = lease = key = None
+        while token is None and mono() - start < 3.0:
+            free = self.free_resources()
+            key = f"res/{self.rng.choice(free or range(self.args.resources))}"
+            token, lease = holder.acquire(key, ttl=3000, wait=1000)
+        if token is None:
+            self.record_fault(kind=kind, start=start, end=mono(), key=key, skipped="no grant within 3 s")
+        return key, token, lease
+
     def fault_gateway_stop_during_stall(self):
         """A clean stop while an old holder's write is still in flight
         (issue 19). The harness, as the recorded holder "nz", acquires a
@@ -839,13 +852,8 @@ connect_timeout_ms = 1000
         z.reconnect()
         nn.reconnect()
         start = mono()
-        token = lease = None
-        while token is None and mono() - start < 3.0:
-            free = self.free_resources()
-            key = f"res/{self.rng.choice(free or range(self.args.resources))}"
-            token, lease = z.acquire(key, ttl=3000, wait=1000)
+        key, token, lease = self.grant_free_resource(z, kind, start)
         if token is None:
-            self.record_fault(kind=kind, start=start, end=mono(), key=key, skipped="no grant within 3 s")
             return
         ok, prev, n = z.read(key, token)
         if not ok:
@@ -913,13 +921,8 @@ connect_timeout_ms = 1000
         hold = UPSTREAM_TIMEOUT_MS / 2000
         r.reconnect()
         start = mono()
-        token = lease = None
-        while token is None and mono() - start < 3.0:
-            free = self.free_resources()
-            key = f"res/{self.rng.choice(free or range(self.args.resources))}"
-            token, lease = r.acquire(key, ttl=3000, wait=1000)
+        key, token, lease = self.grant_free_resource(r, kind, start)
         if token is None:
-            self.record_fault(kind=kind, start=start, end=mono(), key=key, skipped="no grant within 3 s")
             return
         ok, prev, n = r.read(key, token)
         st1 = st3 = retry = code3 = retry_code = None

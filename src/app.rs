@@ -97,7 +97,6 @@ impl Gateway {
         store.for_each_fence(|key, record| fences.load_record(key, record))?;
         fences.set_max_fences(cfg.locks.max_fences);
         let authority = Authority::restore(fences.clone(), store.clone(), metrics.clone(), cfg.locks.clone())?;
-        let fences_for_quarantine = fences.clone();
         tracing::info!(
             fences = fences.len(),
             live_grants = authority.live_grants(),
@@ -108,26 +107,29 @@ impl Gateway {
         let auth = Arc::new(Auth::load(&cfg.auth)?);
         let proxy = Arc::new(Proxy::new(&cfg, authority.clone(), store.clone(), metrics.clone(), auth.clone())?);
 
-        let longest_upstream_timeout =
-            Duration::from_millis(cfg.effective_routes().iter().map(|r| r.upstream_timeout_ms).max().unwrap_or(0));
-        if !store.was_clean() {
-            // The previous process died: requests it forwarded to an HTTP
-            // upstream may be applied for up to that route's timeout.
-            let longest = cfg
-                .effective_routes()
+        let routes = cfg.effective_routes();
+        let longest = |http_only: bool| {
+            routes
                 .iter()
                 // Parsed, not matched as text: `HTTP://` is an HTTP upstream too.
                 .filter(|r| {
-                    matches!(
-                        crate::proxy::upstream::UpstreamUrl::parse(&r.upstream),
-                        Ok(crate::proxy::upstream::UpstreamUrl::Http { .. })
-                    )
+                    !http_only
+                        || matches!(
+                            crate::proxy::upstream::UpstreamUrl::parse(&r.upstream),
+                            Ok(crate::proxy::upstream::UpstreamUrl::Http { .. })
+                        )
                 })
                 .map(|r| r.upstream_timeout_ms)
                 .max()
-                .unwrap_or(0);
+                .unwrap_or(0)
+        };
+        let longest_upstream_timeout = Duration::from_millis(longest(false));
+        if !store.was_clean() {
+            // The previous process died: requests it forwarded to an HTTP
+            // upstream may be applied for up to that route's timeout.
+            let longest = longest(true);
             if longest > 0 {
-                fences_for_quarantine.set_quarantine(tokio::time::Instant::now() + Duration::from_millis(longest));
+                fences.set_quarantine(tokio::time::Instant::now() + Duration::from_millis(longest));
                 tracing::warn!(
                     quarantine_ms = longest,
                     "the previous process did not stop cleanly: new grants and fence advances wait until its \
@@ -156,11 +158,7 @@ impl Gateway {
             auth: auth.clone(),
             waiting: Arc::new(crate::api::WaitingPerPrincipal::new(cfg.locks.max_waiters_per_principal)),
             watching: Arc::new(crate::api::WaitingPerPrincipal::new(cfg.locks.max_watches_per_principal)),
-            fences: Arc::new(crate::api::FencesPerPrincipal::count(
-                &auth,
-                &fences_for_quarantine,
-                cfg.locks.max_fences_per_principal,
-            )),
+            fences: Arc::new(crate::api::FencesPerPrincipal::count(&auth, &fences, cfg.locks.max_fences_per_principal)),
         });
         let api_handler: Handler = Arc::new(move |req, client| {
             let api = api.clone();
@@ -203,7 +201,7 @@ impl Gateway {
             authority,
             metrics,
             store,
-            fences: fences_for_quarantine,
+            fences,
             longest_upstream_timeout,
             trigger,
             tasks,

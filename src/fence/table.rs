@@ -321,11 +321,6 @@ impl FenceTable {
         }
     }
 
-    /// The token the next grant would get on a key whose fence is below it.
-    pub fn next_token(&self) -> u64 {
-        self.next_token.load(Ordering::Acquire)
-    }
-
     /// Takes the next token of the one sequence, above `fence` (a key whose
     /// fence an external route raised past the sequence).
     fn take_token(&self, fence: u64) -> Option<u64> {
