@@ -72,7 +72,7 @@ impl Gateway {
     /// Binds both listeners, opens the store, rebuilds the fence table,
     /// restores live grants and starts serving.
     pub async fn start(cfg: Config) -> Result<Gateway, Error> {
-        cfg.validate().map_err(Error::BadRequest)?;
+        cfg.validate().map_err(Error::Config)?;
         // Bind first: a port already in use must fail the start before the
         // store counts a boot (an aborted start is not an unclean stop, and
         // must not put the next start in quarantine). Connections made

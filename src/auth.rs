@@ -115,8 +115,8 @@ impl Auth {
 
     fn from_file(path: &Path, cfg: &AuthConfig) -> Result<Auth, Error> {
         let text =
-            std::fs::read_to_string(path).map_err(|e| Error::BadRequest(format!("reading {}: {e}", path.display())))?;
-        Auth::from_toml(&text, cfg).map_err(|e| Error::BadRequest(format!("{}: {e}", path.display())))
+            std::fs::read_to_string(path).map_err(|e| Error::Config(format!("reading {}: {e}", path.display())))?;
+        Auth::from_toml(&text, cfg).map_err(|e| Error::Config(format!("{}: {e}", path.display())))
     }
 
     /// Parses a principals file's text.

@@ -3,8 +3,10 @@
 //!
 //! Every key is documented in `fencegate.example.toml`; every duration or
 //! size carries its unit in its name. Unknown keys are errors, so a typo
-//! never silently falls back to a default. This module parses and checks;
-//! it never opens a socket or a file other than the config itself.
+//! never silently falls back to a default. This module parses and checks:
+//! the one file it reads is the config itself (`load`); the files a config
+//! names (certificates, principals, the data directory) are opened where
+//! they are used, and it never binds a socket.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

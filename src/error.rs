@@ -110,6 +110,14 @@ pub enum Error {
     /// Anything else that is a bug or an environment failure.
     #[error("internal error: {0}")]
     Internal(String),
+
+    // ---- the operator's: start-up and reload ----------------------------
+    /// A configuration that does not hold, or a file it names that cannot be
+    /// read or parsed (certificates, principals): `serve` and `check-config`
+    /// stop with it, a SIGHUP reload keeps the old files. Never a request's
+    /// answer; its status and code exist only so that every variant has one.
+    #[error("{0}")]
+    Config(String),
 }
 
 impl Error {
@@ -138,7 +146,7 @@ impl Error {
             Error::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             Error::UpstreamUnavailable(_) => StatusCode::BAD_GATEWAY,
             Error::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
-            Error::Store(_) | Error::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            Error::Store(_) | Error::Internal(_) | Error::Config(_) => StatusCode::INTERNAL_SERVER_ERROR,
             Error::FenceQuota { .. } => StatusCode::INSUFFICIENT_STORAGE,
             Error::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
         }
@@ -173,6 +181,7 @@ impl Error {
             Error::FenceQuota { .. } => "fence_quota_exceeded",
             Error::Unavailable(_) => "unavailable",
             Error::Internal(_) => "internal",
+            Error::Config(_) => "config_error",
         }
     }
 
@@ -268,6 +277,7 @@ mod tests {
             (Error::ProxyAuthRequired, 407, "proxy_authentication_required"),
             (Error::TooManyWatches { owner: "p".into(), limit: 1 }, 429, "too_many_watches"),
             (Error::BodyTimeout { timeout_ms: 5 }, 408, "request_timeout"),
+            (Error::Config("x".into()), 500, "config_error"),
         ];
         for (err, status, code) in cases {
             assert_eq!(err.status().as_u16(), status, "{err:?}");

@@ -87,15 +87,15 @@ struct State {
 /// `bearer`: sent as `Proxy-Authorization` for routes that require a
 /// principal.
 pub async fn start(gateway: &str, token: u64, bearer: Option<&str>) -> Result<Injector, Error> {
-    let uri: Uri = gateway.parse().map_err(|e| Error::BadRequest(format!("gateway proxy URL {gateway:?}: {e}")))?;
+    let uri: Uri = gateway.parse().map_err(|e| Error::Config(format!("gateway proxy URL {gateway:?}: {e}")))?;
     if uri.scheme() != Some(&Scheme::HTTP) {
         // The injector speaks plain http to the gateway; an https:// gateway
         // would be downgraded, so it is refused instead.
-        return Err(Error::BadRequest(format!(
+        return Err(Error::Config(format!(
             "gateway proxy URL {gateway:?}: the injector forwards over plain http:// only"
         )));
     }
-    let gateway = uri.authority().cloned().ok_or_else(|| Error::BadRequest("gateway proxy URL needs a host".into()))?;
+    let gateway = uri.authority().cloned().ok_or_else(|| Error::Config("gateway proxy URL needs a host".into()))?;
     let mut random = [0u8; 16];
     getrandom::fill(&mut random).map_err(|e| Error::Internal(format!("drawing the injector's secret: {e}")))?;
     let secret: String = random.iter().map(|b| format!("{b:02x}")).collect();

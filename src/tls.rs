@@ -45,11 +45,11 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 
 fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, Error> {
     let certs: Vec<_> = CertificateDer::pem_file_iter(path)
-        .map_err(|e| Error::BadRequest(format!("reading certificates from {}: {e}", path.display())))?
+        .map_err(|e| Error::Config(format!("reading certificates from {}: {e}", path.display())))?
         .collect::<Result<_, _>>()
-        .map_err(|e| Error::BadRequest(format!("parsing certificates in {}: {e}", path.display())))?;
+        .map_err(|e| Error::Config(format!("parsing certificates in {}: {e}", path.display())))?;
     if certs.is_empty() {
-        return Err(Error::BadRequest(format!("{} holds no certificate", path.display())));
+        return Err(Error::Config(format!("{} holds no certificate", path.display())));
     }
     Ok(certs)
 }
@@ -58,7 +58,7 @@ fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, Error> {
 pub fn server_config(s: &TlsSettings) -> Result<Arc<ServerConfig>, Error> {
     let certs = read_certs(&s.cert_file)?;
     let key = PrivateKeyDer::from_pem_file(&s.key_file)
-        .map_err(|e| Error::BadRequest(format!("reading the private key {}: {e}", s.key_file.display())))?;
+        .map_err(|e| Error::Config(format!("reading the private key {}: {e}", s.key_file.display())))?;
     let builder = ServerConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
         .map_err(|e| Error::Internal(format!("TLS versions: {e}")))?;
@@ -66,18 +66,18 @@ pub fn server_config(s: &TlsSettings) -> Result<Arc<ServerConfig>, Error> {
         Some(ca) => {
             let mut roots = RootCertStore::empty();
             for cert in read_certs(ca)? {
-                roots.add(cert).map_err(|e| Error::BadRequest(format!("CA in {}: {e}", ca.display())))?;
+                roots.add(cert).map_err(|e| Error::Config(format!("CA in {}: {e}", ca.display())))?;
             }
             let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider());
             let verifier = if s.require_client_cert { verifier } else { verifier.allow_unauthenticated() };
-            let verifier = verifier.build().map_err(|e| Error::BadRequest(format!("client verifier: {e}")))?;
+            let verifier = verifier.build().map_err(|e| Error::Config(format!("client verifier: {e}")))?;
             builder.with_client_cert_verifier(verifier)
         }
         None => builder.with_no_client_auth(),
     };
     let mut config = builder
         .with_single_cert(certs, key)
-        .map_err(|e| Error::BadRequest(format!("certificate and key of {}: {e}", s.cert_file.display())))?;
+        .map_err(|e| Error::Config(format!("certificate and key of {}: {e}", s.cert_file.display())))?;
     config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     Ok(Arc::new(config))
 }
@@ -131,10 +131,10 @@ pub fn client_config(tls: &TlsFiles) -> Result<rustls::ClientConfig, Error> {
     match &tls.ca_file {
         Some(ca) => {
             let certs = CertificateDer::pem_file_iter(ca)
-                .map_err(|e| Error::BadRequest(format!("reading {}: {e}", ca.display())))?;
+                .map_err(|e| Error::Config(format!("reading {}: {e}", ca.display())))?;
             for cert in certs {
-                let cert = cert.map_err(|e| Error::BadRequest(format!("parsing {}: {e}", ca.display())))?;
-                roots.add(cert).map_err(|e| Error::BadRequest(format!("CA in {}: {e}", ca.display())))?;
+                let cert = cert.map_err(|e| Error::Config(format!("parsing {}: {e}", ca.display())))?;
+                roots.add(cert).map_err(|e| Error::Config(format!("CA in {}: {e}", ca.display())))?;
             }
         }
         None => {
@@ -154,15 +154,15 @@ pub fn client_config(tls: &TlsFiles) -> Result<rustls::ClientConfig, Error> {
         (Some(cert), Some(key)) => {
             let chain = CertificateDer::pem_file_iter(cert)
                 .and_then(|it| it.collect::<Result<Vec<_>, _>>())
-                .map_err(|e| Error::BadRequest(format!("reading {}: {e}", cert.display())))?;
+                .map_err(|e| Error::Config(format!("reading {}: {e}", cert.display())))?;
             let key = PrivateKeyDer::from_pem_file(key)
-                .map_err(|e| Error::BadRequest(format!("reading {}: {e}", key.display())))?;
+                .map_err(|e| Error::Config(format!("reading {}: {e}", key.display())))?;
             builder
                 .with_client_auth_cert(chain, key)
-                .map_err(|e| Error::BadRequest(format!("client certificate: {e}")))?
+                .map_err(|e| Error::Config(format!("client certificate: {e}")))?
         }
         (None, None) => builder.with_no_client_auth(),
-        _ => return Err(Error::BadRequest("client_cert_file and client_key_file go together".into())),
+        _ => return Err(Error::Config("client_cert_file and client_key_file go together".into())),
     };
     Ok(config)
 }

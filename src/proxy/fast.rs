@@ -11,13 +11,18 @@
 //! [`FenceTable::check`](crate::fence::FenceTable::check), the one atomic
 //! compare-and-register), made before a byte goes upstream.
 //!
-//! Everything else — and every refusal — is handed over with the bytes
-//! read so far to the general path (hyper, [`super::Proxy::handle`]),
-//! which decides it afresh and serves the rest of the connection. So the
-//! fast path never refuses a request itself; it only forwards what the
-//! general path would forward, and answers the forwarding failures
-//! (timeout, connect, exchange, a fence that moved before the body was
-//! sent) with the same errors and metrics.
+//! The phases, in order: the head (within the header read timeout), the
+//! route and key, the whole body (small, within the route's timeout), the
+//! admission, the exchange with the upstream, the relay of its answer.
+//! Everything else — and every refusal of the admission — is handed over
+//! with the bytes read so far to the general path (hyper,
+//! [`super::Proxy::handle`]), which decides it afresh and serves the rest of
+//! the connection. So the fast path forwards only what the general path
+//! would forward, and answers the forwarding failures (timeout, connect,
+//! exchange, a fence that moved before the body was sent) with the same
+//! errors and metrics. It refuses by itself only what hyper would never
+//! show the general path: a request-target with a `#` fragment and a
+//! `Connection` header naming a fencing header (both 400, before routing).
 
 use std::time::Duration;
 

@@ -251,7 +251,7 @@ impl Proxy {
             });
         }
         if routes.iter().any(|r: &Route| r.auth) && !auth.enabled() {
-            return Err(Error::BadRequest("a route has auth = true but auth.principals_file is not set".into()));
+            return Err(Error::Config("a route has auth = true but auth.principals_file is not set".into()));
         }
         Ok(Proxy { routes, authority, fences, store, metrics, auth })
     }

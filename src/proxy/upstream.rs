@@ -87,7 +87,7 @@ impl Upstream {
             UpstreamUrl::Http { tls: use_tls, authority, prefix } => {
                 let tls_config = if *use_tls { Some(crate::tls::client_config(tls)?) } else { None };
                 let pool = Pool::new(authority.clone(), tls_config, connect_timeout, Duration::from_secs(60), 256)
-                    .map_err(Error::BadRequest)?;
+                    .map_err(Error::Config)?;
                 let scheme = if *use_tls { Scheme::HTTPS } else { Scheme::HTTP };
                 let host = HeaderValue::from_str(authority.as_str()).ok();
                 Ok(Upstream::Http { pool, scheme, host, prefix: prefix.clone() })

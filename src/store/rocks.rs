@@ -400,8 +400,9 @@ fn writer_loop(db: &DB, queue: &Queue, opts: WriterOptions, observe: &SyncObserv
 /// column family and key only the last one counts, since the batch is
 /// applied whole or not at all and nobody sees the states between. A
 /// release and the next grant of the same key mostly share a group (the
-/// release rides along with the grant's fsync), so the release's delete
-/// costs no memtable entry, no log bytes and no share of a flush.
+/// release rides along with the grant's fsync), so the release's write (a
+/// put of a released grant record, see `encode_grant`) costs no memtable
+/// entry, no log bytes and no share of a flush.
 fn last_writes(group: &[Commit]) -> Vec<&Op> {
     let ops: Vec<&Op> = group.iter().flat_map(|c| c.ops.iter()).collect();
     let mut seen: std::collections::HashSet<(bool, &str)> = std::collections::HashSet::with_capacity(ops.len());
