@@ -18,7 +18,7 @@ use crate::authority::{AcquireRequest, Authority, ReleaseRequest, RenewRequest};
 use crate::body::{full, BoxBody};
 use crate::error::Error;
 use crate::metrics::Metrics;
-use crate::proxy::ClientInfo;
+use crate::peer::Peer;
 use crate::shutdown::Shutdown;
 
 /// What the api listener needs.
@@ -108,7 +108,7 @@ impl FencesPerPrincipal {
 
 /// Who a per-owner bound counts against: the principal, else (the lease
 /// API needs none) the client's address.
-fn owner_of(p: Option<&Principal>, client: &ClientInfo) -> String {
+fn owner_of(p: Option<&Principal>, client: &Peer) -> String {
     match p {
         Some(p) => format!("principal {}", p.name),
         None => format!("address {}", client.addr.ip()),
@@ -128,7 +128,7 @@ impl Drop for WaitingSlot<'_> {
 
 impl Api {
     /// Serves one api request.
-    pub async fn handle(&self, req: Request<BoxBody>, client: ClientInfo) -> Response<BoxBody> {
+    pub async fn handle(&self, req: Request<BoxBody>, client: Peer) -> Response<BoxBody> {
         let started = Instant::now();
         let method = req.method().clone();
         let req_bytes =
@@ -157,11 +157,7 @@ impl Api {
         response
     }
 
-    async fn route(
-        &self,
-        req: Request<BoxBody>,
-        client: &ClientInfo,
-    ) -> (&'static str, Result<Response<BoxBody>, Error>) {
+    async fn route(&self, req: Request<BoxBody>, client: &Peer) -> (&'static str, Result<Response<BoxBody>, Error>) {
         let method = req.method().clone();
         let (name, expected) = match req.uri().path() {
             "/v1/locks/acquire" => ("acquire", Method::POST),
@@ -181,15 +177,17 @@ impl Api {
         // Who is asking: 401 without credentials where they are needed.
         let principal = match name {
             "metrics" | "healthz" | "readyz" => {
-                if let Err(e) = self.auth.check_metrics(req.headers(), client) {
+                if let Err(e) = self.auth.check_metrics(req.headers(), client.cert_cn.as_deref()) {
                     return (name, Err(e));
                 }
                 None
             }
-            _ if self.auth.api_required() => match self.auth.require(req.headers(), "authorization", client) {
-                Ok(p) => Some(p.clone()),
-                Err(e) => return (name, Err(e)),
-            },
+            _ if self.auth.api_required() => {
+                match self.auth.require(req.headers(), "authorization", client.cert_cn.as_deref()) {
+                    Ok(p) => Some(p.clone()),
+                    Err(e) => return (name, Err(e)),
+                }
+            }
             _ => None,
         };
         let p = principal.as_ref();
@@ -214,7 +212,7 @@ impl Api {
         &self,
         req: Request<BoxBody>,
         p: Option<&Principal>,
-        client: &ClientInfo,
+        client: &Peer,
     ) -> Result<Response<BoxBody>, Error> {
         let body: AcquireRequest = self.read_json(req).await.inspect_err(|_| {
             self.metrics.lock_request("acquire", "invalid");
@@ -277,7 +275,7 @@ impl Api {
         &self,
         query: Option<&str>,
         p: Option<&Principal>,
-        client: &ClientInfo,
+        client: &Peer,
     ) -> Result<Response<BoxBody>, Error> {
         let q = Query::parse(query)?;
         let key = q.required("key")?;

@@ -21,9 +21,9 @@ use tokio::time::Instant;
 
 use crate::body::full;
 use crate::error::Error;
+use crate::peer::Peer;
 use crate::proxy::fast::{read_head_bytes, write_response, ConnLimits, Deadline, Handover, Next};
 use crate::proxy::wire::{digits, range_in, reserve, tokens};
-use crate::proxy::ClientInfo;
 use crate::server::Handler;
 use crate::shutdown::Shutdown;
 
@@ -101,7 +101,7 @@ fn parse_head(buf: &[u8], limits: ConnLimits, max_body: u64) -> Parsed {
 pub async fn serve_conn(
     handler: &Handler,
     mut stream: TcpStream,
-    client: &ClientInfo,
+    client: &Peer,
     limits: ConnLimits,
     max_body: u64,
     shutdown: &Shutdown,
@@ -131,7 +131,7 @@ pub async fn serve_conn(
 async fn serve_one(
     handler: &Handler,
     stream: &mut TcpStream,
-    client: &ClientInfo,
+    client: &Peer,
     limits: ConnLimits,
     max_body: u64,
     stop: &mut std::pin::Pin<&mut impl std::future::Future<Output = ()>>,

@@ -13,6 +13,7 @@
 //! | [`server`] | listeners: accept, TLS/mTLS, HTTP/1.1 + h2, connection limits, graceful drain |
 //! | [`h1`] | the api listener's small HTTP/1.1 loop in front of its handler (hyper for the rest) |
 //! | [`tls`] | rustls configs from PEM, SIGHUP reload, client certificate names |
+//! | [`peer`] | who is at the other end of a connection (address, TLS, certificate name) |
 //! | [`proxy`] | routes, path checks and key mapping, the fence check, forwarding (fast path and general), upstreams (http, file) |
 //! | [`fence`] | token parsing, the in-memory fence table, in-flight tracking, the activation barrier |
 //! | [`authority`] | grants, FIFO waiters, expiry, watch |
@@ -38,6 +39,7 @@ pub mod fence;
 pub mod h1;
 pub mod inject;
 pub mod metrics;
+pub mod peer;
 pub mod proxy;
 pub mod server;
 pub mod shutdown;

@@ -22,8 +22,9 @@ use tokio::sync::Semaphore;
 
 use crate::body::BoxBody;
 use crate::error::Error;
+use crate::peer::Peer;
 use crate::proxy::fast::{self, ConnLimits};
-use crate::proxy::{ClientInfo, Proxy};
+use crate::proxy::Proxy;
 use crate::shutdown::Shutdown;
 use crate::tls::{subject_cn, Reloadable};
 use tokio_rustls::TlsAcceptor;
@@ -32,7 +33,7 @@ use tokio_rustls::TlsAcceptor;
 pub type ResponseFuture = Pin<Box<dyn Future<Output = Response<BoxBody>> + Send>>;
 
 /// What serves each request of a listener.
-pub type Handler = Arc<dyn Fn(Request<BoxBody>, ClientInfo) -> ResponseFuture + Send + Sync>;
+pub type Handler = Arc<dyn Fn(Request<BoxBody>, Peer) -> ResponseFuture + Send + Sync>;
 
 /// Listener limits.
 #[derive(Debug, Clone, Copy)]
@@ -87,7 +88,7 @@ async fn serve_conn<I>(
     builder: &auto::Builder<TokioExecutor>,
     watcher: hyper_util::server::graceful::Watcher,
     io: I,
-    client: ClientInfo,
+    client: Peer,
     handler: Handler,
     limits: Limits,
 ) where
@@ -243,7 +244,7 @@ pub async fn serve(
             let _address_slot = address_slot;
             match tls.and_then(|t| t.current()) {
                 None => {
-                    let client = ClientInfo::new(addr, false, None);
+                    let client = Peer::new(addr, false, None);
                     let conn_limits = ConnLimits {
                         max_header_bytes: limits.max_header_bytes,
                         header_read_timeout: limits.header_read_timeout,
@@ -267,14 +268,14 @@ pub async fn serve(
                     let accept = TlsAcceptor::from(config).accept(stream);
                     match tokio::time::timeout(handshake_timeout, accept).await {
                         Ok(Ok(tls_stream)) => {
-                            let peer_cn = tls_stream
+                            let cert_cn = tls_stream
                                 .get_ref()
                                 .1
                                 .peer_certificates()
                                 .and_then(|certs| certs.first())
                                 .and_then(|c| subject_cn(c))
                                 .map(Arc::from);
-                            let client = ClientInfo::new(addr, true, peer_cn);
+                            let client = Peer::new(addr, true, cert_cn);
                             serve_conn(name, &builder, watcher, TokioIo::new(tls_stream), client, handler, limits)
                                 .await;
                         }

@@ -157,9 +157,7 @@ pub fn client_config(tls: &TlsFiles) -> Result<rustls::ClientConfig, Error> {
                 .map_err(|e| Error::Config(format!("reading {}: {e}", cert.display())))?;
             let key = PrivateKeyDer::from_pem_file(key)
                 .map_err(|e| Error::Config(format!("reading {}: {e}", key.display())))?;
-            builder
-                .with_client_auth_cert(chain, key)
-                .map_err(|e| Error::Config(format!("client certificate: {e}")))?
+            builder.with_client_auth_cert(chain, key).map_err(|e| Error::Config(format!("client certificate: {e}")))?
         }
         (None, None) => builder.with_no_client_auth(),
         _ => return Err(Error::Config("client_cert_file and client_key_file go together".into())),

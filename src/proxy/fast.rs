@@ -37,11 +37,12 @@ use super::wire::{
     digits, encode_response, parse_head, parse_response, push_decimal, push_header, push_list, reserve, ChunkScanner,
     Framing, Head, Parsed, RespHead, RespParsed, READ_RESERVE,
 };
-use super::{path, AccessLine, Admit, ClientInfo, Proxy, Route};
+use super::{path, AccessLine, Admit, Proxy, Route};
 use crate::config::HostHeader;
 use crate::error::Error;
 use crate::fence::token::parse_token_values;
 use crate::fence::InflightGuard;
+use crate::peer::Peer;
 use crate::shutdown::Shutdown;
 use http_body_util::BodyExt;
 
@@ -96,7 +97,7 @@ struct Conn {
 pub async fn serve_conn(
     proxy: &Proxy,
     mut stream: TcpStream,
-    client: &ClientInfo,
+    client: &Peer,
     limits: ConnLimits,
     shutdown: &Shutdown,
 ) -> Option<Handover> {
@@ -244,7 +245,7 @@ pub(crate) async fn write_response(
 async fn serve_one(
     proxy: &Proxy,
     stream: &mut TcpStream,
-    client: &ClientInfo,
+    client: &Peer,
     limits: ConnLimits,
     stop: &mut std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
     c: &mut Conn,
@@ -634,7 +635,7 @@ struct Access {
 
 /// What is known of a request once it was admitted.
 struct Seen<'a> {
-    client: &'a ClientInfo,
+    client: &'a Peer,
     method: &'a Method,
     route: &'a Route,
     key: &'a str,

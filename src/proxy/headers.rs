@@ -4,12 +4,11 @@
 //! touched: fencing adds to storage-level compare-and-set, it does not
 //! replace it.
 
-use std::net::SocketAddr;
-
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, Version};
 
 use crate::config::HostHeader;
+use crate::peer::Peer;
 
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
@@ -27,27 +26,6 @@ static FIXED_HOP_BY_HOP: [HeaderName; 8] = [
     HeaderName::from_static("keep-alive"),
     HeaderName::from_static("proxy-connection"),
 ];
-
-/// Who sent the request, as the listener saw it.
-#[derive(Debug, Clone)]
-pub struct ClientInfo {
-    pub addr: SocketAddr,
-    pub tls: bool,
-    /// Common name of the verified client certificate (mTLS).
-    pub peer_cn: Option<std::sync::Arc<str>>,
-    /// The client's address as an `X-Forwarded-For` item, rendered once
-    /// per connection.
-    pub forwarded_for: HeaderValue,
-}
-
-impl ClientInfo {
-    /// The client of one accepted connection.
-    pub fn new(addr: SocketAddr, tls: bool, peer_cn: Option<std::sync::Arc<str>>) -> ClientInfo {
-        let forwarded_for =
-            HeaderValue::from_str(&addr.ip().to_string()).unwrap_or(HeaderValue::from_static("unknown"));
-        ClientInfo { addr, tls, peer_cn, forwarded_for }
-    }
-}
 
 /// The fencing token header.
 pub static X_FENCING_TOKEN: HeaderName = HeaderName::from_static("x-fencing-token");
@@ -151,7 +129,7 @@ fn append_list(h: &mut HeaderMap, name: &HeaderName, item: &HeaderValue) {
 /// Prepares a request for the upstream.
 pub fn prepare_request<B>(
     req: &mut Request<B>,
-    client: &ClientInfo,
+    client: &Peer,
     host_mode: HostHeader,
     upstream_host: Option<HeaderValue>,
     forward_token: bool,
@@ -200,8 +178,8 @@ pub fn prepare_response<B>(resp: &mut Response<B>) {
 mod tests {
     use super::*;
 
-    fn client() -> ClientInfo {
-        ClientInfo::new("10.1.2.3:5555".parse().unwrap(), false, None)
+    fn client() -> Peer {
+        Peer::new("10.1.2.3:5555".parse().unwrap(), false, None)
     }
 
     #[test]

@@ -39,9 +39,9 @@ use crate::error::Error;
 use crate::fence::token::TokenError;
 use crate::fence::{parse_token_header, Admission, CheckPolicy, FenceTable, InflightGuard, Refusal};
 use crate::metrics::Metrics;
+use crate::peer::Peer;
 use crate::store::{wait_durable, Store};
 use fenced_body::FencedBody;
-pub use headers::ClientInfo;
 use headers::{X_FENCING_SEQUENCE, X_FENCING_TOKEN};
 use template::Template;
 use upstream::{SendError, Upstream, UpstreamUrl};
@@ -111,7 +111,7 @@ pub struct Proxy {
 /// One access log line of the proxy listener, whichever transport served
 /// the request.
 struct AccessLine<'a> {
-    client: &'a ClientInfo,
+    client: &'a Peer,
     method: &'a Method,
     path: &'a str,
     route: &'a str,
@@ -258,7 +258,7 @@ impl Proxy {
 
     /// Serves one proxied request. Never panics on client input; every
     /// refusal is a JSON error response. Writes one access log line.
-    pub async fn handle(&self, req: Request<BoxBody>, client: ClientInfo) -> Response<BoxBody> {
+    pub async fn handle(&self, req: Request<BoxBody>, client: Peer) -> Response<BoxBody> {
         let started = Instant::now();
         // The access log's fields are gathered only when it is on.
         let log = tracing::enabled!(target: "fencegate::access", tracing::Level::INFO);
@@ -312,7 +312,7 @@ impl Proxy {
     async fn handle_inner<'a>(
         &'a self,
         req: Request<BoxBody>,
-        client: &ClientInfo,
+        client: &Peer,
         seen: &mut Seen<'a>,
     ) -> Result<Response<BoxBody>, Refused> {
         // 0. A `Connection` that names a fencing header would strip it
@@ -336,7 +336,7 @@ impl Proxy {
         route.check_trailing_slash(&checked, mutation)?;
         if route.auth {
             // Proxy-Authorization is hop-by-hop: it never reaches the upstream.
-            let principal = self.auth.require(req.headers(), "proxy-authorization", client)?;
+            let principal = self.auth.require(req.headers(), "proxy-authorization", client.cert_cn.as_deref())?;
             principal.authorize(&key)?;
         }
         self.admit_and_forward(route, &key, &checked.decoded, mutation, req, client).await
@@ -406,7 +406,7 @@ impl Proxy {
         object: &str,
         mutation: bool,
         req: Request<BoxBody>,
-        client: &ClientInfo,
+        client: &Peer,
     ) -> Result<Response<BoxBody>, Refused> {
         // 2. admit
         let parsed = parse_token_header(req.headers().get_all(&X_FENCING_TOKEN));
@@ -495,7 +495,7 @@ impl Proxy {
         route: &Route,
         key: &str,
         guard: InflightGuard,
-        client: &ClientInfo,
+        client: &Peer,
     ) -> Result<Option<InflightGuard>, Refused> {
         let fence = self.fences.fence(key);
         let token = guard.token();
@@ -512,7 +512,7 @@ impl Proxy {
         key: &str,
         token: u64,
         refusal: Refusal,
-        client: &ClientInfo,
+        client: &Peer,
     ) -> Result<Option<InflightGuard>, Refused> {
         if let Refusal::Stale { superseded_for, .. } = &refusal {
             self.metrics.stale_write_age.with_label_values(&[&route.name]).observe(superseded_for.as_secs_f64());
@@ -530,7 +530,7 @@ impl Proxy {
         key: &str,
         token: Option<u64>,
         refused: Refused,
-        client: &ClientInfo,
+        client: &Peer,
     ) -> Result<(), Refused> {
         let fence = self.fences.fence(key);
         let holder = self.authority.status(key).ok().and_then(|s| s.holder).unwrap_or_default();
@@ -563,7 +563,7 @@ impl Proxy {
         object: &str,
         mutation: bool,
         req: Request<BoxBody>,
-        client: &ClientInfo,
+        client: &Peer,
         guard: Option<InflightGuard>,
         token: Option<u64>,
     ) -> Result<Response<BoxBody>, Refused> {
