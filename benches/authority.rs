@@ -9,10 +9,10 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use fencegate::authority::{AcquireRequest, Authority, ReleaseRequest};
 use fencegate::config::LocksConfig;
 use fencegate::fence::{token::parse_one, Admission, CheckPolicy, FenceTable};
+use fencegate::http1::wire::{parse_head, parse_response, Head, Parsed, RespHead, RespParsed};
 use fencegate::metrics::Metrics;
 use fencegate::proxy::path::check_path;
 use fencegate::proxy::template::Template;
-use fencegate::proxy::wire::{parse_head, parse_response, Head, Parsed, RespHead, RespParsed};
 use fencegate::store::Store;
 
 fn hot_paths(c: &mut Criterion) {

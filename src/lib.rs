@@ -10,8 +10,8 @@
 //! | module | owns |
 //! |---|---|
 //! | [`config`] | the one `Config`: defaults, TOML, `serve` flags, `validate()` |
-//! | [`server`] | listeners: accept, TLS/mTLS, HTTP/1.1 + h2, connection limits, graceful drain |
-//! | [`h1`] | the api listener's small HTTP/1.1 loop in front of its handler (hyper for the rest) |
+//! | [`server`] | listeners: accept, TLS/mTLS, HTTP/1.1 + h2, connection limits, graceful drain; the api listener's small HTTP/1.1 loop |
+//! | [`http1`] | HTTP/1.1 on the wire for the two hand-written loops: hop-by-hop names, the one request-head parser, response heads, deadlines |
 //! | [`tls`] | rustls configs from PEM, SIGHUP reload, client certificate names |
 //! | [`peer`] | who is at the other end of a connection (address, TLS, certificate name) |
 //! | [`proxy`] | routes, path checks and key mapping, the fence check, forwarding (fast path and general), upstreams (http, file) |
@@ -36,7 +36,7 @@ pub mod client;
 pub mod config;
 pub mod error;
 pub mod fence;
-pub mod h1;
+pub mod http1;
 pub mod inject;
 pub mod metrics;
 pub mod peer;

@@ -8,6 +8,12 @@
 use http::header::GetAll;
 use http::HeaderValue;
 
+/// True for the names fencing reads (`X-Fencing-Token`,
+/// `X-Fencing-Sequence`), in any case.
+pub fn is_fencing_header(name: &[u8]) -> bool {
+    name.eq_ignore_ascii_case(b"x-fencing-token") || name.eq_ignore_ascii_case(b"x-fencing-sequence")
+}
+
 /// Why a token header was refused.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TokenError {

@@ -24,8 +24,6 @@
 //! show the general path: a request-target with a `#` fragment and a
 //! `Connection` header naming a fencing header (both 400, before routing).
 
-use std::time::Duration;
-
 use bytes::{Buf, BytesMut};
 use http::{Method, StatusCode};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -33,18 +31,18 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use super::pool::Pool;
-use super::wire::{
-    digits, encode_response, parse_head, parse_response, push_decimal, push_header, push_list, reserve, ChunkScanner,
-    Framing, Head, Parsed, RespHead, RespParsed, READ_RESERVE,
-};
 use super::{path, AccessLine, Admit, Proxy, Route};
 use crate::config::HostHeader;
 use crate::error::Error;
 use crate::fence::token::parse_token_values;
 use crate::fence::InflightGuard;
+use crate::http1::conn::{read_head_bytes, write_response, ConnLimits, Deadline, Handover, Next};
+use crate::http1::wire::{
+    digits, parse_head, parse_response, push_decimal, push_header, push_list, reserve, ChunkScanner, Framing, Head,
+    Parsed, RespHead, RespParsed, READ_RESERVE,
+};
 use crate::peer::Peer;
 use crate::shutdown::Shutdown;
-use http_body_util::BodyExt;
 
 /// Largest request body the fast path buffers; larger ones stream through
 /// the general path.
@@ -54,22 +52,6 @@ const MAX_RESPONSE_HEAD: usize = 64 * 1024;
 /// [`SHRINK_ABOVE`] are given back after the request.
 const RELAY_RESERVE: usize = 64 * 1024;
 const SHRINK_ABOVE: usize = 128 * 1024;
-
-/// A connection the fast path hands to the general path: the stream and
-/// every byte read from it that no response has consumed yet.
-pub struct Handover {
-    pub stream: TcpStream,
-    pub buffered: BytesMut,
-}
-
-/// The listener limits the fast path applies itself.
-#[derive(Debug, Clone, Copy)]
-pub struct ConnLimits {
-    pub max_header_bytes: usize,
-    pub header_read_timeout: Duration,
-    /// The api fast loop's deadline for a whole request body.
-    pub body_read_timeout: Duration,
-}
 
 /// Why forwarding failed after admission.
 enum Failure {
@@ -136,109 +118,6 @@ pub async fn serve_conn(
             Next::Gone => return None,
             Next::General => return Some(Handover { stream, buffered: c.buf }),
         }
-    }
-}
-
-/// How a request on a fast-path connection ended.
-pub(crate) enum Next {
-    KeepAlive,
-    /// Finish the connection cleanly.
-    Close,
-    /// The connection is broken or timed out.
-    Gone,
-    General,
-}
-
-/// A connection's deadline of one kind (reading a head, an upstream
-/// exchange), moved request after request without a timer operation per
-/// request. A new or reset timer wakes the runtime's I/O driver (a system
-/// call) whenever no timer was pending when the driver last parked, which
-/// under load was almost every request. So one timer is armed for the
-/// connection's life; a later deadline only moves a field, and when the
-/// timer fires early it is re-armed for the current deadline: one timer
-/// operation per timeout period, not per request.
-pub(crate) struct Deadline {
-    timer: std::pin::Pin<Box<tokio::time::Sleep>>,
-    at: Instant,
-}
-
-impl Deadline {
-    pub(crate) fn new(at: Instant) -> Deadline {
-        Deadline { timer: Box::pin(tokio::time::sleep_until(at)), at }
-    }
-
-    /// Moves the deadline. Only a deadline earlier than the armed timer
-    /// (a route with a shorter timeout) re-arms it now.
-    pub(crate) fn set(&mut self, at: Instant) {
-        if at < self.timer.deadline() {
-            self.timer.as_mut().reset(at);
-        }
-        self.at = at;
-    }
-
-    /// Resolves once the current deadline has passed.
-    pub(crate) async fn passed(&mut self) {
-        loop {
-            self.timer.as_mut().await;
-            if Instant::now() >= self.at {
-                return;
-            }
-            self.timer.as_mut().reset(self.at);
-        }
-    }
-
-    /// `fut`, unless the deadline passes first (`None`).
-    pub(crate) async fn within<T>(&mut self, fut: impl std::future::Future<Output = T>) -> Option<T> {
-        tokio::select! {
-            biased;
-            r = fut => Some(r),
-            () = self.passed() => None,
-        }
-    }
-}
-
-/// Reads more bytes of a request head before the deadline. While nothing
-/// of a request has arrived the connection is idle, and a stop closes it.
-/// `Some`: how the connection ends instead.
-pub(crate) async fn read_head_bytes(
-    stream: &mut TcpStream,
-    buf: &mut BytesMut,
-    deadline: &mut Deadline,
-    stop: &mut std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
-) -> Option<Next> {
-    reserve(buf);
-    let read = if buf.is_empty() {
-        tokio::select! {
-            r = deadline.within(stream.read_buf(buf)) => r,
-            () = stop.as_mut() => return Some(Next::Close),
-        }
-    } else {
-        deadline.within(stream.read_buf(buf)).await
-    };
-    match read {
-        Some(Ok(n)) if n > 0 => None,
-        _ => Some(Next::Gone),
-    }
-}
-
-/// Writes a response made here (see [`encode_response`]) in one write.
-pub(crate) async fn write_response(
-    stream: &mut TcpStream,
-    resp: http::Response<crate::body::BoxBody>,
-    head_request: bool,
-    close: bool,
-    out: &mut Vec<u8>,
-) -> Next {
-    let (parts, body) = resp.into_parts();
-    let Ok(body) = body.collect().await.map(http_body_util::Collected::to_bytes) else { return Next::Gone };
-    encode_response(out, parts.status, &parts.headers, &body, head_request, close);
-    if stream.write_all(out).await.is_err() {
-        return Next::Gone;
-    }
-    if close {
-        Next::Close
-    } else {
-        Next::KeepAlive
     }
 }
 

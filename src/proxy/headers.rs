@@ -8,6 +8,7 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, Version};
 
 use crate::config::HostHeader;
+use crate::http1::HOP_BY_HOP;
 use crate::peer::Peer;
 
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -16,28 +17,12 @@ static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host"
 
 /// Headers that describe one connection, not the message (RFC 9110 7.6.1),
 /// besides `Connection` itself.
-static FIXED_HOP_BY_HOP: [HeaderName; 8] = [
-    header::TE,
-    header::TRANSFER_ENCODING,
-    header::UPGRADE,
-    header::TRAILER,
-    header::PROXY_AUTHORIZATION,
-    header::PROXY_AUTHENTICATE,
-    HeaderName::from_static("keep-alive"),
-    HeaderName::from_static("proxy-connection"),
-];
 
 /// The fencing token header.
 pub static X_FENCING_TOKEN: HeaderName = HeaderName::from_static("x-fencing-token");
 
 /// The optional per-grant sequence of one holder's writes.
 pub static X_FENCING_SEQUENCE: HeaderName = HeaderName::from_static("x-fencing-sequence");
-
-/// True for the names fencing reads (`X-Fencing-Token`,
-/// `X-Fencing-Sequence`), in any case.
-pub fn is_fencing_header(name: &[u8]) -> bool {
-    name.eq_ignore_ascii_case(b"x-fencing-token") || name.eq_ignore_ascii_case(b"x-fencing-sequence")
-}
 
 /// The refusal of a request whose `Connection` names a fencing header:
 /// hop-by-hop removal would strip the token after the fence check, so a
@@ -53,7 +38,7 @@ pub fn fencing_header_named_hop_by_hop() -> crate::error::Error {
 pub fn connection_names_fencing_header(h: &HeaderMap) -> bool {
     h.get_all(header::CONNECTION)
         .iter()
-        .any(|v| v.as_bytes().split(|b| *b == b',').any(|t| is_fencing_header(t.trim_ascii())))
+        .any(|v| v.as_bytes().split(|b| *b == b',').any(|t| crate::fence::token::is_fencing_header(t.trim_ascii())))
 }
 
 /// Removes `Connection`, every header it names, and the fixed hop-by-hop set.
@@ -65,7 +50,7 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap) {
     for name in h.keys() {
         if *name == header::CONNECTION {
             connection = true;
-        } else if let Some(i) = FIXED_HOP_BY_HOP.iter().position(|f| f == name) {
+        } else if let Some(i) = HOP_BY_HOP.iter().position(|f| name.as_str() == *f) {
             present |= 1 << i;
         }
     }
@@ -88,9 +73,9 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap) {
         }
         h.remove(header::CONNECTION);
     }
-    for (i, name) in FIXED_HOP_BY_HOP.iter().enumerate() {
+    for (i, name) in HOP_BY_HOP.iter().enumerate() {
         if present & (1 << i) != 0 {
-            h.remove(name);
+            h.remove(*name);
         }
     }
 }

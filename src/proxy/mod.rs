@@ -22,7 +22,6 @@ pub mod path;
 pub mod pool;
 pub mod template;
 pub mod upstream;
-pub mod wire;
 
 use std::borrow::Cow;
 use std::sync::Arc;

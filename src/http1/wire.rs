@@ -1,9 +1,8 @@
-//! HTTP/1.1 on the wire, for the fast paths: request and response heads
-//! parsed once (httparse) into ranges of the connection's buffer, with the
-//! proxy's header rules applied as they are read (which headers are
-//! forwarded, replaced or hop-by-hop, and which send a request to the
-//! general path); the end of a chunked body found as it passes; and the
-//! small writers the fast paths build heads with. No I/O here.
+//! Heads on the wire, for the hand-written loops: the fast path's request
+//! head (the shared rules of [`super::parse_request`] plus the proxy's own)
+//! and upstream response heads, parsed once (httparse) into ranges of the
+//! connection's buffer; the end of a chunked body found as it passes; and
+//! the small writers both loops build heads with. No I/O here.
 
 use std::ops::Range;
 
@@ -12,7 +11,6 @@ use http::{header, HeaderMap, StatusCode};
 
 /// Each read has at least this much room (hyper's first buffer is as large).
 pub(crate) const READ_RESERVE: usize = 8 * 1024;
-pub(crate) const MAX_REQUEST_HEADERS: usize = 64;
 pub(crate) const MAX_RESPONSE_HEADERS: usize = 100;
 
 /// One parsed request head: ranges into the connection's buffer.
@@ -63,58 +61,22 @@ pub(crate) fn tokens(v: &[u8]) -> impl Iterator<Item = &[u8]> {
     v.split(|b| *b == b',').map(<[u8]>::trim_ascii).filter(|t| !t.is_empty())
 }
 
-/// Request headers the fast path leaves to the general path.
-pub(crate) const GENERAL_ONLY: [&[u8]; 9] = [
-    b"transfer-encoding",
-    b"upgrade",
-    b"expect",
-    b"te",
-    b"trailer",
-    b"keep-alive",
-    b"proxy-connection",
-    b"proxy-authorization",
-    b"proxy-authenticate",
-];
-
+/// Parses a request head for the fast path: the shared rules of
+/// [`super::parse_request`], then the proxy's own as each header is read
+/// (which are forwarded as they came, which are replaced by this hop's
+/// values, which send the request to the general path). A target in
+/// origin form and a `Host` are required.
 pub fn parse_head(buf: &[u8], max_header_bytes: usize, head: &mut Head) -> Parsed {
-    let mut headers = [httparse::EMPTY_HEADER; MAX_REQUEST_HEADERS];
-    let mut req = httparse::Request::new(&mut headers);
-    let len = match req.parse(buf) {
-        Ok(httparse::Status::Complete(n)) => n,
-        Ok(httparse::Status::Partial) if buf.len() <= max_header_bytes => return Parsed::Partial,
-        _ => return Parsed::General,
-    };
-    let (Some(method), Some(target), Some(1)) = (req.method, req.path, req.version) else {
-        return Parsed::General;
-    };
-    if !target.starts_with('/') {
-        return Parsed::General;
-    }
-    head.len = len;
-    head.method = range_in(buf, method.as_bytes());
-    head.target = range_in(buf, target.as_bytes());
     head.forward.clear();
-    head.content_length = 0;
     head.host = None;
     head.forwarded_for = None;
     head.via = None;
     head.token = None;
-    head.close = false;
-    let mut seen_length = false;
-    let mut total = 0usize;
-    for h in req.headers.iter() {
-        total += h.name.len() + h.value.len() + 4;
-        let name = h.name.as_bytes();
-        let value = range_in(buf, h.value);
+    let line = super::parse_request(buf, max_header_bytes, |name, value| {
         let is = |n: &[u8]| name.eq_ignore_ascii_case(n);
+        let value = range_in(buf, value);
         let once = |slot: &mut Option<Range<usize>>| slot.replace(value.clone()).is_none();
-        let ok = if is(b"content-length") {
-            let first = !seen_length;
-            seen_length = true;
-            head.content_length = digits(h.value).unwrap_or(u64::MAX);
-            head.forward.push((range_in(buf, name), value.clone()));
-            first && head.content_length != u64::MAX
-        } else if is(b"host") {
+        if is(b"host") {
             once(&mut head.host)
         } else if is(b"x-forwarded-for") {
             once(&mut head.forwarded_for)
@@ -126,35 +88,29 @@ pub fn parse_head(buf: &[u8], max_header_bytes: usize, head: &mut Head) -> Parse
             // A sequenced write waits for an fsync of its sequence: the
             // general path's.
             false
-        } else if is(b"connection") {
-            let mut known = true;
-            for t in tokens(h.value) {
-                if crate::proxy::headers::is_fencing_header(t) {
-                    return Parsed::FencingHopByHop;
-                }
-                if t.eq_ignore_ascii_case(b"close") {
-                    head.close = true;
-                } else if !t.eq_ignore_ascii_case(b"keep-alive") {
-                    known = false;
-                }
-            }
-            known
-        } else if is(b"x-forwarded-proto") || is(b"x-forwarded-host") {
-            // Replaced by this hop's own values.
+        } else if is(b"connection") || is(b"x-forwarded-proto") || is(b"x-forwarded-host") {
+            // Rewritten by this hop (framing, its own forwarding values).
             true
-        } else if GENERAL_ONLY.iter().any(|g| is(g)) {
-            false
         } else {
+            // `Content-Length` is forwarded as it came.
             head.forward.push((range_in(buf, name), value));
             true
-        };
-        if !ok {
-            return Parsed::General;
         }
-    }
-    if total > max_header_bytes || head.host.is_none() {
+    });
+    let line = match line {
+        Ok(line) => line,
+        Err(super::NotTaken::Partial) => return Parsed::Partial,
+        Err(super::NotTaken::FencingHopByHop) => return Parsed::FencingHopByHop,
+        Err(super::NotTaken::General) => return Parsed::General,
+    };
+    if !line.target.starts_with('/') || head.host.is_none() {
         return Parsed::General;
     }
+    head.len = line.len;
+    head.method = range_in(buf, line.method.as_bytes());
+    head.target = range_in(buf, line.target.as_bytes());
+    head.content_length = line.content_length;
+    head.close = line.close;
     Parsed::Complete
 }
 
@@ -181,18 +137,6 @@ pub struct RespHead {
     pub(crate) framing: Option<Framing>,
     pub(crate) reusable: bool,
 }
-
-/// Response headers never forwarded (besides those `Connection` names).
-pub(crate) const RESPONSE_HOP_BY_HOP: [&[u8]; 8] = [
-    b"connection",
-    b"keep-alive",
-    b"te",
-    b"trailer",
-    b"transfer-encoding",
-    b"upgrade",
-    b"proxy-authenticate",
-    b"proxy-connection",
-];
 
 pub enum RespParsed {
     Complete,
@@ -250,7 +194,7 @@ pub fn parse_response(buf: &[u8], head_request: bool, out: &mut RespHead) -> Res
             if out.via.is_none() {
                 out.via = Some(range_in(buf, h.value));
             }
-        } else if !RESPONSE_HOP_BY_HOP.iter().any(|n| is(n)) && !named(name) {
+        } else if !super::HOP_BY_HOP.iter().any(|n| is(n.as_bytes())) && !named(name) {
             out.forward.push((range_in(buf, name), range_in(buf, h.value)));
         }
     }

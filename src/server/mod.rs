@@ -4,6 +4,8 @@
 //! gracefully on shutdown. This module knows nothing of leases or fences:
 //! it hands each request to a handler.
 
+mod api_loop;
+
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
@@ -22,8 +24,9 @@ use tokio::sync::Semaphore;
 
 use crate::body::BoxBody;
 use crate::error::Error;
+use crate::http1::conn::{ConnLimits, Handover};
 use crate::peer::Peer;
-use crate::proxy::fast::{self, ConnLimits};
+use crate::proxy::fast;
 use crate::proxy::Proxy;
 use crate::shutdown::Shutdown;
 use crate::tls::{subject_cn, Reloadable};
@@ -251,13 +254,13 @@ pub async fn serve(
                         body_read_timeout: limits.body_read_timeout,
                     };
                     let handover = match fast {
-                        FastPath::Off => Some(fast::Handover { stream, buffered: bytes::BytesMut::new() }),
+                        FastPath::Off => Some(Handover { stream, buffered: bytes::BytesMut::new() }),
                         FastPath::Proxy(proxy) => {
                             fast::serve_conn(&proxy, stream, &client, conn_limits, &conn_shutdown).await
                         }
                         FastPath::Handler { max_body_bytes } => {
                             let (h, c, s) = (&handler, &client, &conn_shutdown);
-                            crate::h1::serve_conn(h, stream, c, conn_limits, max_body_bytes, s).await
+                            api_loop::serve_conn(h, stream, c, conn_limits, max_body_bytes, s).await
                         }
                     };
                     let Some(h) = handover else { return drop(permit) };

@@ -14,27 +14,24 @@
 //! as on the general path, so an abandoned waiter leaves the queue.
 
 use bytes::{Buf, Bytes, BytesMut};
-use http::{header, HeaderMap, HeaderName, HeaderValue, Method, Request, Uri, Version};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Uri, Version};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use crate::body::full;
 use crate::error::Error;
+use crate::http1::conn::{read_head_bytes, write_response, ConnLimits, Deadline, Handover, Next};
+use crate::http1::wire::{range_in, reserve};
+use crate::http1::{self, NotTaken};
 use crate::peer::Peer;
-use crate::proxy::fast::{read_head_bytes, write_response, ConnLimits, Deadline, Handover, Next};
-use crate::proxy::wire::{digits, range_in, reserve, tokens};
 use crate::server::Handler;
 use crate::shutdown::Shutdown;
 
-const MAX_HEADERS: usize = 64;
 /// Bytes a client may send ahead (pipelined) while its request is served.
 const MAX_AHEAD: usize = 64 * 1024;
 /// Largest body this loop reads whole, whatever the listener's limit.
 const MAX_BODY: u64 = 1024 * 1024;
-
-/// Request headers that need the general path.
-const GENERAL_ONLY: [&[u8]; 4] = [b"transfer-encoding", b"upgrade", b"expect", b"http2-settings"];
 
 /// One request head, checked and turned into `http` types.
 struct Head {
@@ -52,48 +49,33 @@ enum Parsed {
     General,
 }
 
+/// The shared rules of [`crate::http1::parse_request`], then names and the
+/// method in `http` types and a body within `max_body` (and [`MAX_BODY`]).
+/// A `Connection` naming a fencing header is hyper's to answer too.
 fn parse_head(buf: &[u8], limits: ConnLimits, max_body: u64) -> Parsed {
-    let mut raw = [httparse::EMPTY_HEADER; MAX_HEADERS];
-    let mut req = httparse::Request::new(&mut raw);
-    let len = match req.parse(buf) {
-        Ok(httparse::Status::Complete(n)) => n,
-        Ok(httparse::Status::Partial) if buf.len() <= limits.max_header_bytes => return Parsed::Partial,
-        _ => return Parsed::General,
+    let mut headers = Vec::new();
+    let line = http1::parse_request(buf, limits.max_header_bytes, |name, value| {
+        let Ok(name) = HeaderName::from_bytes(name) else { return false };
+        headers.push((name, range_in(buf, value)));
+        true
+    });
+    let line = match line {
+        Ok(line) => line,
+        Err(NotTaken::Partial) => return Parsed::Partial,
+        Err(NotTaken::FencingHopByHop | NotTaken::General) => return Parsed::General,
     };
-    let (Some(method), Some(target), Some(1)) = (req.method, req.path, req.version) else {
-        return Parsed::General;
-    };
-    let Ok(method) = Method::from_bytes(method.as_bytes()) else { return Parsed::General };
-    let target = range_in(buf, target.as_bytes());
-    let mut head = Head { len, method, target, headers: Vec::new(), content_length: 0, close: false };
-    let mut seen_length = false;
-    let mut total = 0usize;
-    for h in req.headers.iter() {
-        total += h.name.len() + h.value.len() + 4;
-        let Ok(name) = HeaderName::from_bytes(h.name.as_bytes()) else { return Parsed::General };
-        if name == header::CONTENT_LENGTH {
-            match digits(h.value) {
-                Some(n) if !seen_length => head.content_length = usize::try_from(n).unwrap_or(usize::MAX),
-                _ => return Parsed::General,
-            }
-            seen_length = true;
-        } else if name == header::CONNECTION {
-            for t in tokens(h.value) {
-                if t.eq_ignore_ascii_case(b"close") {
-                    head.close = true;
-                } else if !t.eq_ignore_ascii_case(b"keep-alive") {
-                    return Parsed::General;
-                }
-            }
-        } else if GENERAL_ONLY.iter().any(|g| name.as_str().as_bytes() == *g) {
-            return Parsed::General;
-        }
-        head.headers.push((name, range_in(buf, h.value)));
-    }
-    if total > limits.max_header_bytes || head.content_length as u64 > max_body.min(MAX_BODY) {
+    let Ok(method) = Method::from_bytes(line.method.as_bytes()) else { return Parsed::General };
+    if line.content_length > max_body.min(MAX_BODY) {
         return Parsed::General;
     }
-    Parsed::Complete(head)
+    Parsed::Complete(Head {
+        len: line.len,
+        method,
+        target: range_in(buf, line.target.as_bytes()),
+        headers,
+        content_length: usize::try_from(line.content_length).unwrap_or(usize::MAX),
+        close: line.close,
+    })
 }
 
 /// Serves a plain-text api connection until it ends (`None`) or needs the

@@ -1,0 +1,120 @@
+//! HTTP/1.1 on the wire, for the two loops that parse it themselves: the
+//! proxy's fast path ([`crate::proxy::fast`]) and the api listener's loop
+//! ([`crate::server`]). Everything else goes through hyper.
+//!
+//! Owns what both loops must agree on: the hop-by-hop header names (also
+//! used by the general path's header rules), the one request-head parser
+//! with its rules for what a loop may take itself ([`parse_request`]),
+//! response heads and chunked framing ([`wire`]), and the
+//! connection-level deadlines, reads and writes ([`conn`]). No routing and
+//! no fencing here.
+
+pub mod conn;
+pub mod wire;
+
+/// The hop-by-hop headers of RFC 9110 §7.6.1 besides `Connection` itself
+/// (and whatever a `Connection` header names), plus the non-standard ones
+/// proxies treat the same way. A proxy never forwards them either way.
+pub const HOP_BY_HOP: [&str; 8] = [
+    "te",
+    "transfer-encoding",
+    "upgrade",
+    "trailer",
+    "proxy-authorization",
+    "proxy-authenticate",
+    "keep-alive",
+    "proxy-connection",
+];
+
+/// Request headers the hand-written loops leave to hyper: the hop-by-hop
+/// ones, `Expect` (100-continue) and `HTTP2-Settings` (an h2c upgrade).
+pub(crate) fn leaves_to_hyper(name: &[u8]) -> bool {
+    name.eq_ignore_ascii_case(b"expect")
+        || name.eq_ignore_ascii_case(b"http2-settings")
+        || HOP_BY_HOP.iter().any(|h| name.eq_ignore_ascii_case(h.as_bytes()))
+}
+
+/// The most request headers either loop parses; more go to hyper.
+pub(crate) const MAX_REQUEST_HEADERS: usize = 64;
+
+/// A request head parsed by [`parse_request`]: its length and what both
+/// loops need, borrowed from the connection's buffer.
+pub(crate) struct RequestLine<'b> {
+    pub(crate) len: usize,
+    pub(crate) method: &'b str,
+    pub(crate) target: &'b str,
+    /// 0 without a `Content-Length`.
+    pub(crate) content_length: u64,
+    /// `Connection: close`.
+    pub(crate) close: bool,
+}
+
+/// Why [`parse_request`] did not give a head.
+pub(crate) enum NotTaken {
+    /// More bytes are needed (and allowed).
+    Partial,
+    /// `Connection` names a fencing header (see
+    /// [`crate::proxy::headers::fencing_header_named_hop_by_hop`]).
+    FencingHopByHop,
+    /// Not for a hand-written loop: hand the connection to hyper.
+    General,
+}
+
+/// Parses one HTTP/1.1 request head (httparse) with the rules both loops
+/// share: HTTP/1.1 only; headers within `max_header_bytes` and
+/// [`MAX_REQUEST_HEADERS`]; at most one `Content-Length`, 1–19 digits;
+/// `Connection` saying at most `close` or `keep-alive`; nothing of
+/// [`leaves_to_hyper`]. Every other header — `Content-Length` and
+/// `Connection` included — is shown to `each(name, value)`, which says
+/// whether the loop can take it (`false`: hand over). The order of the
+/// checks is the order of the headers, so the first reason to hand over
+/// wins; a `Connection` naming a fencing header is reported wherever it is.
+pub(crate) fn parse_request<'b>(
+    buf: &'b [u8],
+    max_header_bytes: usize,
+    mut each: impl FnMut(&'b [u8], &'b [u8]) -> bool,
+) -> Result<RequestLine<'b>, NotTaken> {
+    let mut headers = [httparse::EMPTY_HEADER; MAX_REQUEST_HEADERS];
+    let mut req = httparse::Request::new(&mut headers);
+    let len = match req.parse(buf) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) if buf.len() <= max_header_bytes => return Err(NotTaken::Partial),
+        _ => return Err(NotTaken::General),
+    };
+    let (Some(method), Some(target), Some(1)) = (req.method, req.path, req.version) else {
+        return Err(NotTaken::General);
+    };
+    let mut line = RequestLine { len, method, target, content_length: 0, close: false };
+    let mut seen_length = false;
+    let mut total = 0usize;
+    let mut taken = true;
+    for h in req.headers.iter() {
+        total += h.name.len() + h.value.len() + 4;
+        let name = h.name.as_bytes();
+        if name.eq_ignore_ascii_case(b"content-length") {
+            match wire::digits(h.value) {
+                Some(n) if !seen_length => line.content_length = n,
+                _ => taken = false,
+            }
+            seen_length = true;
+        } else if name.eq_ignore_ascii_case(b"connection") {
+            for t in wire::tokens(h.value) {
+                if crate::fence::token::is_fencing_header(t) {
+                    return Err(NotTaken::FencingHopByHop);
+                }
+                if t.eq_ignore_ascii_case(b"close") {
+                    line.close = true;
+                } else if !t.eq_ignore_ascii_case(b"keep-alive") {
+                    taken = false;
+                }
+            }
+        } else if leaves_to_hyper(name) {
+            taken = false;
+        }
+        taken = taken && each(name, h.value);
+    }
+    if !taken || total > max_header_bytes {
+        return Err(NotTaken::General);
+    }
+    Ok(line)
+}
