@@ -15,9 +15,6 @@ static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 
-/// Headers that describe one connection, not the message (RFC 9110 7.6.1),
-/// besides `Connection` itself.
-
 /// The fencing token header.
 pub static X_FENCING_TOKEN: HeaderName = HeaderName::from_static("x-fencing-token");
 
