@@ -131,24 +131,8 @@ async fn serve_one(
 ) -> Next {
     // 1. The head, within the header read timeout (which also bounds an
     //    idle keep-alive connection, as on the general path).
-    c.head_deadline.set(Instant::now() + limits.header_read_timeout);
-    loop {
-        if !c.buf.is_empty() {
-            match parse_head(&c.buf, limits.max_header_bytes, &mut c.head) {
-                Parsed::Complete => break,
-                Parsed::General => return Next::General,
-                // Refused before any routing; the body (if any) is not
-                // read, so the connection closes after the answer.
-                Parsed::FencingHopByHop => {
-                    let refused = crate::proxy::headers::fencing_header_named_hop_by_hop().into_response();
-                    return write_response(stream, refused, false, true, &mut c.out).await;
-                }
-                Parsed::Partial => {}
-            }
-        }
-        if let Some(end) = read_head_bytes(stream, &mut c.buf, &mut c.head_deadline, stop).await {
-            return end;
-        }
+    if let Some(end) = read_request_head(stream, limits, stop, c).await {
+        return end;
     }
     let started = Instant::now();
 
@@ -187,14 +171,8 @@ async fn serve_one(
     // 3. The whole body (small by the check above) before the admission.
     let need = head.len + usize::try_from(head.content_length).unwrap_or(usize::MAX);
     c.upstream_deadline.set(started + route.upstream_timeout);
-    while c.buf.len() < need {
-        reserve(&mut c.buf);
-        match c.upstream_deadline.within(stream.read_buf(&mut c.buf)).await {
-            Some(Ok(n)) if n > 0 => {}
-            Some(_) => return Next::Gone,
-            // A slow body: the general path reads the rest and decides.
-            None => return Next::General,
-        }
+    if let Some(end) = read_small_body(stream, c, need).await {
+        return end;
     }
     let head = &c.head;
 
@@ -209,34 +187,11 @@ async fn serve_one(
     };
 
     // 5. The upstream request: the head with this hop's edits, then the body.
-    let buf = &c.buf[..];
-    let out = &mut c.out;
-    out.clear();
-    out.extend_from_slice(&buf[head.method.clone()]);
-    out.push(b' ');
-    out.extend_from_slice(prefix.as_bytes());
-    out.extend_from_slice(&buf[head.target.clone()]);
-    out.extend_from_slice(b" HTTP/1.1\r\n");
-    for (name, value) in &head.forward {
-        push_header(out, &buf[name.clone()], &buf[value.clone()]);
-    }
-    let original_host = head.host.clone().map(|r| &buf[r]).unwrap_or_default();
-    let host = match (route.host_header, upstream_host) {
-        (HostHeader::Rewrite, Some(up)) => up.as_bytes(),
-        _ => original_host,
+    let upstream_host = match (route.host_header, upstream_host) {
+        (HostHeader::Rewrite, Some(up)) => Some(up.as_bytes()),
+        _ => None,
     };
-    push_header(out, b"host", host);
-    push_list(out, b"x-forwarded-for", head.forwarded_for.clone().map(|r| &buf[r]), client.forwarded_for.as_bytes());
-    push_header(out, b"x-forwarded-proto", b"http");
-    push_header(out, b"x-forwarded-host", original_host);
-    push_list(out, b"via", head.via.clone().map(|r| &buf[r]), b"1.1 fencegate");
-    if route.forward_token {
-        if let Some(r) = head.token.clone() {
-            push_header(out, b"x-fencing-token", &buf[r]);
-        }
-    }
-    out.extend_from_slice(b"\r\n");
-    out.extend_from_slice(&buf[head.len..need]);
+    encode_upstream_request(&c.buf, head, need, prefix, upstream_host, client, route.forward_token, &mut c.out);
     let client_close = head.close;
 
     let sent = c
@@ -252,28 +207,8 @@ async fn serve_one(
     c.buf.advance(need);
     let mut upstream = match sent {
         Some(Ok(up)) => up,
-        Some(Err(failure)) => {
-            let error = match failure {
-                Failure::Connect(e) => {
-                    tracing::warn!(route = %route.name, error = %e, "upstream connect failed");
-                    (Error::UpstreamUnavailable("could not connect to the upstream".into()), "upstream_error")
-                }
-                Failure::Exchange(e) => {
-                    tracing::warn!(route = %route.name, error = %e, "upstream exchange failed");
-                    (Error::UpstreamUnavailable("the upstream exchange failed".into()), "upstream_error")
-                }
-                Failure::Aborted => {
-                    proxy.metrics.aborted_uploads.with_label_values(&[&route.name]).inc();
-                    let fence = proxy.fences.fence(&key);
-                    (Error::StaleFencingToken { key: key.to_string(), token: token.unwrap_or(0), fence }, "stale")
-                }
-            };
-            let seen = Seen { client, method: &method, route, key: &key, started, log };
-            return refuse(proxy, &seen, mutation, error, stream, client_close).await;
-        }
-        None => {
-            let timeout_ms = u64::try_from(route.upstream_timeout.as_millis()).unwrap_or(u64::MAX);
-            let error = (Error::UpstreamTimeout { timeout_ms }, "upstream_error");
+        failed => {
+            let error = forward_failure(proxy, route, &key, token, failed.map(|r| r.err()));
             let seen = Seen { client, method: &method, route, key: &key, started, log };
             return refuse(proxy, &seen, mutation, error, stream, client_close).await;
         }
@@ -293,10 +228,145 @@ async fn serve_one(
 
     // 6. The response: its head with this hop's edits, then the body as it comes.
     let resp = &c.resp;
-    let rbuf = &c.rbuf[..];
     let framing = resp.framing.unwrap_or(Framing::Close);
     let close = client_close || framing == Framing::Close;
-    let out = &mut c.out;
+    encode_response_head(&c.rbuf, resp, framing, close, &mut c.out);
+    let reusable = resp.reusable;
+    let body_start = resp.len;
+    match relay(stream, &mut upstream, framing, &mut c.out, &mut c.rbuf, body_start).await {
+        Relayed::Done { upstream_clean } => {
+            if reusable && upstream_clean {
+                pool.checkin_raw(upstream);
+            }
+        }
+        Relayed::Broken => return Next::Gone,
+    }
+    if close {
+        Next::Close
+    } else {
+        Next::KeepAlive
+    }
+}
+
+/// Sends the request and reads the response head into `rbuf` / `resp`.
+/// Phase 1: reads until a whole request head is parsed into `c.head`.
+/// `Some`: how the connection goes on instead — handed over, gone, closed,
+/// or closed after the one refusal made here (a `Connection` naming a
+/// fencing header: refused before any routing; the body, if any, is not
+/// read, so the connection closes after the answer).
+async fn read_request_head(
+    stream: &mut TcpStream,
+    limits: ConnLimits,
+    stop: &mut std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
+    c: &mut Conn,
+) -> Option<Next> {
+    c.head_deadline.set(Instant::now() + limits.header_read_timeout);
+    loop {
+        if !c.buf.is_empty() {
+            match parse_head(&c.buf, limits.max_header_bytes, &mut c.head) {
+                Parsed::Complete => return None,
+                Parsed::General => return Some(Next::General),
+                Parsed::FencingHopByHop => {
+                    let refused = crate::proxy::headers::fencing_header_named_hop_by_hop().into_response();
+                    return Some(write_response(stream, refused, false, true, &mut c.out).await);
+                }
+                Parsed::Partial => {}
+            }
+        }
+        if let Some(end) = read_head_bytes(stream, &mut c.buf, &mut c.head_deadline, stop).await {
+            return Some(end);
+        }
+    }
+}
+
+/// Phase 3: reads the rest of a small body (`need` bytes of head and body
+/// in all) within the route's timeout. A slow body goes to the general
+/// path, which reads the rest and decides.
+async fn read_small_body(stream: &mut TcpStream, c: &mut Conn, need: usize) -> Option<Next> {
+    while c.buf.len() < need {
+        reserve(&mut c.buf);
+        match c.upstream_deadline.within(stream.read_buf(&mut c.buf)).await {
+            Some(Ok(n)) if n > 0 => {}
+            Some(_) => return Some(Next::Gone),
+            None => return Some(Next::General),
+        }
+    }
+    None
+}
+
+/// Phase 5: the upstream request into `out` — the request line with the
+/// route's prefix, the forwarded headers, this hop's `Host` (the
+/// upstream's when the route rewrites it), `X-Forwarded-*`, `Via`, the
+/// token when the route forwards it, then the body (`buf[head.len..need]`).
+#[allow(clippy::too_many_arguments)]
+fn encode_upstream_request(
+    buf: &[u8],
+    head: &Head,
+    need: usize,
+    prefix: &str,
+    upstream_host: Option<&[u8]>,
+    client: &Peer,
+    forward_token: bool,
+    out: &mut Vec<u8>,
+) {
+    out.clear();
+    out.extend_from_slice(&buf[head.method.clone()]);
+    out.push(b' ');
+    out.extend_from_slice(prefix.as_bytes());
+    out.extend_from_slice(&buf[head.target.clone()]);
+    out.extend_from_slice(b" HTTP/1.1\r\n");
+    for (name, value) in &head.forward {
+        push_header(out, &buf[name.clone()], &buf[value.clone()]);
+    }
+    let original_host = head.host.clone().map(|r| &buf[r]).unwrap_or_default();
+    push_header(out, b"host", upstream_host.unwrap_or(original_host));
+    push_list(out, b"x-forwarded-for", head.forwarded_for.clone().map(|r| &buf[r]), client.forwarded_for.as_bytes());
+    push_header(out, b"x-forwarded-proto", b"http");
+    push_header(out, b"x-forwarded-host", original_host);
+    push_list(out, b"via", head.via.clone().map(|r| &buf[r]), b"1.1 fencegate");
+    if forward_token {
+        if let Some(r) = head.token.clone() {
+            push_header(out, b"x-fencing-token", &buf[r]);
+        }
+    }
+    out.extend_from_slice(b"\r\n");
+    out.extend_from_slice(&buf[head.len..need]);
+}
+
+/// The error and outcome of a forward that failed after admission
+/// (`None`: the route's timeout passed), as the general path gives them.
+fn forward_failure(
+    proxy: &Proxy,
+    route: &Route,
+    key: &str,
+    token: Option<u64>,
+    failed: Option<Option<Failure>>,
+) -> (Error, &'static str) {
+    match failed {
+        Some(Some(Failure::Connect(e))) => {
+            tracing::warn!(route = %route.name, error = %e, "upstream connect failed");
+            (Error::UpstreamUnavailable("could not connect to the upstream".into()), "upstream_error")
+        }
+        Some(Some(Failure::Exchange(e))) => {
+            tracing::warn!(route = %route.name, error = %e, "upstream exchange failed");
+            (Error::UpstreamUnavailable("the upstream exchange failed".into()), "upstream_error")
+        }
+        Some(Some(Failure::Aborted)) => {
+            proxy.metrics.aborted_uploads.with_label_values(&[&route.name]).inc();
+            let fence = proxy.fences.fence(key);
+            (Error::StaleFencingToken { key: key.to_string(), token: token.unwrap_or(0), fence }, "stale")
+        }
+        Some(None) | None => {
+            let timeout_ms = u64::try_from(route.upstream_timeout.as_millis()).unwrap_or(u64::MAX);
+            (Error::UpstreamTimeout { timeout_ms }, "upstream_error")
+        }
+    }
+}
+
+/// Phase 6: the response head for the client into `out` — status line
+/// (the canonical reason when the upstream gave none), the forwarded
+/// headers, framing, `Via`, `Connection: close` when closing.
+fn encode_response_head(rbuf: &[u8], resp: &RespHead, framing: Framing, close: bool, out: &mut Vec<u8>) {
     out.clear();
     out.extend_from_slice(b"HTTP/1.1 ");
     let reason = &rbuf[resp.reason.clone()];
@@ -324,24 +394,8 @@ async fn serve_one(
         push_header(out, b"connection", b"close");
     }
     out.extend_from_slice(b"\r\n");
-    let reusable = resp.reusable;
-    let body_start = resp.len;
-    match relay(stream, &mut upstream, framing, &mut c.out, &mut c.rbuf, body_start).await {
-        Relayed::Done { upstream_clean } => {
-            if reusable && upstream_clean {
-                pool.checkin_raw(upstream);
-            }
-        }
-        Relayed::Broken => return Next::Gone,
-    }
-    if close {
-        Next::Close
-    } else {
-        Next::KeepAlive
-    }
 }
 
-/// Sends the request and reads the response head into `rbuf` / `resp`.
 async fn exchange(
     pool: &Pool,
     request: &[u8],
