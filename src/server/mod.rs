@@ -190,24 +190,8 @@ pub async fn serve(
     shutdown: Shutdown,
     fast: FastPath,
 ) -> bool {
-    let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder
-        .http1()
-        .timer(TokioTimer::new())
-        .header_read_timeout(limits.header_read_timeout)
-        // hyper's own hard limit sits above ours, so that most oversized
-        // headers get our JSON 431 rather than hyper's bare one.
-        .max_buf_size(limits.max_header_bytes.saturating_mul(2).max(64 * 1024));
-    builder
-        .http2()
-        .timer(TokioTimer::new())
-        .max_header_list_size(u32::try_from(limits.max_header_bytes.saturating_mul(2)).unwrap_or(u32::MAX))
-        .max_concurrent_streams(256)
-        // Dead h2 peers are found by PING; idle HTTP/1.1 connections are
-        // closed by the header read timeout, which also runs between
-        // keep-alive requests.
-        .keep_alive_interval(Some(Duration::from_secs(30)))
-        .keep_alive_timeout(Duration::from_secs(10));
+    let builder = hyper_builder(limits);
+    let listener_ctx = Arc::new(Listener { name, handler, builder, tls, fast, shutdown: shutdown.clone(), limits });
     let graceful = GracefulShutdown::new();
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     let per_address = Arc::new(PerAddress { open: dashmap::DashMap::new(), limit: limits.max_connections_per_address });
@@ -235,67 +219,108 @@ pub async fn serve(
             continue;
         };
         let _ = stream.set_nodelay(true);
-        let handler = handler.clone();
-        let builder = builder.clone();
+        let ctx = listener_ctx.clone();
         let watcher = graceful.watcher();
-        let tls = tls.clone();
-        let fast = fast.clone();
-        let conn_shutdown = shutdown.clone();
-        let handshake_timeout = limits.header_read_timeout;
         tokio::spawn(async move {
-            // Counted against its address for as long as it is open.
+            // Counted against its address and the listener for as long as
+            // it is open.
             let _address_slot = address_slot;
-            match tls.and_then(|t| t.current()) {
-                None => {
-                    let client = Peer::new(addr, false, None);
-                    let conn_limits = ConnLimits {
-                        max_header_bytes: limits.max_header_bytes,
-                        header_read_timeout: limits.header_read_timeout,
-                        body_read_timeout: limits.body_read_timeout,
-                    };
-                    let handover = match fast {
-                        FastPath::Off => Some(Handover { stream, buffered: bytes::BytesMut::new() }),
-                        FastPath::Proxy(proxy) => {
-                            fast::serve_conn(&proxy, stream, &client, conn_limits, &conn_shutdown).await
-                        }
-                        FastPath::Handler { max_body_bytes } => {
-                            let (h, c, s) = (&handler, &client, &conn_shutdown);
-                            api_loop::serve_conn(h, stream, c, conn_limits, max_body_bytes, s).await
-                        }
-                    };
-                    let Some(h) = handover else { return drop(permit) };
-                    let io = Rewind { prefix: h.buffered, inner: h.stream };
-                    serve_conn(name, &builder, watcher, TokioIo::new(io), client, handler, limits).await;
-                }
-                Some(config) => {
-                    let accept = TlsAcceptor::from(config).accept(stream);
-                    match tokio::time::timeout(handshake_timeout, accept).await {
-                        Ok(Ok(tls_stream)) => {
-                            let cert_cn = tls_stream
-                                .get_ref()
-                                .1
-                                .peer_certificates()
-                                .and_then(|certs| certs.first())
-                                .and_then(|c| subject_cn(c))
-                                .map(Arc::from);
-                            let client = Peer::new(addr, true, cert_cn);
-                            serve_conn(name, &builder, watcher, TokioIo::new(tls_stream), client, handler, limits)
-                                .await;
-                        }
-                        Ok(Err(e)) => {
-                            tracing::debug!(listener = name, client = %addr, error = %e, "TLS handshake failed")
-                        }
-                        Err(_) => tracing::debug!(listener = name, client = %addr, "TLS handshake timed out"),
-                    }
-                }
-            }
+            serve_accepted(&ctx, stream, addr, watcher).await;
             drop(permit);
         });
     }
     drop(listener);
+    drain(name, graceful, &slots, limits).await
+}
+
+/// What every connection of one listener shares.
+struct Listener {
+    name: &'static str,
+    handler: Handler,
+    builder: auto::Builder<TokioExecutor>,
+    tls: Option<Arc<Reloadable>>,
+    fast: FastPath,
+    shutdown: Shutdown,
+    limits: Limits,
+}
+
+/// hyper's HTTP/1.1 and HTTP/2 settings from the listener limits.
+fn hyper_builder(limits: Limits) -> auto::Builder<TokioExecutor> {
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout)
+        // hyper's own hard limit sits above ours, so that most oversized
+        // headers get our JSON 431 rather than hyper's bare one.
+        .max_buf_size(limits.max_header_bytes.saturating_mul(2).max(64 * 1024));
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_header_list_size(u32::try_from(limits.max_header_bytes.saturating_mul(2)).unwrap_or(u32::MAX))
+        .max_concurrent_streams(256)
+        // Dead h2 peers are found by PING; idle HTTP/1.1 connections are
+        // closed by the header read timeout, which also runs between
+        // keep-alive requests.
+        .keep_alive_interval(Some(Duration::from_secs(30)))
+        .keep_alive_timeout(Duration::from_secs(10));
+    builder
+}
+
+/// One accepted connection until it ends: plain text through the
+/// listener's hand-written loop first (if any) and hyper for what it hands
+/// over; TLS through the handshake (bounded by the header read timeout),
+/// its client certificate's name, then hyper.
+async fn serve_accepted(
+    ctx: &Listener,
+    stream: tokio::net::TcpStream,
+    addr: std::net::SocketAddr,
+    watcher: hyper_util::server::graceful::Watcher,
+) {
+    let (name, limits) = (ctx.name, ctx.limits);
+    let Some(config) = ctx.tls.as_ref().and_then(|t| t.current()) else {
+        let client = Peer::new(addr, false, None);
+        let conn_limits = ConnLimits {
+            max_header_bytes: limits.max_header_bytes,
+            header_read_timeout: limits.header_read_timeout,
+            body_read_timeout: limits.body_read_timeout,
+        };
+        let handover = match &ctx.fast {
+            FastPath::Off => Some(Handover { stream, buffered: bytes::BytesMut::new() }),
+            FastPath::Proxy(proxy) => fast::serve_conn(proxy, stream, &client, conn_limits, &ctx.shutdown).await,
+            FastPath::Handler { max_body_bytes } => {
+                api_loop::serve_conn(&ctx.handler, stream, &client, conn_limits, *max_body_bytes, &ctx.shutdown).await
+            }
+        };
+        let Some(h) = handover else { return };
+        let io = Rewind { prefix: h.buffered, inner: h.stream };
+        serve_conn(name, &ctx.builder, watcher, TokioIo::new(io), client, ctx.handler.clone(), limits).await;
+        return;
+    };
+    let accept = TlsAcceptor::from(config).accept(stream);
+    match tokio::time::timeout(limits.header_read_timeout, accept).await {
+        Ok(Ok(tls_stream)) => {
+            let cert_cn = tls_stream
+                .get_ref()
+                .1
+                .peer_certificates()
+                .and_then(|certs| certs.first())
+                .and_then(|c| subject_cn(c))
+                .map(Arc::from);
+            let client = Peer::new(addr, true, cert_cn);
+            let io = TokioIo::new(tls_stream);
+            serve_conn(name, &ctx.builder, watcher, io, client, ctx.handler.clone(), limits).await;
+        }
+        Ok(Err(e)) => tracing::debug!(listener = name, client = %addr, error = %e, "TLS handshake failed"),
+        Err(_) => tracing::debug!(listener = name, client = %addr, "TLS handshake timed out"),
+    }
+}
+
+/// After the listener closed: every connection task holds a slot until it
+/// ends, whichever path served it; hyper's connections are told to finish
+/// first. `false` when the shutdown grace passed with connections open.
+async fn drain(name: &'static str, graceful: GracefulShutdown, slots: &Semaphore, limits: Limits) -> bool {
     tracing::info!(listener = name, "draining connections");
-    // Every connection task holds a slot until it ends, whichever path
-    // served it; hyper's connections are told to finish first.
     let all_slots = u32::try_from(limits.max_connections.max(1)).unwrap_or(u32::MAX);
     let drained = async {
         graceful.shutdown().await;
