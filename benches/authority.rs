@@ -12,8 +12,8 @@ use fencegate::fence::{token::parse_one, Admission, CheckPolicy, FenceTable};
 use fencegate::http1::wire::{parse_head, parse_response, Head, Parsed, RespHead, RespParsed};
 use fencegate::metrics::Metrics;
 use fencegate::proxy::path::check_path;
-use fencegate::proxy::template::Template;
 use fencegate::store::Store;
+use fencegate::template::Template;
 
 fn hot_paths(c: &mut Criterion) {
     c.bench_function("token_parse", |b| b.iter(|| parse_one(std::hint::black_box(b"18446744073709551"))));

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use crate::proxy::template::Template;
+use crate::template::Template;
 
 /// The whole configuration of one gateway.
 #[derive(Debug, Clone, Deserialize)]
@@ -472,7 +472,7 @@ impl Config {
                 Some(t) => Some(Template::parse_resource(t, &m).ok()?),
                 None => None,
             };
-            Some(crate::proxy::template::KeyShape::of(&m, res.as_ref()))
+            Some(crate::template::KeyShape::of(&m, res.as_ref()))
         };
         let shapes: Vec<_> = self.routes.iter().map(shape).collect();
         let mut out = Vec::new();

@@ -10,6 +10,7 @@
 //! | module | owns |
 //! |---|---|
 //! | [`config`] | the one `Config`: defaults, TOML, `serve` flags, `validate()` |
+//! | [`template`] | the route `match` and `resource` template language (parsed once, used by config checks and the proxy) |
 //! | [`server`] | listeners: accept, TLS/mTLS, HTTP/1.1 + h2, connection limits, graceful drain; the api listener's small HTTP/1.1 loop |
 //! | [`http1`] | HTTP/1.1 on the wire for the two hand-written loops: hop-by-hop names, the one request-head parser, response heads, deadlines |
 //! | [`tls`] | rustls configs from PEM, SIGHUP reload, client certificate names |
@@ -44,6 +45,7 @@ pub mod proxy;
 pub mod server;
 pub mod shutdown;
 pub mod store;
+pub mod template;
 pub mod tls;
 
 pub use app::Gateway;

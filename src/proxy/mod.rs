@@ -20,7 +20,6 @@ pub mod filestore;
 pub mod headers;
 pub mod path;
 pub mod pool;
-pub mod template;
 pub mod upstream;
 
 use std::borrow::Cow;
@@ -40,9 +39,9 @@ use crate::fence::{parse_token_header, Admission, CheckPolicy, FenceTable, Infli
 use crate::metrics::Metrics;
 use crate::peer::Peer;
 use crate::store::{wait_durable, Store};
+use crate::template::Template;
 use fenced_body::FencedBody;
 use headers::{X_FENCING_SEQUENCE, X_FENCING_TOKEN};
-use template::Template;
 use upstream::{SendError, Upstream, UpstreamUrl};
 
 /// One configured route, ready to serve.
