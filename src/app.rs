@@ -68,11 +68,31 @@ pub struct Gateway {
     tasks: JoinSet<bool>,
 }
 
+/// Every check a start makes before it binds a socket or opens the store
+/// (so that a bad configuration never counts a boot): the configuration's
+/// own ([`Config::validate`]), then what it names — the TLS certificates
+/// and keys, the principals file, each route's upstream URL. `check-config`
+/// runs exactly this.
+pub fn check(cfg: &Config) -> Result<(), Error> {
+    cfg.validate().map_err(Error::Config)?;
+    for (name, tls) in [("server.proxy_tls", &cfg.server.proxy_tls), ("server.api_tls", &cfg.server.api_tls)] {
+        if let Some(t) = tls {
+            crate::tls::server_config(t).map_err(|e| Error::Config(format!("{name}: {e}")))?;
+        }
+    }
+    Auth::load(&cfg.auth).map_err(|e| Error::Config(format!("auth.principals_file: {e}")))?;
+    for (i, r) in cfg.routes.iter().enumerate() {
+        crate::proxy::upstream::UpstreamUrl::parse(&r.upstream)
+            .map_err(|e| Error::Config(format!("routes[{i}].upstream: {:?}: {e}", r.upstream)))?;
+    }
+    Ok(())
+}
+
 impl Gateway {
     /// Binds both listeners, opens the store, rebuilds the fence table,
     /// restores live grants and starts serving.
     pub async fn start(cfg: Config) -> Result<Gateway, Error> {
-        cfg.validate().map_err(Error::Config)?;
+        check(&cfg)?;
         // Bind first: a port already in use must fail the start before the
         // store counts a boot (an aborted start is not an unclean stop, and
         // must not put the next start in quarantine). Connections made
@@ -247,5 +267,19 @@ impl Gateway {
         } else if let Err(e) = self.store.mark_clean().await {
             tracing::error!(error = %e, "could not record the clean stop");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_upstream_scheme_is_refused_before_anything_is_bound() {
+        let text = "[[routes]]\nmatch = \"/{*p}\"\nupstream = \"ftp://x\"\n";
+        let cfg = Config::from_toml(text).unwrap();
+        cfg.validate().unwrap();
+        let err = check(&cfg).unwrap_err().to_string();
+        assert!(err.starts_with("routes[0].upstream"), "{err}");
     }
 }

@@ -325,7 +325,7 @@ fn secret_from_stdin(what: &str, stdin_used: &mut bool) -> Result<String, ExitCo
 }
 
 fn check_config(file: &std::path::Path) -> ExitCode {
-    match Config::load(file).and_then(|c| c.validate().map(|()| c)) {
+    match Config::load(file).and_then(|c| fencegate::app::check(&c).map(|()| c).map_err(|e| e.to_string())) {
         Ok(c) => {
             for w in c.warnings() {
                 eprintln!("{}: warning: {w}", file.display());
@@ -402,7 +402,7 @@ fn serve(args: ServeArgs) -> ExitCode {
         log_level: args.log_level,
         log_format: args.log_format,
     });
-    if let Err(e) = cfg.validate() {
+    if let Err(e) = fencegate::app::check(&cfg) {
         eprintln!("fencegate: invalid configuration: {e}");
         return ExitCode::from(2);
     }
