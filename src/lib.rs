@@ -25,6 +25,7 @@
 //! | [`error`] | the error enum: the one place statuses and JSON bodies are chosen |
 //! | [`app`] | wiring a `Config` into a running [`app::Gateway`] |
 //! | [`shutdown`] | the one shutdown signal |
+//! | [`logbuf`] | the log writer: access lines buffered off the request path, nothing lost at a clean stop |
 
 pub mod api;
 pub mod app;
@@ -37,6 +38,7 @@ pub mod error;
 pub mod fence;
 pub mod h1;
 pub mod inject;
+pub mod logbuf;
 pub mod metrics;
 pub mod proxy;
 pub mod server;
