@@ -67,8 +67,8 @@ impl std::fmt::Debug for Metrics {
 }
 
 /// The api listener's endpoint names (the `route` label of its requests).
-const API_ENDPOINTS: [&str; 9] =
-    ["acquire", "renew", "release", "status", "watch", "metrics", "healthz", "readyz", "none"];
+const API_ENDPOINTS: [&str; 10] =
+    ["acquire", "renew", "release", "batch", "status", "watch", "metrics", "healthz", "readyz", "none"];
 
 fn hist(name: &str, help: &str, buckets: &[f64]) -> HistogramOpts {
     HistogramOpts::new(name, help).buckets(buckets.to_vec())
