@@ -24,7 +24,7 @@ use crate::shutdown::Shutdown;
 /// this many, with a yield to the runtime between slices, so that the
 /// proxy and the lease API keep being served meanwhile: one slice costs
 /// milliseconds, the whole backlog seconds.
-const EXPIRE_PER_TURN: usize = 1_000;
+const EXPIRE_PER_TURN: usize = 256;
 
 /// When keys' grants may be due.
 #[derive(Default)]
