@@ -357,6 +357,11 @@ fn init_tracing(cfg: &Config) -> fencegate::logbuf::LogGuard {
     // Colours only on a terminal: a log file or a collector gets plain text.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let (writer, guard) = fencegate::logbuf::start(Box::new(std::io::stderr()), fencegate::logbuf::Limits::default());
+    if !ansi {
+        // Access lines formatted without tracing's field machinery, in the
+        // same format (a terminal gets tracing's coloured lines).
+        fencegate::logbuf::install_access(&writer, cfg.log_format == "json");
+    }
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(writer).with_ansi(ansi);
     if cfg.log_format == "json" {
         builder.json().init();
