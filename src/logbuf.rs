@@ -159,7 +159,6 @@ impl Shared {
 
 /// One field of an access line.
 #[derive(Clone, Copy)]
-#[allow(missing_debug_implementations)]
 pub enum Field<'a> {
     /// A string, quoted (`name="value"`), as `tracing` records a `&str`.
     Str(&'a str),

@@ -67,7 +67,8 @@ async fn access_lines_reach_the_log_within_the_flush_interval_and_audit_lines_at
     assert!(gw.log_text().lines().any(|l| l.contains("fencegate::audit")), "{}", gw.log_text());
     // One quiet access line: written by the interval (1 s), with no more
     // traffic to fill the buffer.
-    let r = http.send(Method::PUT, &gw.proxy_url("/logged/one"), &[("x-fencing-token", &g.token.to_string())], "x").await;
+    let r =
+        http.send(Method::PUT, &gw.proxy_url("/logged/one"), &[("x-fencing-token", &g.token.to_string())], "x").await;
     assert_eq!(r.status, StatusCode::OK);
     let started = Instant::now();
     while proxy_access_lines(&gw.log_text(), "/logged/one") < 2 {

@@ -147,7 +147,8 @@ async fn batch_limits_refuse_the_whole_batch_with_a_json_error() {
     assert_eq!(res.len(), fencegate::api::MAX_BATCH_OPERATIONS);
     assert!(res.iter().all(|r| r["error"] == "lease_lost"));
     // A body above 16 × api_max_body_bytes (1 MiB): 413.
-    let huge = json!({"operations": [{"op": "acquire", "key": "lim/k", "ttl_ms": 30000, "holder": "h".repeat(1_100_000)}]});
+    let huge =
+        json!({"operations": [{"op": "acquire", "key": "lim/k", "ttl_ms": 30000, "holder": "h".repeat(1_100_000)}]});
     let r = batch(&http, &gw, None, huge).await;
     assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE);
     assert_eq!(r.error_code(), "payload_too_large");

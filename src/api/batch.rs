@@ -93,11 +93,7 @@ fn answer(result: Result<Value, Error>) -> Value {
 }
 
 impl Api {
-    pub(super) async fn batch(
-        &self,
-        req: Request<BoxBody>,
-        p: Option<&Principal>,
-    ) -> Result<Response<BoxBody>, Error> {
+    pub(super) async fn batch(&self, req: Request<BoxBody>, p: Option<&Principal>) -> Result<Response<BoxBody>, Error> {
         let limit = self.max_body_bytes.saturating_mul(BATCH_BODY_FACTOR);
         let timeout_ms = u64::try_from(self.body_read_timeout.as_millis()).unwrap_or(u64::MAX);
         let body: BatchRequest = tokio::time::timeout(self.body_read_timeout, super::read_json(req, limit))

@@ -144,8 +144,8 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_mass_expiry_yields_to_other_tasks_and_ends_every_lease() {
         let metrics = Arc::new(Metrics::new().unwrap());
-        let auth = Authority::restore(FenceTable::new(), Store::memory(), metrics.clone(), LocksConfig::default())
-            .unwrap();
+        let auth =
+            Authority::restore(FenceTable::new(), Store::memory(), metrics.clone(), LocksConfig::default()).unwrap();
         let n = 5 * EXPIRE_PER_TURN + 7;
         for i in 0..n {
             let req = AcquireRequest { key: format!("mass/{i}"), ttl_ms: 1_000, wait_ms: 0, holder: None };

@@ -49,7 +49,10 @@ impl Client {
 
     /// Renews many leases (`(key, lease_id)`) in batches of
     /// [`BATCH_LIMIT`]: each lease's answer, in order.
-    pub async fn renew_many(&self, leases: &[(&str, &str)]) -> Result<Vec<Result<RenewView, ClientError>>, ClientError> {
+    pub async fn renew_many(
+        &self,
+        leases: &[(&str, &str)],
+    ) -> Result<Vec<Result<RenewView, ClientError>>, ClientError> {
         let mut out = Vec::with_capacity(leases.len());
         for chunk in leases.chunks(BATCH_LIMIT) {
             let ops = chunk.iter().map(|(key, id)| json!({"op": "renew", "key": key, "lease_id": id})).collect();
@@ -115,7 +118,8 @@ impl Inner {
     fn add(self: &Arc<Self>, grant: GrantView, sent: Instant) -> GroupLease {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = watch::channel(false);
-        let entry = Entry { key: grant.key.clone(), lease_id: grant.lease_id.clone(), deadline: sent + self.ttl, lost: tx };
+        let entry =
+            Entry { key: grant.key.clone(), lease_id: grant.lease_id.clone(), deadline: sent + self.ttl, lost: tx };
         self.entries().insert(id, entry);
         GroupLease {
             group: Arc::clone(self),

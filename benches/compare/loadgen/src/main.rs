@@ -747,8 +747,15 @@ impl Holder {
                 let owner = owner_of(self.n ^ (self.rng << 20));
                 let (lk, fk) = (format!("lock:{key}"), format!("fence:{key}"));
                 let ttl = ttl.to_string();
-                let args: [&[u8]; 7] =
-                    [b"EVALSHA", acquire.as_bytes(), b"2", lk.as_bytes(), fk.as_bytes(), owner.as_bytes(), ttl.as_bytes()];
+                let args: [&[u8]; 7] = [
+                    b"EVALSHA",
+                    acquire.as_bytes(),
+                    b"2",
+                    lk.as_bytes(),
+                    fk.as_bytes(),
+                    owner.as_bytes(),
+                    ttl.as_bytes(),
+                ];
                 match r.cmd(&args).await? {
                     Reply::Int(t) if t > 0 => owner,
                     other => return Err(format!("acquire {key}: {other:?}")),
