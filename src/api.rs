@@ -21,6 +21,9 @@ use crate::metrics::Metrics;
 use crate::peer::Peer;
 use crate::shutdown::Shutdown;
 
+mod batch;
+pub use batch::{BATCH_BODY_FACTOR, MAX_BATCH_OPERATIONS};
+
 /// What the api listener needs.
 #[derive(Debug, Clone)]
 pub struct Api {
@@ -163,6 +166,7 @@ impl Api {
             "/v1/locks/acquire" => ("acquire", Method::POST),
             "/v1/locks/renew" => ("renew", Method::POST),
             "/v1/locks/release" => ("release", Method::POST),
+            "/v1/locks/batch" => ("batch", Method::POST),
             "/v1/locks/status" => ("status", Method::GET),
             "/v1/locks/watch" => ("watch", Method::GET),
             "/metrics" => ("metrics", Method::GET),
@@ -195,6 +199,7 @@ impl Api {
             "acquire" => self.acquire(req, p, client).await,
             "renew" => self.renew(req, p).await,
             "release" => self.release(req, p).await,
+            "batch" => self.batch(req, p).await,
             "status" => self.status(req.uri().query(), p),
             "watch" => {
                 let query = req.uri().query().map(str::to_string);

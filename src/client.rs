@@ -1,5 +1,6 @@
 //! The Rust client of the lease API: one-shot calls, a [`Lease`] that
-//! renews itself and says when it is lost, leader election on top, and a
+//! renews itself and says when it is lost, a [`LeaseGroup`] that renews
+//! many leases in batches (`group`), leader election on top, and a
 //! helper that puts the fencing token on a request.
 //!
 //! What a [`Lease`] guarantees: `lost()` resolves as soon as a renewal is
@@ -25,6 +26,9 @@ use tokio::time::Instant;
 
 use crate::authority::{GrantView, RenewView, StatusView};
 pub use crate::tls::TlsFiles;
+
+mod group;
+pub use group::{GroupLease, LeaseGroup, BATCH_LIMIT};
 
 /// The header every fenced mutation carries.
 pub const FENCING_TOKEN_HEADER: &str = "x-fencing-token";
@@ -152,17 +156,7 @@ impl Client {
             return serde_json::from_slice(&body).map_err(|e| ClientError::Unreachable(format!("bad answer: {e}")));
         }
         let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-        let code = v["error"].as_str().unwrap_or("").to_string();
-        Err(match code.as_str() {
-            "locked" => ClientError::Locked { retry_after_ms: v["retry_after_ms"].as_u64().unwrap_or(0) },
-            "lease_lost" => ClientError::LeaseLost,
-            "not_owner" => ClientError::NotOwner,
-            _ => ClientError::Api {
-                status: status.as_u16(),
-                code,
-                message: v["message"].as_str().unwrap_or("").to_string(),
-            },
-        })
+        Err(refusal(status.as_u16(), &v))
     }
 
     /// One acquire call, no renewal.
@@ -266,6 +260,17 @@ impl Client {
                 }
             }
         })
+    }
+}
+
+/// The error a refusal's status and JSON body stand for.
+fn refusal(status: u16, v: &Value) -> ClientError {
+    let code = v["error"].as_str().unwrap_or("").to_string();
+    match code.as_str() {
+        "locked" => ClientError::Locked { retry_after_ms: v["retry_after_ms"].as_u64().unwrap_or(0) },
+        "lease_lost" => ClientError::LeaseLost,
+        "not_owner" => ClientError::NotOwner,
+        _ => ClientError::Api { status, code, message: v["message"].as_str().unwrap_or("").to_string() },
     }
 }
 

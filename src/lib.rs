@@ -27,6 +27,7 @@
 //! | [`error`] | the error enum: the one place statuses and JSON bodies are chosen |
 //! | [`app`] | wiring a `Config` into a running [`app::Gateway`] |
 //! | [`shutdown`] | the one shutdown signal |
+//! | [`logbuf`] | the log writer: access lines buffered off the request path, nothing lost at a clean stop |
 
 pub mod api;
 pub mod app;
@@ -39,6 +40,7 @@ pub mod error;
 pub mod fence;
 pub mod http1;
 pub mod inject;
+pub mod logbuf;
 pub mod metrics;
 pub mod peer;
 pub mod proxy;

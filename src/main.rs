@@ -346,19 +346,29 @@ fn check_config(file: &std::path::Path) -> ExitCode {
     }
 }
 
-fn init_tracing(cfg: &Config) {
+/// Logs to stderr; access lines are buffered off the request path (see
+/// `fencegate::logbuf`). Keep the guard until the gateway has stopped: its
+/// drop writes out the lines still gathered.
+fn init_tracing(cfg: &Config) -> fencegate::logbuf::LogGuard {
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_default_env()
         .or_else(|_| EnvFilter::try_new(&cfg.log_level))
         .unwrap_or_else(|_| EnvFilter::new("info"));
     // Colours only on a terminal: a log file or a collector gets plain text.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi);
+    let (writer, guard) = fencegate::logbuf::start(Box::new(std::io::stderr()), fencegate::logbuf::Limits::default());
+    if !ansi {
+        // Access lines formatted without tracing's field machinery, in the
+        // same format (a terminal gets tracing's coloured lines).
+        fencegate::logbuf::install_access(&writer, cfg.log_format == "json");
+    }
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(writer).with_ansi(ansi);
     if cfg.log_format == "json" {
         builder.json().init();
     } else {
         builder.init();
     }
+    guard
 }
 
 /// A data directory made before this version (or by hand) may be readable
@@ -406,7 +416,9 @@ fn serve(args: ServeArgs) -> ExitCode {
         eprintln!("fencegate: invalid configuration: {e}");
         return ExitCode::from(2);
     }
-    init_tracing(&cfg);
+    // Dropped last (after the runtime), writing out the access lines of
+    // the drained requests.
+    let _log_guard = init_tracing(&cfg);
     for w in cfg.warnings() {
         tracing::warn!("configuration: {w}");
     }

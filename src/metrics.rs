@@ -67,8 +67,8 @@ impl std::fmt::Debug for Metrics {
 }
 
 /// The api listener's endpoint names (the `route` label of its requests).
-const API_ENDPOINTS: [&str; 9] =
-    ["acquire", "renew", "release", "status", "watch", "metrics", "healthz", "readyz", "none"];
+const API_ENDPOINTS: [&str; 10] =
+    ["acquire", "renew", "release", "batch", "status", "watch", "metrics", "healthz", "readyz", "none"];
 
 fn hist(name: &str, help: &str, buckets: &[f64]) -> HistogramOpts {
     HistogramOpts::new(name, help).buckets(buckets.to_vec())
@@ -185,6 +185,11 @@ impl Metrics {
                 m.lock_request_series.push((op, outcome, series));
             }
         }
+        // The same for the lock wait quantiles: a fresh gateway shows 0,
+        // not "No data", until somebody has waited.
+        for outcome in ["granted", "timeout"] {
+            m.lock_wait.with_label_values(&[outcome]);
+        }
         for endpoint in API_ENDPOINTS {
             let series = m.request_duration.with_label_values(&["api", endpoint]);
             m.api_duration_series.push((endpoint, series));
@@ -224,6 +229,7 @@ impl Metrics {
             self.mutations.with_label_values(&[route, outcome]);
         }
         self.aborted_uploads.with_label_values(&[route]);
+        self.stale_write_age.with_label_values(&[route]);
     }
 
     /// The Prometheus text exposition of every metric.

@@ -414,7 +414,17 @@ async fn fast_path_requests_are_access_logged_and_idle_connections_do_not_hold_a
         assert_eq!(c.read(false).await.status, 200);
         idle.push(c);
     }
-    let log = gw.log_text();
+    // Access lines are buffered and written within a second (docs/metrics.md).
+    let started = std::time::Instant::now();
+    let log = loop {
+        let log = gw.log_text();
+        if log.lines().any(|l| l.contains("fencegate::access") && l.contains("logged/key"))
+            || started.elapsed() > Duration::from_secs(5)
+        {
+            break log;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     let line = log.lines().find(|l| l.contains("fencegate::access") && l.contains("logged/key")).expect("access line");
     for field in ["listener=\"proxy\"", "method=PUT", "status=200", "outcome=\"ok\"", "req_bytes=1"] {
         assert!(line.contains(field), "{field} in {line}");

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 18, items 1 and 3: N held leases on fencegate and on Redis.
+"""Issue 18: N held leases on fencegate and on Redis: fill, restart, the 1:1:1 mix, mass expiry.
 
     python3 benches/compare/leases500k.py                 # N = 500,000
     python3 benches/compare/leases500k.py --smoke         # N = 5,000, well under a minute
@@ -23,7 +23,20 @@ N leases stay held without renewals (renewing 500K leases every 10 s means
 renewed right before each restart, so its expires_in_ms is checked against
 the full TTL.
 
-Standard library only. Starts fencegate ($FENCEGATE_BIN, default
+Mix (LOADGEN_BIN, the harness's `loadgen held`): on fresh servers, N leases
+acquired by 64 closed-loop clients, one renewal round over all of them
+(fencegate: POST /v1/locks/batch of 1,000; Redis: 1,000 pipelined
+compare-and-pexpire scripts), then acquire : renew : release at 1 : 1 : 1 for
+--mix-secs, one request per operation; fencegate, then Redis
+(`appendfsync always`, the acquire a Lua `SET NX PX` + `INCR fence`).
+
+Mass expiry: on a fresh fencegate in front of nginx `return 200`, N leases
+acquired, then one batch renewal round gives each a TTL ending at the same
+instant, while wrk sends the harness's fenced 1 KiB PUT (32 connections) in
+1-second slices: p99 before vs the slices around the expiry; afterwards every
+lease must have expired (fencegate_leases_active back to the PUTs' own lease).
+
+Standard library only (plus wrk, nginx and the load generator). Starts fencegate ($FENCEGATE_BIN, default
 target/debug/fencegate) and redis-server (installed with apt-get when
 missing) on free 127.0.0.1 ports, each with a fresh directory; the servers on
 one CPU and this client on the other (taskset) when there are two; every loop
@@ -299,6 +312,219 @@ async def redis_fill(port, n, ttl_ms, conns, batch, deadline, prefix=""):
     return bad
 
 
+# ---------------------------------------------------------------- the 1:1:1 mix (loadgen held)
+
+def loadgen_bin():
+    lg = os.environ.get("LOADGEN_BIN")
+    if not lg or not os.access(lg, os.X_OK):
+        raise RuntimeError("LOADGEN_BIN must name the harness's load generator (benches/compare/loadgen, "
+                           "built by run.sh: cargo build --release in benches/compare/loadgen)")
+    return lg
+
+
+async def mix_phase(a, procs, work, fg_bin, deadline, problems):
+    """N leases held, a renewal round over all of them, then the 1:1:1 mix at 64 clients, closed
+    loop: fencegate and Redis (appendfsync always) in turn, each on fresh servers, the same
+    load generator (loadgen held)."""
+    lg = loadgen_bin()
+    out = {}
+    for system in ("fencegate", "redis"):
+        p_fg, p_api, p_redis = free_ports(3)
+        d = os.path.join(work, f"mix-{system}")
+        os.makedirs(d)
+        if system == "fencegate":
+            procs.start("mix-fencegate", [fg_bin, "serve", "--data-dir", os.path.join(d, "data"), "--listen",
+                                          f"127.0.0.1:{p_fg}", "--api-listen", f"127.0.0.1:{p_api}"],
+                        {"RUST_LOG": "warn"})
+            if not await wait_ready(p_api, 30):
+                raise RuntimeError("mix: fencegate not ready after 30 s")
+            addr = f"127.0.0.1:{p_api}"
+        else:
+            procs.start("mix-redis", ["redis-server", "--bind", "127.0.0.1", "--port", str(p_redis), "--dir", d,
+                                      "--save", "", "--appendonly", "yes", "--appendfsync", "always",
+                                      "--daemonize", "no", "--protected-mode", "no", "--logfile", ""])
+            for _ in range(600):
+                try:
+                    if await redis_cmd(p_redis, "PING") == b"PONG":
+                        break
+                except OSError:
+                    await asyncio.sleep(0.05)
+            addr = f"127.0.0.1:{p_redis}"
+        left = deadline - time.monotonic()
+        if left < 10:
+            raise Budget("out of time before the mix")
+        argv = [lg, "held", system, addr, "--keys", str(a.keys), "--clients", str(a.mix_clients),
+                "--secs", str(a.mix_secs), "--batch", "1000", "--ttl-ms", str(a.ttl_ms)]
+        if shutil.which("taskset"):
+            argv = ["taskset", "-c", "0"] + argv
+        r = await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True, timeout=left)
+        procs.stop(f"mix-{system}")
+        if r.returncode != 0:
+            problems.append(f"mix {system}: loadgen failed: {r.stderr.strip()[-300:]}")
+            continue
+        v = json.loads(r.stdout.strip().splitlines()[-1])
+        out[system] = v
+        m = v["mix"]
+        if m["errors"]:
+            problems.append(f"mix {system}: {m['errors']} errors, first: {m['first_error']}")
+        if v["renew_round"]["failed"]:
+            problems.append(f"mix {system}: {v['renew_round']['failed']} renewals of the round failed")
+        log(f"mix {system}: fill {v['fill']['per_s']:,.0f}/s; renewal round of {a.keys:,} in "
+            f"{v['renew_round']['secs']:.2f} s ({v['renew_round']['per_s']:,.0f}/s); 1:1:1 mix "
+            f"{m['ops_per_s']:,.0f} ops/s, p50 {m['p50_us']} us, p99 {m['p99_us']} us "
+            f"(acquire p99 {m['acquire']['p99_us']}, renew p99 {m['renew']['p99_us']}, "
+            f"release p99 {m['release']['p99_us']} us), {m['held_after']:,} held after")
+    if "fencegate" in out and "redis" in out:
+        f, r = out["fencegate"], out["redis"]
+        out["ratios"] = {
+            "mix_ops_per_s": round(f["mix"]["ops_per_s"] / r["mix"]["ops_per_s"], 2),
+            "mix_p50": round(f["mix"]["p50_us"] / max(r["mix"]["p50_us"], 1), 2),
+            "mix_p99": round(f["mix"]["p99_us"] / max(r["mix"]["p99_us"], 1), 2),
+            "fill_per_s": round(f["fill"]["per_s"] / r["fill"]["per_s"], 2),
+            "renew_round_per_s": round(f["renew_round"]["per_s"] / r["renew_round"]["per_s"], 2),
+        }
+        log(f"mix fencegate / Redis: {out['ratios']}")
+    return out
+
+
+# ---------------------------------------------------------------- mass expiry under fenced PUTs
+
+def wrk_slice(url, token, secs=1, conns=32):
+    """One wrk run of the harness's fenced 1 KiB PUT; its WRKJSON line."""
+    argv = ["wrk", "-t1", f"-c{conns}", f"-d{secs}s", "--timeout", "5s", "-s",
+            os.path.join(HERE, "wrk", "put.lua"), url]
+    if shutil.which("taskset"):
+        argv = ["taskset", "-c", "0"] + argv
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=secs + 30,
+                       env=dict(os.environ, FENCING_TOKEN=str(token)))
+    for line in r.stdout.splitlines():
+        if line.startswith("WRKJSON "):
+            return json.loads(line[len("WRKJSON "):])
+    raise RuntimeError(f"wrk gave no result: {r.stdout[-300:]} {r.stderr[-300:]}")
+
+
+async def expiry_phase(a, procs, work, fg_bin, deadline, problems):
+    """N leases made to expire within the same second (a batch renewal round sets each one's TTL to
+    end at the same instant) while wrk sends fenced PUTs through the proxy to nginx `return 200`:
+    the PUTs' p99 in 1-second slices before, during and after the expiry."""
+    if not shutil.which("wrk") or not shutil.which("nginx"):
+        raise RuntimeError("the mass-expiry part needs wrk and nginx (run.sh installs them)")
+    p_backend, p_fg, p_api = free_ports(3)
+    d = os.path.join(work, "expiry")
+    os.makedirs(os.path.join(d, "nginx-backend-body"))
+    os.makedirs(os.path.join(d, "nginx-backend-proxy"))
+    with open(os.path.join(HERE, "conf", "nginx-backend.conf")) as f:
+        conf = f.read().replace("@WORK@", d).replace("@PORT@", str(p_backend))
+    with open(os.path.join(d, "backend.conf"), "w") as f:
+        f.write(conf)
+    backend = procs.start("expiry-backend", ["nginx", "-p", d, "-e", os.path.join(d, "backend.err"),
+                                             "-c", os.path.join(d, "backend.conf")])
+    procs.start("expiry-fencegate", [fg_bin, "serve", "--data-dir", os.path.join(d, "data"), "--listen",
+                                     f"127.0.0.1:{p_fg}", "--api-listen", f"127.0.0.1:{p_api}", "--upstream",
+                                     f"http://127.0.0.1:{p_backend}"], {"RUST_LOG": "warn"})
+    if not await wait_ready(p_api, 30):
+        raise RuntimeError("expiry: fencegate not ready after 30 s")
+    if backend.poll() is not None:
+        raise RuntimeError("expiry: the nginx backend exited (see expiry-backend.log)")
+    n = a.keys
+    # The token of the PUTs: a lease on the object written, held throughout.
+    got = {}
+    await run_ops(p_api, [0], lambda i: post("/v1/locks/acquire", {"key": "bench/obj", "ttl_ms": 3_600_000}),
+                  lambda i, st, b: got.__setitem__("t", json.loads(b)["fencing_token"]) if st == 200 else f"{st}",
+                  1, 1, deadline)
+    if "t" not in got:
+        raise RuntimeError("expiry: no token for the PUTs")
+    token = got["t"]
+    url = f"http://127.0.0.1:{p_fg}/bench/obj"
+    # N leases, then one batch renewal round that sets every lease's TTL to end at `expire_at`.
+    leases = [None] * n
+
+    def on_acq(i, st, body):
+        if st != 200:
+            return f"acquire {st}"
+        leases[i] = json.loads(body)["lease_id"]
+    errs, nerr = await run_ops(p_api, list(range(n)),
+                               lambda i: post("/v1/locks/acquire", {"key": f"x/{key_of(i)}", "ttl_ms": a.ttl_ms}),
+                               on_acq, a.conns, a.depth, deadline)
+    if nerr:
+        raise RuntimeError(f"expiry: fill: {nerr} errors, first {errs[:2]}")
+    await asyncio.to_thread(wrk_slice, url, token)  # warm-up
+    baseline = [await asyncio.to_thread(wrk_slice, url, token) for _ in range(a.expiry_slices)]
+    # The renewal round (batches of 1,000 over 16 connections) should take well under `lead_s`.
+    lead_s = 4.0 if a.smoke else 12.0
+    expire_at = time.monotonic() + lead_s
+    late = []
+
+    def renew_batch(chunk):
+        ttl = int((expire_at - time.monotonic()) * 1000)
+        ops = [{"op": "renew", "key": f"x/{key_of(i)}", "lease_id": leases[i], "ttl_ms": max(ttl, 100)}
+               for i in chunk]
+        return post("/v1/locks/batch", {"operations": ops})
+
+    def on_batch(chunk, st, body):
+        if st != 200:
+            return f"batch {st} {body[:200]!r}"
+        bad = [r for r in json.loads(body)["results"] if r["status"] != 200]
+        return f"{len(bad)} renewals refused: {bad[:1]}" if bad else None
+    chunks = [list(range(j, min(j + 1000, n))) for j in range(0, n, 1000)]
+    t0 = time.monotonic()
+    errs, nerr = await run_ops(p_api, chunks, renew_batch, on_batch, 16, 1, deadline)
+    round_s = time.monotonic() - t0
+    if nerr:
+        problems.append(f"expiry: renewal round: {nerr} errors, first {errs[:2]}")
+    if time.monotonic() > expire_at - 1:
+        late.append(f"the renewal round took {round_s:.1f} s, too close to the expiry")
+    # Fenced PUTs in 1-second slices until --expiry-after-s after the expiry.
+    slices = []
+    while time.monotonic() < expire_at + a.expiry_after_s and time.monotonic() < deadline:
+        t_s = time.monotonic() - expire_at
+        m = await asyncio.to_thread(wrk_slice, url, token)
+        m["start_rel_s"] = round(t_s, 2)
+        if m["requests"] == 0:
+            # Not one PUT answered in the whole slice: the gateway stalled
+            # for at least its length.
+            m["p99_us"] = m["p50_us"] = int(m["duration_us"])
+            m["stalled"] = True
+        slices.append(m)
+    await asyncio.sleep(1.0)
+    stats = {}
+    await run_ops(p_api, [0], lambda i: get("/metrics"),
+                  lambda i, st, b: stats.__setitem__("m", b.decode(errors="replace")), 1, 1, deadline)
+    metric = lambda name: next((float(l.split()[-1]) for l in stats.get("m", "").splitlines()
+                                if l.startswith(name + " ")), None)
+    procs.stop("expiry-fencegate")
+    procs.stop("expiry-backend")
+    # Every slice from the one before the instant to the end: working off
+    # N expirations takes seconds, and all of them count.
+    during = [s for s in slices if s["start_rel_s"] > -1.0]
+    errors = sum(s[k] for s in baseline + slices for k in s if k.startswith("err_"))
+    base_p99 = statistics.median(s["p99_us"] for s in baseline)
+    out = {"leases": n, "renewal_round_s": round(round_s, 2),
+           "baseline": [{k: s[k] for k in ("rps", "p50_us", "p99_us")} for s in baseline],
+           "slices": [{k: s[k] for k in ("start_rel_s", "rps", "p50_us", "p99_us", "max_us")} | {"stalled": s.get("stalled", False)}
+                      for s in slices],
+           "baseline_p99_us": base_p99,
+           "during_p99_us": max((s["p99_us"] for s in during), default=None),
+           "leases_active_after": metric("fencegate_leases_active"),
+           "expirations_total": metric("fencegate_lease_expirations_total"),
+           "wrk_errors": errors, "problems": late}
+    if out["during_p99_us"] is not None:
+        out["p99_during_over_before"] = round(out["during_p99_us"] / max(base_p99, 1), 2)
+    problems.extend(f"expiry: {x}" for x in late)
+    if errors:
+        problems.append(f"expiry: {errors} wrk errors")
+    if any(s.get("stalled") for s in slices):
+        problems.append("expiry: a 1-s slice of fenced PUTs got no answer at all (the gateway stalled)")
+    if out["leases_active_after"] != 1 or (out["expirations_total"] or 0) < n:
+        problems.append(f"expiry: after the expiry leases_active = {out['leases_active_after']}, "
+                        f"expirations = {out['expirations_total']} (expected 1 and {n})")
+    log(f"mass expiry of {n:,} leases: renewal round {round_s:.1f} s; fenced PUT p99 before "
+        f"{base_p99} us (median of {len(baseline)} 1-s slices), during {out['during_p99_us']} us "
+        f"({out.get('p99_during_over_before')}x); slices {[(s['start_rel_s'], s['p99_us']) for s in slices]}; "
+        f"after: leases_active {out['leases_active_after']}, expirations {out['expirations_total']}")
+    return out
+
+
 # ---------------------------------------------------------------- the run
 
 async def main_async(a, procs, work, fg_bin, deadline):
@@ -528,6 +754,20 @@ async def main_async(a, procs, work, fg_bin, deadline):
     return res
 
 
+async def run_parts(a, procs, work, fg_bin, deadline):
+    problems = []
+    res = {"keys": a.keys, "parts": a.parts}
+    if "fill" in a.parts:
+        res.update(await main_async(a, procs, work, fg_bin, deadline))
+        problems.extend(res.pop("problems"))
+    if "mix" in a.parts:
+        res["mix"] = await mix_phase(a, procs, work, fg_bin, deadline, problems)
+    if "expiry" in a.parts:
+        res["mass_expiry"] = await expiry_phase(a, procs, work, fg_bin, deadline, problems)
+    res["problems"] = problems
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--keys", type=int, default=500_000)
@@ -538,12 +778,28 @@ def main():
     ap.add_argument("--depth", type=int, default=8, help="requests pipelined per fencegate connection")
     ap.add_argument("--redis-conns", type=int, default=8)
     ap.add_argument("--redis-batch", type=int, default=500, help="locks (SET + INCR) pipelined per Redis write")
-    ap.add_argument("--budget-s", type=float, default=540, help="the whole run stops itself after this")
+    ap.add_argument("--parts", default="fill,mix,expiry",
+                    help="comma-separated: fill (fill, memory and restarts), mix, expiry")
+    ap.add_argument("--mix-clients", type=int, default=64, help="closed-loop clients of the 1:1:1 mix")
+    ap.add_argument("--mix-secs", type=float, default=10, help="length of the mix (smoke: 1)")
+    ap.add_argument("--expiry-slices", type=int, default=5, help="1-s fenced-PUT slices before the mass expiry")
+    ap.add_argument("--expiry-after-s", type=float, default=6, help="fenced-PUT slices until this long after it")
+    ap.add_argument("--budget-s", type=float, default=900, help="the whole run stops itself after this")
     ap.add_argument("--out", help="write the figures as JSON here")
     a = ap.parse_args()
     if a.smoke and "--keys" not in " ".join(sys.argv):
         a.keys = 5000
+    if a.smoke and "--mix-secs" not in " ".join(sys.argv):
+        a.mix_secs = 1
+    if a.smoke and "--expiry-slices" not in " ".join(sys.argv):
+        a.expiry_slices = 2
+    if a.smoke and "--expiry-after-s" not in " ".join(sys.argv):
+        a.expiry_after_s = 2
     a.sample = min(a.sample, a.keys)
+    a.parts = [p.strip() for p in a.parts.split(",") if p.strip()]
+    unknown = set(a.parts) - {"fill", "mix", "expiry"}
+    if unknown:
+        sys.exit(f"unknown --parts {sorted(unknown)}: fill, mix, expiry")
     t_begin = time.monotonic()
     deadline = t_begin + a.budget_s - 30  # leaves time to stop everything
 
@@ -566,7 +822,7 @@ def main():
     procs = Procs(work, server_cpu)
     rc = 0
     try:
-        res = asyncio.run(main_async(a, procs, work, os.path.join(work, "fencegate"), deadline))
+        res = asyncio.run(run_parts(a, procs, work, os.path.join(work, "fencegate"), deadline))
         res["total_s"] = round(time.monotonic() - t_begin, 1)
         res["placement"] = ("servers on CPU 1, this client on CPU 0" if server_cpu is not None else "unpinned")
         res["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())

@@ -505,7 +505,7 @@ stop backend
 LEASES_RC=0
 if [ "$MODE" = smoke ]; then
     log "part 5: held leases, fill and restart (leases500k.py --smoke)"
-    FENCEGATE_BIN="$FG" python3 "$HERE/leases500k.py" --smoke --budget-s 120 --out "$WORK/leases.json" \
+    FENCEGATE_BIN="$FG" LOADGEN_BIN="$LOADGEN" python3 "$HERE/leases500k.py" --smoke --budget-s 150 --out "$WORK/leases.json" \
         >/dev/null 2>"$WORK/leases.log" || LEASES_RC=$?
     sed 's/^/  /' "$WORK/leases.log" >&2
 fi

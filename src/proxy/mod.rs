@@ -123,6 +123,24 @@ struct AccessLine<'a> {
 
 impl AccessLine<'_> {
     fn write(&self) {
+        use crate::logbuf::Field;
+        let duration_us = u64::try_from(self.elapsed.as_micros()).unwrap_or(u64::MAX);
+        let fast = crate::logbuf::write_access(&[
+            ("listener", Field::Str("proxy")),
+            ("client", Field::Addr(&self.client.addr)),
+            ("method", Field::Raw(self.method.as_str())),
+            ("path", Field::Str(self.path)),
+            ("route", Field::Str(self.route)),
+            ("resource", Field::Str(self.resource)),
+            ("status", Field::U64(self.status.into())),
+            ("outcome", Field::Str(self.outcome)),
+            ("duration_us", Field::U64(duration_us)),
+            ("req_bytes", Field::U64(self.req_bytes)),
+            ("resp_bytes", Field::U64(self.resp_bytes)),
+        ]);
+        if fast {
+            return;
+        }
         tracing::info!(
             target: "fencegate::access",
             listener = "proxy",
@@ -133,7 +151,7 @@ impl AccessLine<'_> {
             resource = self.resource,
             status = self.status,
             outcome = self.outcome,
-            duration_us = u64::try_from(self.elapsed.as_micros()).unwrap_or(u64::MAX),
+            duration_us,
             req_bytes = self.req_bytes,
             resp_bytes = self.resp_bytes,
         );

@@ -8,6 +8,7 @@
 //! loadgen bigput URL --size BYTES --conns C --secs S [--token T]
 //! loadgen fill   URL_PREFIX --keys N --conns C [--token T]
 //! loadgen hold   API_ADDR --keys N --clients C [--prefix P] [--ttl-ms MS]
+//! loadgen held   SYSTEM ADDR --keys N --clients C --secs S [--batch B] [--ttl-ms MS] [--prefix P]
 //! loadgen sink   PORT
 //! ```
 //!
@@ -32,6 +33,20 @@
 //!
 //! `hold`: acquires (and never releases) N leases on key(i), for i in 0..N,
 //! with a 1 h TTL: live leases for the memory measurement.
+//!
+//! `held` (issue 18): N leases held, then work on top of them, one client
+//! per connection, closed loop, SYSTEM = fencegate | redis:
+//! 1. fill: the C clients acquire key(0..N) between them (fencegate:
+//!    POST /v1/locks/acquire; Redis: a Lua script `SET lock:K owner NX PX`
+//!    then `INCR fence:K`, one round trip, the way a careful Redis user
+//!    takes a fenced lock);
+//! 2. renew round: every held lease renewed once (fencegate:
+//!    POST /v1/locks/batch of B renewals; Redis: B compare-and-pexpire
+//!    EVALSHAs pipelined), the design's 10-second renewal round;
+//! 3. mix: for S seconds, each client repeats acquire (a key of its own
+//!    that nobody holds) : renew (a random lease it holds) : release (its
+//!    oldest lease), one request per operation, so N leases stay held;
+//!    operations/s and p50/p99 over all three, and per operation.
 //!
 //! `sink`: a minimal HTTP/1.1 server on 127.0.0.1:PORT that reads every
 //! request body to its end, drops it, and only then answers 200 with an
@@ -675,6 +690,315 @@ async fn hold_cmd(args: &Args) -> Res<Value> {
               "per_s": ok as f64 / secs}))
 }
 
+// ---------------------------------------------------------------- held
+
+const REDIS_ACQUIRE: &str = "if redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then \
+     return redis.call('incr', KEYS[2]) else return 0 end";
+
+/// A 128-bit owner value (hex) from a counter: distinct, not secret (a
+/// benchmark's Redis owner).
+fn owner_of(n: u64) -> String {
+    let mix = |mut z: u64| {
+        z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    format!("{:016x}{:016x}", mix(n), mix(n ^ 0x5555_5555_5555_5555))
+}
+
+/// One client of `held`: its connection and the leases it holds.
+enum HeldConn {
+    Fencegate(Http),
+    Redis { r: Redis, acquire: String, renew: String, release: String },
+}
+
+struct Holder {
+    conn: HeldConn,
+    /// (key, lease id or Redis owner), oldest first.
+    held: std::collections::VecDeque<(String, String)>,
+    /// Keys of this client that nobody holds.
+    free: std::collections::VecDeque<String>,
+    ttl_ms: u64,
+    n: u64,
+    rng: u64,
+}
+
+impl Holder {
+    fn rand(&mut self) -> u64 {
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        self.rng
+    }
+
+    async fn acquire(&mut self, key: String) -> Res<()> {
+        self.n += 1;
+        let ttl = self.ttl_ms;
+        let secret = match &mut self.conn {
+            HeldConn::Fencegate(h) => {
+                let (st, v) = h.post("/v1/locks/acquire", &json!({"key": key, "ttl_ms": ttl})).await?;
+                match (st, v["lease_id"].as_str()) {
+                    (200, Some(id)) => id.to_string(),
+                    _ => return Err(format!("acquire {key}: {st} {v}")),
+                }
+            }
+            HeldConn::Redis { r, acquire, .. } => {
+                let owner = owner_of(self.n ^ (self.rng << 20));
+                let (lk, fk) = (format!("lock:{key}"), format!("fence:{key}"));
+                let ttl = ttl.to_string();
+                let args: [&[u8]; 7] = [
+                    b"EVALSHA",
+                    acquire.as_bytes(),
+                    b"2",
+                    lk.as_bytes(),
+                    fk.as_bytes(),
+                    owner.as_bytes(),
+                    ttl.as_bytes(),
+                ];
+                match r.cmd(&args).await? {
+                    Reply::Int(t) if t > 0 => owner,
+                    other => return Err(format!("acquire {key}: {other:?}")),
+                }
+            }
+        };
+        self.held.push_back((key, secret));
+        Ok(())
+    }
+
+    async fn renew(&mut self, i: usize) -> Res<()> {
+        let (key, secret) = self.held.get(i).cloned().ok_or("renew: nothing held")?;
+        let ttl = self.ttl_ms;
+        match &mut self.conn {
+            HeldConn::Fencegate(h) => {
+                let (st, v) = h.post("/v1/locks/renew", &json!({"key": key, "lease_id": secret})).await?;
+                if st == 200 {
+                    Ok(())
+                } else {
+                    Err(format!("renew {key}: {st} {v}"))
+                }
+            }
+            HeldConn::Redis { r, renew, .. } => {
+                let (lk, ttl) = (format!("lock:{key}"), ttl.to_string());
+                let args: [&[u8]; 6] =
+                    [b"EVALSHA", renew.as_bytes(), b"1", lk.as_bytes(), secret.as_bytes(), ttl.as_bytes()];
+                match r.cmd(&args).await? {
+                    Reply::Int(1) => Ok(()),
+                    other => Err(format!("renew {key}: {other:?}")),
+                }
+            }
+        }
+    }
+
+    async fn release_oldest(&mut self) -> Res<()> {
+        let (key, secret) = self.held.pop_front().ok_or("release: nothing held")?;
+        let r = match &mut self.conn {
+            HeldConn::Fencegate(h) => {
+                let (st, v) = h.post("/v1/locks/release", &json!({"key": key, "lease_id": secret})).await?;
+                if st == 200 {
+                    Ok(())
+                } else {
+                    Err(format!("release {key}: {st} {v}"))
+                }
+            }
+            HeldConn::Redis { r, release, .. } => {
+                let lk = format!("lock:{key}");
+                let args: [&[u8]; 5] = [b"EVALSHA", release.as_bytes(), b"1", lk.as_bytes(), secret.as_bytes()];
+                match r.cmd(&args).await? {
+                    Reply::Int(1) => Ok(()),
+                    other => Err(format!("release {key}: {other:?}")),
+                }
+            }
+        };
+        self.free.push_back(key);
+        r
+    }
+
+    /// Renews every held lease once, `batch` per request (fencegate) or
+    /// per pipelined write (Redis). Returns the renewals that failed.
+    async fn renew_all(&mut self, batch: usize) -> Res<u64> {
+        let ttl = self.ttl_ms;
+        let mut failed = 0;
+        let leases: Vec<(String, String)> = self.held.iter().cloned().collect();
+        for chunk in leases.chunks(batch.max(1)) {
+            match &mut self.conn {
+                HeldConn::Fencegate(h) => {
+                    let ops: Vec<Value> =
+                        chunk.iter().map(|(k, id)| json!({"op": "renew", "key": k, "lease_id": id})).collect();
+                    let (st, v) = h.post("/v1/locks/batch", &json!({ "operations": ops })).await?;
+                    let results = v["results"].as_array().filter(|r| st == 200 && r.len() == chunk.len());
+                    let Some(results) = results else {
+                        return Err(format!("batch: {st} {v}"));
+                    };
+                    failed += results.iter().filter(|r| r["status"] != 200).count() as u64;
+                }
+                HeldConn::Redis { r, renew, .. } => {
+                    let ttl = ttl.to_string();
+                    let mut buf = Vec::with_capacity(chunk.len() * 128);
+                    for (k, owner) in chunk {
+                        let lk = format!("lock:{k}");
+                        let args: [&[u8]; 6] =
+                            [b"EVALSHA", renew.as_bytes(), b"1", lk.as_bytes(), owner.as_bytes(), ttl.as_bytes()];
+                        buf.extend_from_slice(format!("*{}\r\n", args.len()).as_bytes());
+                        for a in args {
+                            buf.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
+                            buf.extend_from_slice(a);
+                            buf.extend_from_slice(b"\r\n");
+                        }
+                    }
+                    r.io.get_mut().write_all(&buf).await.map_err(|e| e.to_string())?;
+                    for _ in chunk {
+                        if !matches!(r.read_reply().await?, Reply::Int(1)) {
+                            failed += 1;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(failed)
+    }
+}
+
+async fn held_cmd(args: &Args) -> Res<Value> {
+    let system = args.pos.get(1).ok_or("held SYSTEM ADDR")?.clone();
+    let addr = args.pos.get(2).ok_or("held SYSTEM ADDR")?.clone();
+    let n = args.num("keys", 10_000);
+    let clients = args.num("clients", 64) as usize;
+    let secs = args.secs(5.0);
+    let batch = args.num("batch", 1000) as usize;
+    let ttl_ms = args.num("ttl-ms", 900_000);
+    let prefix = args.get("prefix", "held/");
+    const FREE_PER_CLIENT: u64 = 16;
+    let mut holders = Vec::with_capacity(clients);
+    for c in 0..clients {
+        let conn = match system.as_str() {
+            "fencegate" => HeldConn::Fencegate(Http::connect(&addr).await?),
+            "redis" => {
+                let mut r = Redis::connect(&addr).await?;
+                let acquire = r.load(REDIS_ACQUIRE).await?;
+                let renew = r.load(REDIS_RENEW).await?;
+                let release = r.load(REDIS_RELEASE).await?;
+                HeldConn::Redis { r, acquire, renew, release }
+            }
+            other => return Err(format!("unknown system {other}")),
+        };
+        let free = (0..FREE_PER_CLIENT).map(|j| key_of(&prefix, n + c as u64 * FREE_PER_CLIENT + j)).collect();
+        holders.push(Holder {
+            conn,
+            held: std::collections::VecDeque::new(),
+            free,
+            ttl_ms,
+            n: c as u64 * 1_000_000_000,
+            rng: 0x2545_F491_4F6C_DD1D ^ (c as u64 + 1).wrapping_mul(0x9E37_79B9),
+        });
+    }
+
+    // 1. Fill.
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for (c, mut h) in holders.into_iter().enumerate() {
+        let prefix = prefix.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut i = c as u64;
+            while i < n {
+                h.acquire(key_of(&prefix, i)).await?;
+                i += clients as u64;
+            }
+            Ok::<_, String>(h)
+        }));
+    }
+    let mut holders = Vec::new();
+    for t in tasks {
+        holders.push(t.await.map_err(|e| e.to_string())??);
+    }
+    let fill_secs = start.elapsed().as_secs_f64();
+
+    // 2. One renewal round over every held lease.
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for mut h in holders {
+        tasks.push(tokio::spawn(async move {
+            let failed = h.renew_all(batch).await?;
+            Ok::<_, String>((h, failed))
+        }));
+    }
+    let mut holders = Vec::new();
+    let mut renew_failed = 0;
+    for t in tasks {
+        let (h, f) = t.await.map_err(|e| e.to_string())??;
+        renew_failed += f;
+        holders.push(h);
+    }
+    let renew_secs = start.elapsed().as_secs_f64();
+
+    // 3. The 1 : 1 : 1 mix.
+    let start = Instant::now();
+    let deadline = start + Duration::from_secs_f64(secs);
+    let mut tasks = Vec::new();
+    for mut h in holders {
+        tasks.push(tokio::spawn(async move {
+            let mut lat: [Vec<u32>; 3] = [Vec::new(), Vec::new(), Vec::new()];
+            let (mut errors, mut first) = (0u64, None::<String>);
+            while Instant::now() < deadline {
+                for op in 0..3 {
+                    let t0 = Instant::now();
+                    let r = match op {
+                        0 => match h.free.pop_front() {
+                            Some(k) => h.acquire(k).await,
+                            None => Err("no free key".into()),
+                        },
+                        1 => {
+                            let i = (h.rand() % h.held.len().max(1) as u64) as usize;
+                            h.renew(i).await
+                        }
+                        _ => h.release_oldest().await,
+                    };
+                    match r {
+                        Ok(()) => lat[op].push(t0.elapsed().as_micros().min(u32::MAX as u128) as u32),
+                        Err(e) => {
+                            errors += 1;
+                            first.get_or_insert(e);
+                        }
+                    }
+                }
+                if errors > 100 {
+                    break;
+                }
+            }
+            (lat, errors, first, h.held.len())
+        }));
+    }
+    let mut lat: [Vec<u32>; 3] = [Vec::new(), Vec::new(), Vec::new()];
+    let (mut errors, mut first, mut still_held) = (0u64, None::<String>, 0usize);
+    for t in tasks {
+        let (l, e, f, held) = t.await.map_err(|e| e.to_string())?;
+        for (all, mine) in lat.iter_mut().zip(l) {
+            all.extend(mine);
+        }
+        errors += e;
+        if first.is_none() {
+            first = f;
+        }
+        still_held += held;
+    }
+    let mix_secs = start.elapsed().as_secs_f64();
+    let mut all: Vec<u32> = lat.iter().flatten().copied().collect();
+    all.sort_unstable();
+    for l in lat.iter_mut() {
+        l.sort_unstable();
+    }
+    let per_op = |i: usize| json!({"ops": lat[i].len(), "p50_us": pct(&lat[i], 0.5), "p99_us": pct(&lat[i], 0.99)});
+    Ok(json!({
+        "cmd": "held", "system": system, "keys": n, "clients": clients, "batch": batch,
+        "fill": {"secs": fill_secs, "per_s": n as f64 / fill_secs},
+        "renew_round": {"renewals": n, "secs": renew_secs, "per_s": n as f64 / renew_secs, "failed": renew_failed},
+        "mix": {"secs": mix_secs, "ops": all.len(), "ops_per_s": all.len() as f64 / mix_secs,
+                "p50_us": pct(&all, 0.5), "p99_us": pct(&all, 0.99),
+                "acquire": per_op(0), "renew": per_op(1), "release": per_op(2),
+                "errors": errors, "first_error": first, "held_after": still_held},
+    }))
+}
+
 // ---------------------------------------------------------------- sink
 
 async fn sink_cmd(args: &Args) -> Res<Value> {
@@ -707,6 +1031,7 @@ fn main() {
             Some("bigput") => bigput_cmd(&args).await,
             Some("fill") => fill_cmd(&args).await,
             Some("hold") => hold_cmd(&args).await,
+            Some("held") => held_cmd(&args).await,
             Some("sink") => sink_cmd(&args).await,
             _ => Err("usage: loadgen lock|bigput|fill|hold|sink … (see the source's header)".to_string()),
         }
