@@ -46,3 +46,43 @@ pub const DRAIN_MAX_BYTES: u64 = 8 << 20;
 pub fn json(value: &serde_json::Value) -> BoxBody {
     full(value.to_string())
 }
+
+/// A body of `prefix` (bytes already read from `rest`'s stream) followed
+/// by the rest of that stream, frames and trailers unchanged.
+pub fn prefixed(prefix: Bytes, rest: BoxBody) -> BoxBody {
+    Prefixed { prefix: Some(prefix).filter(|p| !p.is_empty()), rest }.boxed_unsync()
+}
+
+struct Prefixed {
+    prefix: Option<Bytes>,
+    rest: BoxBody,
+}
+
+impl http_body::Body for Prefixed {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+        if let Some(p) = self.prefix.take() {
+            return std::task::Poll::Ready(Some(Ok(http_body::Frame::data(p))));
+        }
+        std::pin::Pin::new(&mut self.rest).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.prefix.is_none() && self.rest.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        let mut hint = self.rest.size_hint();
+        let extra = self.prefix.as_ref().map_or(0, |p| p.len() as u64);
+        hint.set_lower(hint.lower() + extra);
+        if let Some(u) = hint.upper() {
+            hint.set_upper(u + extra);
+        }
+        hint
+    }
+}

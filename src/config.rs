@@ -169,7 +169,8 @@ pub struct RouteConfig {
     #[serde(default)]
     pub name: Option<String>,
     /// Path template: literal segments, `{name}` segments, a final `{*rest}`.
-    #[serde(rename = "match")]
+    /// Required on `http` routes; `s3` routes default to every path.
+    #[serde(rename = "match", default)]
     pub match_path: String,
     /// Resource key template over the match's names; default: the path
     /// without its leading `/`.
@@ -233,6 +234,38 @@ pub struct RouteConfig {
     /// client certificate) whose prefixes cover the resource key.
     #[serde(default)]
     pub auth: bool,
+    /// `http` (default: path templates) or `s3` (an S3-compatible object
+    /// store, docs/s3.md).
+    #[serde(default)]
+    pub kind: RouteKindName,
+    /// `s3` routes: the domains under which the bucket is the first label
+    /// of `Host` (virtual-hosted style: `bucket.s3.example.internal`).
+    #[serde(default)]
+    pub base_domains: Vec<String>,
+    /// `s3` routes: the resource of a bucket-level request (create,
+    /// delete, configuration); names: `{bucket}`. Default `{bucket}`.
+    #[serde(default)]
+    pub bucket_resource: Option<String>,
+    /// `s3` routes: the most bytes of a body read before admission to find
+    /// the keys it names (`DeleteObjects` XML, `PostObject` form fields up to
+    /// the file); above it the request is refused (413).
+    #[serde(default = "default_max_scanned_body_bytes")]
+    pub max_scanned_body_bytes: u64,
+}
+
+/// The kind of a route: how a request becomes the keys it touches.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RouteKindName {
+    /// Path templates (`match`, `resource`); mutations by method.
+    #[default]
+    Http,
+    /// An S3-compatible object store (docs/s3.md).
+    S3,
+}
+
+fn default_max_scanned_body_bytes() -> u64 {
+    2 * 1024 * 1024
 }
 
 fn default_read_methods() -> Vec<String> {
@@ -465,6 +498,10 @@ impl Config {
     /// templates alone. `check-config` prints these; `serve` logs them.
     pub fn warnings(&self) -> Vec<String> {
         let shape = |r: &RouteConfig| {
+            if r.kind == RouteKindName::S3 {
+                // Keys come from Host and the path: every key is possible.
+                return Some(crate::proxy::template::KeyShape::of(&Template::parse_match("/{*k}").ok()?, None));
+            }
             let m = Template::parse_match(&r.match_path).ok()?;
             let res = match &r.resource {
                 Some(t) => Some(Template::parse_resource(t, &m).ok()?),
@@ -516,6 +553,20 @@ impl RouteConfig {
             client_cert_file: None,
             client_key_file: None,
             auth: false,
+            kind: RouteKindName::Http,
+            base_domains: Vec::new(),
+            bucket_resource: None,
+            max_scanned_body_bytes: default_max_scanned_body_bytes(),
+        }
+    }
+
+    /// The `match` template in force: the configured one, or every path on
+    /// an `s3` route that names none.
+    pub fn effective_match(&self) -> &str {
+        if self.match_path.is_empty() && self.kind == RouteKindName::S3 {
+            "/{*path}"
+        } else {
+            &self.match_path
         }
     }
 
@@ -533,10 +584,20 @@ impl RouteConfig {
                 return Err(format!("name: {n:?} must be 1-64 of [A-Za-z0-9_-]"));
             }
         }
-        let matcher =
-            Template::parse_match(&self.match_path).map_err(|e| format!("match: {:?}: {e}", self.match_path))?;
-        if let Some(res) = &self.resource {
-            Template::parse_resource(res, &matcher).map_err(|e| format!("resource: {res:?}: {e}"))?;
+        if self.match_path.is_empty() && self.kind == RouteKindName::Http {
+            return Err("match: required on an http route (a path template such as \"/{*path}\")".into());
+        }
+        let matcher = Template::parse_match(self.effective_match())
+            .map_err(|e| format!("match: {:?}: {e}", self.effective_match()))?;
+        if self.kind == RouteKindName::S3 {
+            crate::proxy::s3::S3Kind::from_config(self)?;
+        } else {
+            if let Some(res) = &self.resource {
+                Template::parse_resource(res, &matcher).map_err(|e| format!("resource: {res:?}: {e}"))?;
+            }
+            if !self.base_domains.is_empty() || self.bucket_resource.is_some() {
+                return Err("base_domains, bucket_resource: only for kind = \"s3\" routes".into());
+            }
         }
         crate::proxy::upstream::UpstreamUrl::parse(&self.upstream)
             .map_err(|e| format!("upstream: {:?}: {e}", self.upstream))?;
