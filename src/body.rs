@@ -69,6 +69,10 @@ impl http_body::Body for Prefixed {
         if let Some(p) = self.prefix.take() {
             return std::task::Poll::Ready(Some(Ok(http_body::Frame::data(p))));
         }
+        // A stream already at its end is not polled again (some panic).
+        if self.rest.is_end_stream() {
+            return std::task::Poll::Ready(None);
+        }
         std::pin::Pin::new(&mut self.rest).poll_frame(cx)
     }
 
@@ -77,12 +81,14 @@ impl http_body::Body for Prefixed {
     }
 
     fn size_hint(&self) -> http_body::SizeHint {
-        let mut hint = self.rest.size_hint();
+        let rest = self.rest.size_hint();
         let extra = self.prefix.as_ref().map_or(0, |p| p.len() as u64);
-        hint.set_lower(hint.lower() + extra);
-        if let Some(u) = hint.upper() {
-            hint.set_upper(u + extra);
+        let mut hint = http_body::SizeHint::new();
+        // Upper first: a lower bound above the upper one panics.
+        if let Some(u) = rest.upper() {
+            hint.set_upper(u.saturating_add(extra));
         }
+        hint.set_lower(rest.lower().saturating_add(extra));
         hint
     }
 }
