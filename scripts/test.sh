@@ -7,6 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup-system.sh test
+bash scripts/setup-s3.sh           # s3s-fs, and boto3/awscli in .venv
 
 started=$(date +%s)
 # One profile for everything, so RocksDB's C++ is compiled once per run.
