@@ -427,7 +427,7 @@ impl Proxy {
             seen.key = Some(key.to_string());
         }
         let mutation = route.is_mutation(req.method());
-        route.check_trailing_slash(&checked, mutation)?;
+        route.check_trailing_slash(checked, mutation)?;
         if route.auth {
             // Proxy-Authorization is hop-by-hop: it never reaches the upstream.
             let principal = self.auth.require(req.headers(), "proxy-authorization", client)?;
