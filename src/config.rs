@@ -651,6 +651,40 @@ mod tests {
     }
 
     #[test]
+    fn s3_routes_default_their_match_and_refuse_what_breaks_signatures() {
+        // The example file's commented S3 route, uncommented, is valid.
+        let example = include_str!("../fencegate.example.toml");
+        let start = example.find("# [[routes]]\n# name = \"s3\"").unwrap();
+        let block: String = example[start..]
+            .lines()
+            .take_while(|l| l.starts_with('#'))
+            .map(|l| l.trim_start_matches("# ").to_string() + "\n")
+            .collect();
+        let c: Config = toml::from_str(&block).unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.routes[0].kind, RouteKindName::S3);
+        let bare: Config = toml::from_str("[[routes]]\nkind = \"s3\"\nupstream = \"http://127.0.0.1:9\"\n").unwrap();
+        bare.validate().unwrap();
+        assert_eq!(bare.routes[0].effective_match(), "/{*path}");
+        for (extra, key) in [
+            ("host_header = \"rewrite\"", "host_header"),
+            ("forward_fencing_token = false", "forward_fencing_token"),
+            ("base_domains = [\"a b\"]", "base_domains"),
+        ] {
+            let text = format!("[[routes]]\nkind = \"s3\"\nupstream = \"http://127.0.0.1:9\"\n{extra}\n");
+            let err = toml::from_str::<Config>(&text).unwrap().validate().unwrap_err();
+            assert!(err.contains(key), "{err}");
+        }
+        let http_no_match: Config = toml::from_str("[[routes]]\nupstream = \"http://127.0.0.1:9\"\n").unwrap();
+        assert!(http_no_match.validate().unwrap_err().contains("match"));
+        let http_domains: Config = toml::from_str(
+            "[[routes]]\nmatch = \"/{*p}\"\nupstream = \"http://127.0.0.1:9\"\nbase_domains = [\"x\"]\n",
+        )
+        .unwrap();
+        assert!(http_domains.validate().is_err());
+    }
+
+    #[test]
     fn bad_route_names_the_key() {
         let text = r#"
 [[routes]]

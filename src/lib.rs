@@ -13,7 +13,7 @@
 //! | [`server`] | listeners: accept, TLS/mTLS, HTTP/1.1 + h2, connection limits, graceful drain |
 //! | [`h1`] | the api listener's small HTTP/1.1 loop in front of its handler (hyper for the rest) |
 //! | [`tls`] | rustls configs from PEM, SIGHUP reload, client certificate names |
-//! | [`proxy`] | routes, path checks and key mapping, the fence check, forwarding (fast path and general), upstreams (http, file) |
+//! | [`proxy`] | routes and their kinds (http path templates, s3), path checks and key mapping, the fence check, forwarding (fast path and general), upstreams (http, file) |
 //! | [`fence`] | token parsing, the in-memory fence table, in-flight tracking, the activation barrier |
 //! | [`authority`] | grants, FIFO waiters, expiry, watch |
 //! | [`store`] | RocksDB: fences, grants, counters; group commit of fsyncs |

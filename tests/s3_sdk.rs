@@ -156,3 +156,19 @@ fn aws_cli_shows_the_refusal_and_its_code() {
     let out = aws(&["s3api", "list-buckets"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+#[test]
+fn s3_gc_pause_example_leaves_the_object_to_the_new_holder() {
+    setup();
+    let out = Command::new(python())
+        .arg(repo().join("examples/python/s3_gc_pause.py"))
+        .env("FENCEGATE_BIN", env!("CARGO_BIN_EXE_fencegate"))
+        .env("S3S_FS", s3s_fs_bin())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("part 2 -> HTTP 409 StaleFencingToken"), "{stdout}");
+    assert!(stdout.contains("CompleteMultipartUpload -> HTTP 409 StaleFencingToken"), "{stdout}");
+    assert!(stdout.contains("the object holds: \"B's complete video\""), "{stdout}");
+}

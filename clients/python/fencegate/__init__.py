@@ -91,6 +91,12 @@ class Lease:
             if self.lost:
                 return
 
+    def stop_renewing(self):
+        """Stops the background renewals, keeping the lease until it runs
+        out (what a paused process looks like to the gateway; for tests
+        and demonstrations)."""
+        self._stop.set()
+
     def release(self):
         self._stop.set()
         self._lost = True
