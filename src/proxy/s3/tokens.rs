@@ -32,9 +32,9 @@ pub struct Tokens {
 }
 
 impl Tokens {
-    /// Parses both headers; an error is kept and returned by every lookup
-    /// (a read ignores it as it ignores a malformed token on HTTP routes
-    /// only in shadow mode: it is refused the same way).
+    /// Parses both headers. A malformed one is kept and returned by every
+    /// lookup, so a mutation carrying it is refused (400) whatever resource
+    /// it names.
     pub fn parse(headers: &HeaderMap) -> Tokens {
         let mut out = Tokens::default();
         match parse_token_header(headers.get_all(&X_FENCING_TOKEN)) {
