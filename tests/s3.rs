@@ -526,3 +526,40 @@ async fn http_routes_before_an_s3_route_keep_their_rules_and_the_fast_path() {
     assert_eq!(xml_code(&r.body), "UnissuedFencingToken");
     assert_eq!(echo.count(), 1);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn external_s3_routes_advance_every_key_of_a_delete_objects_and_refuse_older_tokens() {
+    let (_d, gw, echo, http) = setup("fence_authority = \"external\"").await;
+    let body = delete_body(&["x", "y"]);
+    let url = gw.proxy_url("/bkt?delete");
+    // Tokens from another authority above the fences: both keys advance.
+    let r = http.send(Method::POST, &url, &[("x-fencing-tokens", "bkt/x=100, bkt/y=200")], body.clone()).await;
+    assert_eq!(r.status, StatusCode::OK, "{:?}", String::from_utf8_lossy(&r.body));
+    // One key's token now below its fence: the whole request is refused.
+    let r = http.send(Method::POST, &url, &[("x-fencing-tokens", "bkt/x=150, bkt/y=199")], body.clone()).await;
+    assert_eq!((r.status, xml_code(&r.body)), (StatusCode::CONFLICT, "StaleFencingToken".to_string()));
+    assert_eq!(echo.count(), 1);
+    let r = http.send(Method::PUT, &gw.proxy_url("/bkt/x"), &[("x-fencing-token", "99")], "old").await;
+    assert_eq!(r.status, StatusCode::CONFLICT);
+    // A sequence orders one key's writes: not on a request of several keys.
+    let r = http
+        .send(Method::POST, &url, &[("x-fencing-tokens", "bkt/x=150, bkt/y=200"), ("x-fencing-sequence", "1")], body)
+        .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert_eq!(echo.count(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn shadow_s3_routes_count_refusals_and_forward() {
+    let (_d, gw, echo, http) = setup("enforce = false").await;
+    let api = gw.api_url("");
+    let (_live, stale) = live_and_stale(&http, &api, "bkt/k").await;
+    let r = http.send(Method::PUT, &gw.proxy_url("/bkt/k"), &[("x-fencing-token", &stale.to_string())], "x").await;
+    assert_eq!(r.status, StatusCode::OK);
+    let r = http.send(Method::POST, &gw.proxy_url("/bkt?delete"), &[], delete_body(&["k"])).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(echo.count(), 2);
+    let m = String::from_utf8(http.get(&gw.api_url("/metrics")).await.body.to_vec()).unwrap();
+    assert!(m.contains("fencegate_mutations_total{outcome=\"stale\",route=\"s3\"} 1"), "{m}");
+    assert!(m.contains("fencegate_mutations_total{outcome=\"missing_token\",route=\"s3\"} 1"), "{m}");
+}
