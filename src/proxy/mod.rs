@@ -5,6 +5,10 @@
 //!    a route, and mapped to a resource key; the method is classified once
 //!    ([`Route::is_mutation`]: all but the route's read methods) and a
 //!    mutation's trailing slash refused where the upstream folds it;
+//!    on an S3 route ([`s3`]) the keys come from bucket, key, subresource
+//!    and headers instead — for `DeleteObjects`/`PostObject` from a bounded
+//!    copy of the body — and a request that changes several keys is
+//!    admitted for all of them or none ([`FenceTable::check_all`]);
 //! 2. `admit`   — the token is parsed and compared with the key's fence;
 //!    an admissible mutation is registered as in flight in the same atomic
 //!    step (external routes first advance the fence durably and wait for
