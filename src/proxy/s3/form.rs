@@ -127,6 +127,24 @@ mod tests {
     }
 
     #[test]
+    fn no_input_makes_it_panic() {
+        for cut in 0..=FORM.len() {
+            let _ = scan(&FORM.as_bytes()[..cut], "XyZ");
+            let _ = scan(&FORM.as_bytes()[cut..], "XyZ");
+        }
+        for junk in [
+            "--XyZ",
+            "--XyZ\r\n\r\n\r\n",
+            "--XyZ\r\nContent-Disposition: form-data\r\n\r\n",
+            "--XyZ--",
+            "\u{e9}--XyZ\r\n",
+        ] {
+            let _ = scan(junk.as_bytes(), "XyZ");
+        }
+        assert_eq!(boundary("multipart/form-data; boundary="), None);
+    }
+
+    #[test]
     fn a_prefix_needs_more_and_a_form_without_file_is_refused() {
         let end = FORM.find("JPEG").unwrap();
         for cut in [0, 5, 30, 60, 100, end - 3] {

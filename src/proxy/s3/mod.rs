@@ -403,6 +403,22 @@ mod tests {
     }
 
     #[test]
+    fn odd_requests_are_refused_or_classified_never_a_panic() {
+        let k = kind("base_domains = [\"s3.test\"]");
+        let targets =
+            ["/", "//", "/%", "/%e", "/%C3", "/b/%C3%28", "/b?%zz", "/b?=", "/b?&&", "/b/k?renameObject", "/%2F/k"];
+        let hosts = ["[::1]:80", ":80", ".", "s3.test", ".s3.test", "b.s3.test.", "e.s3.test:x", ""];
+        for t in targets {
+            for h in hosts {
+                for m in ["GET", "PUT", "POST", "DELETE", "MOVE"] {
+                    let headers = [("host", h), ("x-amz-rename-source", "%zz")];
+                    let _ = plan(&k, m, t, &headers);
+                }
+            }
+        }
+    }
+
+    #[test]
     fn keys_are_decoded_once_as_s3_decodes_them() {
         let k = kind("");
         assert_eq!(plan(&k, "PUT", "/b/a%2Fb+c%25", &[]).unwrap(), head("b/a/b+c%", &["b/a/b+c%"]));

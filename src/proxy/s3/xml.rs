@@ -102,7 +102,7 @@ impl<'a> Reader<'a> {
         }
         let name = tag.split([' ', '\t', '\r', '\n']).next().unwrap_or("");
         if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric()) {
-            return Err(format!("unexpected markup <{}", &tag[..tag.len().min(40)]));
+            return Err(format!("unexpected markup <{}", tag.chars().take(40).collect::<String>()));
         }
         self.i += 1 + end + 1;
         Ok(name.to_string())
@@ -204,6 +204,32 @@ mod tests {
             "<Delete><Object><Key/></Object></Delete>",
         ] {
             assert!(delete_keys(bad.as_bytes()).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn no_input_makes_it_panic() {
+        // Every prefix of a valid body, and bytes from a small PRNG mixed
+        // into markup-looking text: errors, never a panic.
+        let valid =
+            "<?xml version=\"1.0\"?><Delete><Object><Key>é&amp;&#x41;</Key><VersionId>v</VersionId></Object></Delete>";
+        for cut in 0..=valid.len() {
+            let _ = delete_keys(&valid.as_bytes()[..cut]);
+        }
+        let alphabet = "<>/&;#x?! DeleteObjectKey=\"éab\r\n";
+        let chars: Vec<char> = alphabet.chars().collect();
+        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+        for _ in 0..20_000 {
+            let len = (seed % 48) as usize;
+            let mut s = String::new();
+            for _ in 0..len {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                s.push(chars[(seed % chars.len() as u64) as usize]);
+            }
+            let _ = delete_keys(s.as_bytes());
+            let _ = delete_keys(format!("<Delete><Object><Key>{s}</Key></Object></Delete>").as_bytes());
         }
     }
 
