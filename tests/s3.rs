@@ -427,6 +427,10 @@ async fn expect_100_continue_is_decided_on_the_head() {
     assert!(reply.starts_with("HTTP/1.1 409 "), "{reply}");
     assert!(!reply.contains("100 Continue"), "{reply}");
     assert!(reply.contains("<Code>StaleFencingToken</Code>"), "{reply}");
+    // A DeleteObjects without any token: refused on its head too.
+    let delete = "POST /bkt?delete HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 40\r\nExpect: 100-continue\r\n\r\n";
+    let reply = raw_exchange(gw.proxy, delete.as_bytes(), Duration::from_secs(2)).await;
+    assert!(reply.starts_with("HTTP/1.1 428 ") && !reply.contains("100 Continue"), "{reply}");
     // Live: 100 Continue first, then the upload goes through.
     let mut s = TcpStream::connect(gw.proxy).await.unwrap();
     s.write_all(head(g.token).as_bytes()).await.unwrap();
