@@ -172,3 +172,41 @@ fn s3_gc_pause_example_leaves_the_object_to_the_new_holder() {
     assert!(stdout.contains("CompleteMultipartUpload -> HTTP 409 StaleFencingToken"), "{stdout}");
     assert!(stdout.contains("the object holds: \"B's complete video\""), "{stdout}");
 }
+
+fn run_handover(extra: &str, expect_anomaly: bool) -> String {
+    let s3 = S3Server::start();
+    let dir = tempfile::tempdir().unwrap();
+    let config = format!("[[routes]]\nname = \"s3\"\nkind = \"s3\"\nupstream = \"{}\"\n{extra}\n", s3.url());
+    let gw = Gateway::start(&dir.path().join("data"), Opts { config: Some(config), ..Opts::default() });
+    let mut cmd = Command::new(python());
+    cmd.arg(repo().join("tests/python/s3_handover.py"));
+    if expect_anomaly {
+        cmd.arg("--expect-anomaly");
+    }
+    let out = cmd
+        .env("FG_PROXY", gw.proxy_url(""))
+        .env("FG_API", gw.api_url(""))
+        .env("S3_DIRECT", s3.url())
+        .env("S3_AK", AK)
+        .env("S3_SK", SK)
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{text}");
+    text
+}
+
+#[test]
+fn handovers_with_zombies_on_s3_leave_every_object_to_its_newest_holder() {
+    let text = run_handover("", false);
+    assert!(text.contains(" 0 anomalies"), "{text}");
+    println!("{text}");
+}
+
+#[test]
+fn the_handover_checker_catches_an_unfenced_s3_route() {
+    // Shadow mode forwards what it would refuse: the zombies' writes land.
+    let text = run_handover("enforce = false", true);
+    assert!(!text.contains(" 0 anomalies"), "{text}");
+    println!("{text}");
+}
