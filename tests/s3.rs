@@ -567,3 +567,30 @@ async fn shadow_s3_routes_count_refusals_and_forward() {
     assert!(m.contains("fencegate_mutations_total{outcome=\"stale\",route=\"s3\"} 1"), "{m}");
     assert!(m.contains("fencegate_mutations_total{outcome=\"missing_token\",route=\"s3\"} 1"), "{m}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_aws_chunked_delete_objects_is_judged_by_its_keys_and_forwarded_as_sent() {
+    let (_d, gw, echo, http) = setup("").await;
+    let api = gw.api_url("");
+    let (g, stale) = live_and_stale(&http, &api, "bkt/k1").await;
+    let xml = delete_body(&["k1"]);
+    let framed = format!("{:x};chunk-signature=aa\r\n{xml}\r\n0;chunk-signature=bb\r\n\r\n", xml.len());
+    let url = gw.proxy_url("/bkt?delete");
+    let headers = |t: u64| {
+        vec![
+            ("content-encoding".to_string(), "aws-chunked".to_string()),
+            ("x-amz-decoded-content-length".to_string(), xml.len().to_string()),
+            ("x-fencing-token".to_string(), t.to_string()),
+        ]
+    };
+    let stale_h = headers(stale);
+    let stale_h: Vec<(&str, &str)> = stale_h.iter().map(|(a, b)| (a.as_str(), b.as_str())).collect();
+    let r = http.send(Method::POST, &url, &stale_h, framed.clone()).await;
+    assert_eq!((r.status, xml_code(&r.body)), (StatusCode::CONFLICT, "StaleFencingToken".to_string()));
+    assert_eq!(echo.count(), 0);
+    let live_h = headers(g.token);
+    let live_h: Vec<(&str, &str)> = live_h.iter().map(|(a, b)| (a.as_str(), b.as_str())).collect();
+    let r = http.send(Method::POST, &url, &live_h, framed.clone()).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert!(echo.last().ends_with(framed.as_bytes()), "forwarded with its framing, unchanged");
+}

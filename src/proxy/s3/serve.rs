@@ -48,7 +48,20 @@ impl Proxy {
                 let resource = s3.bucket_resource(&bucket);
                 self.token_before_body(route, &resource, &tokens, client)?;
                 let (req, body) = read_whole(req, s3.max_scanned_body_bytes).await?;
-                let keys = xml::delete_keys(&body)
+                // The bytes forwarded stay the original ones; only the
+                // reading here looks through an aws-chunked framing.
+                let aws_chunked = req.headers().get_all(header::CONTENT_ENCODING).iter().any(|v| {
+                    v.to_str().is_ok_and(|v| v.split(',').any(|e| e.trim().eq_ignore_ascii_case("aws-chunked")))
+                });
+                let decoded;
+                let body = if aws_chunked {
+                    decoded = xml::aws_unchunk(&body)
+                        .map_err(|e| Error::BadRequest(format!("DeleteObjects refused: its aws-chunked body: {e}")))?;
+                    &decoded[..]
+                } else {
+                    &body[..]
+                };
+                let keys = xml::delete_keys(body)
                     .map_err(|e| Error::BadRequest(format!("DeleteObjects refused: its XML body: {e}")))?;
                 let mut mutated = Vec::with_capacity(keys.len());
                 for key in keys {

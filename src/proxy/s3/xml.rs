@@ -74,6 +74,26 @@ pub fn delete_keys(body: &[u8]) -> Result<Vec<String>, String> {
     Ok(keys)
 }
 
+/// The payload of an `aws-chunked` body (`hex-size[;chunk-signature=…]`
+/// CRLF data CRLF …, a zero-size chunk, then trailers), for reading only.
+pub fn aws_unchunk(body: &[u8]) -> Result<Vec<u8>, String> {
+    let mut out = Vec::with_capacity(body.len());
+    let mut rest = body;
+    loop {
+        let line_end = rest.windows(2).position(|w| w == b"\r\n").ok_or("a chunk header without CRLF")?;
+        let header = std::str::from_utf8(&rest[..line_end]).map_err(|_| "a chunk header is not text")?;
+        let size_text = header.split(';').next().unwrap_or("").trim();
+        let size = usize::from_str_radix(size_text, 16).map_err(|_| format!("bad chunk size {size_text:?}"))?;
+        rest = &rest[line_end + 2..];
+        if size == 0 {
+            return Ok(out);
+        }
+        let data = rest.get(..size).ok_or("a chunk shorter than its size")?;
+        out.extend_from_slice(data);
+        rest = rest.get(size..).and_then(|r| r.strip_prefix(b"\r\n")).ok_or("a chunk not followed by CRLF")?;
+    }
+}
+
 struct Reader<'a> {
     s: &'a str,
     i: usize,
@@ -230,6 +250,25 @@ mod tests {
             }
             let _ = delete_keys(s.as_bytes());
             let _ = delete_keys(format!("<Delete><Object><Key>{s}</Key></Object></Delete>").as_bytes());
+        }
+    }
+
+    #[test]
+    fn aws_chunked_bodies_are_read_through_their_framing() {
+        let body = b"<Delete><Object><Key>a</Key></Object></Delete>";
+        let framed = [
+            format!("{:x};chunk-signature=abc\r\n", 10).into_bytes(),
+            body[..10].to_vec(),
+            b"\r\n".to_vec(),
+            format!("{:x};chunk-signature=def\r\n", body.len() - 10).into_bytes(),
+            body[10..].to_vec(),
+            b"\r\n0;chunk-signature=0\r\nx-amz-checksum-crc32:AAAA\r\n\r\n".to_vec(),
+        ]
+        .concat();
+        assert_eq!(aws_unchunk(&framed).unwrap(), body.to_vec());
+        assert_eq!(delete_keys(&aws_unchunk(&framed).unwrap()).unwrap(), vec!["a".to_string()]);
+        for bad in [&b"zz\r\n"[..], b"5\r\nab", b"2\r\nabc\r\n0\r\n", b"", b"1\r\n"] {
+            assert!(aws_unchunk(bad).is_err(), "{bad:?}");
         }
     }
 
