@@ -14,7 +14,7 @@ started=$(date +%s)
 cargo build --locked --all-targets
 echo "build: $(( $(date +%s) - started )) s"
 cargo fmt --all -- --check
-cargo clippy --locked --all-targets --no-deps -- -D warnings
+cargo clippy --locked --workspace --all-targets --no-deps -- -D warnings
 cargo test --locked --lib --bins --tests --examples -- --test-threads="${FENCEGATE_TEST_THREADS:-4}"
 # Criterion benches, once each in test mode (cargo test passes no --bench).
 cargo test --locked --benches
