@@ -594,3 +594,28 @@ async fn an_aws_chunked_delete_objects_is_judged_by_its_keys_and_forwarded_as_se
     assert_eq!(r.status, StatusCode::OK);
     assert!(echo.last().ends_with(framed.as_bytes()), "forwarded with its framing, unchanged");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn over_h2c_the_authority_is_the_host_forwarded_and_the_target_is_untouched() {
+    let (_d, gw, echo, http) = setup("").await;
+    let api = gw.api_url("");
+    let g = acquire(&http, &api, "bkt/h2/a+b", 60_000, 0).await.unwrap();
+    let stream = TcpStream::connect(gw.proxy).await.unwrap();
+    let (mut send, conn) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), hyper_util::rt::TokioIo::new(stream))
+            .await
+            .unwrap();
+    let conn = tokio::spawn(conn);
+    let req = Request::put("http://s3.test.internal:9443/bkt/h2/a%2Bb?x-id=PutObject&b=&a=1")
+        .header("x-fencing-token", g.token.to_string())
+        .header("x-amz-date", "20260101T000000Z")
+        .body(http_body_util::Full::new(Bytes::from_static(b"over h2")))
+        .unwrap();
+    let resp = send.send_request(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let raw = String::from_utf8(echo.last()).unwrap();
+    assert!(raw.starts_with("PUT /bkt/h2/a%2Bb?x-id=PutObject&b=&a=1 HTTP/1.1\r\n"), "{raw}");
+    assert!(raw.to_ascii_lowercase().contains("\r\nhost: s3.test.internal:9443\r\n"), "{raw}");
+    assert!(raw.ends_with("over h2"), "{raw}");
+    conn.abort();
+}
