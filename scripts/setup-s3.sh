@@ -2,9 +2,9 @@
 # Installs what the S3 tests need, only what is missing (idempotent, no prompts):
 #   - s3s-fs 0.14.1, a real S3-compatible server that verifies SigV4 headers,
 #     presigned URLs and chunk signatures (newer versions need a newer rustc);
-#   - a Python venv in .venv with the clients pinned in
-#     tests/python/requirements.txt (boto3, awscli) and the fencegate Python
-#     client (clients/python).
+#   - a Python venv in .venv with what tests/python/requirements.txt pins
+#     (boto3, awscli, moto's S3 server) and the fencegate Python client
+#     (clients/python).
 # The tests run it themselves when something is missing; CI runs it first.
 set -euo pipefail
 cd "$(dirname "$0")/.."

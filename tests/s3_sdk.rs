@@ -1,6 +1,7 @@
-//! Real S3 clients through an S3 route to a real S3 server: s3s-fs (it
+//! Real S3 clients through an S3 route to real S3 servers: s3s-fs (it
 //! verifies SigV4 header signatures, presigned URLs and chunk signatures)
-//! with boto3 and the AWS CLI. Both are installed by `scripts/setup-s3.sh`,
+//! with boto3 and the AWS CLI, and moto's server (PostObject,
+//! DeleteObjects). Both are installed by `scripts/setup-s3.sh`,
 //! which these tests run when something is missing; a component that still
 //! cannot be found fails the test loudly, it is never skipped.
 #![allow(clippy::unwrap_used)]
@@ -209,4 +210,64 @@ fn the_handover_checker_catches_an_unfenced_s3_route() {
     let text = run_handover("enforce = false", true);
     assert!(!text.contains(" 0 anomalies"), "{text}");
     println!("{text}");
+}
+
+/// moto's S3 server (PyPI, in the venv), stopped by its PID when dropped.
+struct Moto {
+    child: Child,
+    port: u16,
+}
+
+impl Moto {
+    fn start() -> Moto {
+        setup();
+        for _ in 0..5 {
+            let port = free_port();
+            let mut child = Command::new(repo().join(".venv/bin/moto_server"))
+                .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap_or_else(|e| panic!("moto_server could not be started ({e}): run scripts/setup-s3.sh"));
+            let started = Instant::now();
+            while started.elapsed() < Duration::from_secs(30) {
+                if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                    return Moto { child, port };
+                }
+                if let Ok(Some(_)) = child.try_wait() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        panic!("moto_server did not come up");
+    }
+}
+
+impl Drop for Moto {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn post_object_and_delete_objects_against_moto() {
+    let moto = Moto::start();
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("http://127.0.0.1:{}", moto.port);
+    let config = format!("[[routes]]\nname = \"s3\"\nkind = \"s3\"\nupstream = \"{url}\"\n");
+    let gw = Gateway::start(&dir.path().join("data"), Opts { config: Some(config), ..Opts::default() });
+    let out = Command::new(python())
+        .arg(repo().join("tests/python/s3_moto.py"))
+        .env("FG_PROXY", gw.proxy_url(""))
+        .env("FG_API", gw.api_url(""))
+        .env("S3_DIRECT", &url)
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{text}\n--- gateway log ---\n{}", gw.log_text());
+    assert!(text.contains("ok: PostObject and DeleteObjects against moto"), "{text}");
 }
