@@ -9,6 +9,7 @@ if [ "$mode" = "test" ]; then
   packages+=(procps)               # kill(1) for the crash and restart tests
   packages+=(prometheus)           # real Prometheus + promtool check the dashboard and alert rules
   packages+=(curl python3)         # unmodified programs fenced by `fencegate lock --inject`
+  packages+=(python3-venv)         # the S3 tests' venv (boto3, awscli): scripts/setup-s3.sh
   packages+=(iproute2)             # the nemesis partitions a client with a network namespace
 fi
 

@@ -7,13 +7,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup-system.sh test
+bash scripts/setup-s3.sh           # s3s-fs, and boto3/awscli in .venv
 
 started=$(date +%s)
 # One profile for everything, so RocksDB's C++ is compiled once per run.
 cargo build --locked --all-targets
 echo "build: $(( $(date +%s) - started )) s"
 cargo fmt --all -- --check
-cargo clippy --locked --all-targets --no-deps -- -D warnings
+cargo clippy --locked --workspace --all-targets --no-deps -- -D warnings
 cargo test --locked --lib --bins --tests --examples -- --test-threads="${FENCEGATE_TEST_THREADS:-4}"
 # Criterion benches, once each in test mode (cargo test passes no --bench).
 cargo test --locked --benches

@@ -46,3 +46,49 @@ pub const DRAIN_MAX_BYTES: u64 = 8 << 20;
 pub fn json(value: &serde_json::Value) -> BoxBody {
     full(value.to_string())
 }
+
+/// A body of `prefix` (bytes already read from `rest`'s stream) followed
+/// by the rest of that stream, frames and trailers unchanged.
+pub fn prefixed(prefix: Bytes, rest: BoxBody) -> BoxBody {
+    Prefixed { prefix: Some(prefix).filter(|p| !p.is_empty()), rest }.boxed_unsync()
+}
+
+struct Prefixed {
+    prefix: Option<Bytes>,
+    rest: BoxBody,
+}
+
+impl http_body::Body for Prefixed {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+        if let Some(p) = self.prefix.take() {
+            return std::task::Poll::Ready(Some(Ok(http_body::Frame::data(p))));
+        }
+        // A stream already at its end is not polled again (some panic).
+        if self.rest.is_end_stream() {
+            return std::task::Poll::Ready(None);
+        }
+        std::pin::Pin::new(&mut self.rest).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.prefix.is_none() && self.rest.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        let rest = self.rest.size_hint();
+        let extra = self.prefix.as_ref().map_or(0, |p| p.len() as u64);
+        let mut hint = http_body::SizeHint::new();
+        // Upper first: a lower bound above the upper one panics.
+        if let Some(u) = rest.upper() {
+            hint.set_upper(u.saturating_add(extra));
+        }
+        hint.set_lower(rest.lower().saturating_add(extra));
+        hint
+    }
+}

@@ -171,7 +171,8 @@ pub struct RouteConfig {
     #[serde(default)]
     pub name: Option<String>,
     /// Path template: literal segments, `{name}` segments, a final `{*rest}`.
-    #[serde(rename = "match")]
+    /// Required on `http` routes; `s3` routes default to every path.
+    #[serde(rename = "match", default)]
     pub match_path: String,
     /// Resource key template over the match's names; default: the path
     /// without its leading `/`.
@@ -235,6 +236,38 @@ pub struct RouteConfig {
     /// client certificate) whose prefixes cover the resource key.
     #[serde(default)]
     pub auth: bool,
+    /// `http` (default: path templates) or `s3` (an S3-compatible object
+    /// store, docs/s3.md).
+    #[serde(default)]
+    pub kind: RouteKindName,
+    /// `s3` routes: the domains under which the bucket is the first label
+    /// of `Host` (virtual-hosted style: `bucket.s3.example.internal`).
+    #[serde(default)]
+    pub base_domains: Vec<String>,
+    /// `s3` routes: the resource of a bucket-level request (create,
+    /// delete, configuration); names: `{bucket}`. Default `{bucket}`.
+    #[serde(default)]
+    pub bucket_resource: Option<String>,
+    /// `s3` routes: the most bytes of a body read before admission to find
+    /// the keys it names (`DeleteObjects` XML, `PostObject` form fields up to
+    /// the file); above it the request is refused (413).
+    #[serde(default = "default_max_scanned_body_bytes")]
+    pub max_scanned_body_bytes: u64,
+}
+
+/// The kind of a route: how a request becomes the keys it touches.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RouteKindName {
+    /// Path templates (`match`, `resource`); mutations by method.
+    #[default]
+    Http,
+    /// An S3-compatible object store (docs/s3.md).
+    S3,
+}
+
+fn default_max_scanned_body_bytes() -> u64 {
+    2 * 1024 * 1024
 }
 
 fn default_read_methods() -> Vec<String> {
@@ -464,6 +497,10 @@ impl Config {
     /// templates alone. `check-config` prints these; `serve` logs them.
     pub fn warnings(&self) -> Vec<String> {
         let shape = |r: &RouteConfig| {
+            if r.kind == RouteKindName::S3 {
+                // Keys come from Host and the path: every key is possible.
+                return Some(crate::template::KeyShape::of(&Template::parse_match("/{*k}").ok()?, None));
+            }
             let m = Template::parse_match(&r.match_path).ok()?;
             let res = match &r.resource {
                 Some(t) => Some(Template::parse_resource(t, &m).ok()?),
@@ -515,6 +552,20 @@ impl RouteConfig {
             client_cert_file: None,
             client_key_file: None,
             auth: false,
+            kind: RouteKindName::Http,
+            base_domains: Vec::new(),
+            bucket_resource: None,
+            max_scanned_body_bytes: default_max_scanned_body_bytes(),
+        }
+    }
+
+    /// The `match` template in force: the configured one, or every path on
+    /// an `s3` route that names none.
+    pub fn effective_match(&self) -> &str {
+        if self.match_path.is_empty() && self.kind == RouteKindName::S3 {
+            "/{*path}"
+        } else {
+            &self.match_path
         }
     }
 
@@ -532,10 +583,20 @@ impl RouteConfig {
                 return Err(format!("name: {n:?} must be 1-64 of [A-Za-z0-9_-]"));
             }
         }
-        let matcher =
-            Template::parse_match(&self.match_path).map_err(|e| format!("match: {:?}: {e}", self.match_path))?;
-        if let Some(res) = &self.resource {
-            Template::parse_resource(res, &matcher).map_err(|e| format!("resource: {res:?}: {e}"))?;
+        if self.match_path.is_empty() && self.kind == RouteKindName::Http {
+            return Err("match: required on an http route (a path template such as \"/{*path}\")".into());
+        }
+        let matcher = Template::parse_match(self.effective_match())
+            .map_err(|e| format!("match: {:?}: {e}", self.effective_match()))?;
+        if self.kind == RouteKindName::S3 {
+            crate::proxy::s3::S3Kind::from_config(self)?;
+        } else {
+            if let Some(res) = &self.resource {
+                Template::parse_resource(res, &matcher).map_err(|e| format!("resource: {res:?}: {e}"))?;
+            }
+            if !self.base_domains.is_empty() || self.bucket_resource.is_some() {
+                return Err("base_domains, bucket_resource: only for kind = \"s3\" routes".into());
+            }
         }
         for m in &self.read_methods {
             // Methods are case-sensitive and some backends fold them: an
@@ -584,6 +645,40 @@ mod tests {
     fn unknown_key_is_named() {
         let err = Config::from_toml("[locks]\nmax_ttl = 5\n").unwrap_err();
         assert!(err.contains("max_ttl"), "{err}");
+    }
+
+    #[test]
+    fn s3_routes_default_their_match_and_refuse_what_breaks_signatures() {
+        // The example file's commented S3 route, uncommented, is valid.
+        let example = include_str!("../fencegate.example.toml");
+        let start = example.find("# [[routes]]\n# name = \"s3\"").unwrap();
+        let block: String = example[start..]
+            .lines()
+            .take_while(|l| l.starts_with('#'))
+            .map(|l| l.trim_start_matches("# ").to_string() + "\n")
+            .collect();
+        let c: Config = toml::from_str(&block).unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.routes[0].kind, RouteKindName::S3);
+        let bare: Config = toml::from_str("[[routes]]\nkind = \"s3\"\nupstream = \"http://127.0.0.1:9\"\n").unwrap();
+        bare.validate().unwrap();
+        assert_eq!(bare.routes[0].effective_match(), "/{*path}");
+        for (extra, key) in [
+            ("host_header = \"rewrite\"", "host_header"),
+            ("forward_fencing_token = false", "forward_fencing_token"),
+            ("base_domains = [\"a b\"]", "base_domains"),
+        ] {
+            let text = format!("[[routes]]\nkind = \"s3\"\nupstream = \"http://127.0.0.1:9\"\n{extra}\n");
+            let err = toml::from_str::<Config>(&text).unwrap().validate().unwrap_err();
+            assert!(err.contains(key), "{err}");
+        }
+        let http_no_match: Config = toml::from_str("[[routes]]\nupstream = \"http://127.0.0.1:9\"\n").unwrap();
+        assert!(http_no_match.validate().unwrap_err().contains("match"));
+        let http_domains: Config = toml::from_str(
+            "[[routes]]\nmatch = \"/{*p}\"\nupstream = \"http://127.0.0.1:9\"\nbase_domains = [\"x\"]\n",
+        )
+        .unwrap();
+        assert!(http_domains.validate().is_err());
     }
 
     #[test]

@@ -245,6 +245,78 @@ impl Error {
     }
 }
 
+impl Error {
+    /// The code of S3's XML error body on S3 routes (docs/s3.md): the JSON
+    /// `error` code in S3's spelling (`stale_fencing_token` →
+    /// `StaleFencingToken`), so the two always name the same cause.
+    pub fn s3_code(&self) -> String {
+        camel(self.code())
+    }
+
+    /// The S3 XML error body: `Code`, `Message`, and every field of the
+    /// JSON body in S3's spelling (`token` → `Token`, `last_sequence` →
+    /// `LastSequence`), plus `FencegateError`, the JSON code.
+    pub fn s3_body(&self) -> String {
+        let mut out = String::from("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error>");
+        let mut field = |name: &str, value: &str| {
+            out.push_str(&format!("<{name}>{}</{name}>", xml_escape(value)));
+        };
+        field("Code", &self.s3_code());
+        field("Message", &self.to_string());
+        if let serde_json::Value::Object(map) = self.body() {
+            for (k, v) in map {
+                if k == "error" || k == "message" {
+                    continue;
+                }
+                let text = match &v {
+                    serde_json::Value::String(s) => s.clone(),
+                    other => other.to_string(),
+                };
+                field(&camel(&k), &text);
+            }
+        }
+        field("FencegateError", self.code());
+        out.push_str("</Error>");
+        out
+    }
+
+    /// [`Error::into_response`] with S3's XML error body: the same status
+    /// and headers (`Retry-After`, …), the body for S3 SDKs.
+    pub fn into_s3_response(self) -> Response<BoxBody> {
+        let body = self.s3_body();
+        let mut response = self.into_response();
+        response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/xml"));
+        *response.body_mut() = full(body);
+        response
+    }
+}
+
+fn camel(snake: &str) -> String {
+    snake
+        .split('_')
+        .map(|w| {
+            let mut c = w.chars();
+            c.next().map_or(String::new(), |f| f.to_ascii_uppercase().to_string() + c.as_str())
+        })
+        .collect()
+}
+
+fn xml_escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&apos;"),
+            c if c.is_control() && !matches!(c, '\t' | '\n') => out.push_str(&format!("&#x{:X};", u32::from(c))),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
 /// Shorthand for results whose error is the crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -284,6 +356,35 @@ mod tests {
             assert_eq!(err.code(), code);
             assert_eq!(err.body()["error"], code);
         }
+    }
+
+    #[test]
+    fn s3_errors_carry_the_spec_codes_and_the_json_fields() {
+        let cases = [
+            (Error::StaleFencingToken { key: "b/k".into(), token: 3, fence: 4 }, "StaleFencingToken"),
+            (Error::UnissuedFencingToken { key: "b/k".into(), token: 9, fence: 4 }, "UnissuedFencingToken"),
+            (Error::LeaseExpired { key: "b/k".into(), token: 4 }, "LeaseExpired"),
+            (Error::FencingTokenRequired { key: "b/k".into() }, "FencingTokenRequired"),
+            (Error::MalformedFencingToken("x".into()), "MalformedFencingToken"),
+            (Error::StaleSequence { key: "k".into(), token: 2, sequence: 3, last_sequence: 4 }, "StaleSequence"),
+        ];
+        for (err, code) in cases {
+            assert_eq!(err.s3_code(), code);
+            let body = err.s3_body();
+            assert!(body.contains(&format!("<Code>{code}</Code>")), "{body}");
+            assert!(body.contains(&format!("<FencegateError>{}</FencegateError>", err.code())), "{body}");
+            let status = err.status();
+            let resp = err.into_s3_response();
+            assert_eq!(resp.status(), status);
+            assert_eq!(resp.headers()[header::CONTENT_TYPE], "application/xml");
+        }
+        let body = Error::StaleSequence { key: "a<&>".into(), token: 2, sequence: 3, last_sequence: 4 }.s3_body();
+        for f in ["<Token>2</Token>", "<Sequence>3</Sequence>", "<LastSequence>4</LastSequence>"] {
+            assert!(body.contains(f), "{body}");
+        }
+        assert!(body.contains("a&lt;&amp;&gt;"), "{body}");
+        let body = Error::StaleFencingToken { key: "k".into(), token: 3, fence: 4 }.s3_body();
+        assert!(body.contains("<Fence>4</Fence>") && body.contains("<Token>3</Token>"), "{body}");
     }
 
     #[test]

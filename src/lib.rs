@@ -15,7 +15,7 @@
 //! | [`http1`] | HTTP/1.1 on the wire for the two hand-written loops: hop-by-hop names, the one request-head parser, response heads, deadlines |
 //! | [`tls`] | rustls configs from PEM, SIGHUP reload, client certificate names |
 //! | [`peer`] | who is at the other end of a connection (address, TLS, certificate name) |
-//! | [`proxy`] | routes, path checks and key mapping, the fence check, forwarding (fast path and general), upstreams (http, file) |
+//! | [`proxy`] | routes and their kinds (http path templates, s3), path checks and key mapping, the fence check, forwarding (fast path and general), upstreams (http, file) |
 //! | [`fence`] | token parsing, the in-memory fence table, in-flight tracking, the activation barrier |
 //! | [`authority`] | grants, FIFO waiters, expiry, watch |
 //! | [`store`] | RocksDB: fences, grants, counters; group commit of fsyncs |
@@ -23,7 +23,7 @@
 //! | [`api`] | lease API handlers, `/metrics`, `/healthz`, `/readyz` |
 //! | [`metrics`] | every Prometheus handle |
 //! | [`inject`] | the token-injecting loopback proxy of `fencegate lock --inject` |
-//! | [`client`] | the Rust client: auto-renewing leases, leader election, the token header |
+//! | [`client`] | the Rust client (the `fencegate-client` crate, re-exported): auto-renewing leases, leader election, the token header |
 //! | [`error`] | the error enum: the one place statuses and JSON bodies are chosen |
 //! | [`app`] | wiring a `Config` into a running [`app::Gateway`] |
 //! | [`shutdown`] | the one shutdown signal |

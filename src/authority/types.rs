@@ -1,7 +1,7 @@
 //! The lease API's request and response bodies (docs/lease-api.md) and the checks of
 //! their bounds. Pure data: no locks, no I/O.
 
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 
 use crate::config::LocksConfig;
 use crate::error::Error;
@@ -39,38 +39,9 @@ pub struct ReleaseRequest {
     pub lease_id: String,
 }
 
-/// A grant as its holder receives it. The only answer that carries the
-/// lease id.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct GrantView {
-    pub key: String,
-    pub fencing_token: u64,
-    pub lease_id: String,
-    pub ttl_ms: u64,
-    pub holder: String,
-}
-
-/// Answer to a renewal.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RenewView {
-    pub key: String,
-    pub fencing_token: u64,
-    pub ttl_ms: u64,
-}
-
-/// Status of a key, for anyone allowed to see it: never the lease id.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct StatusView {
-    pub key: String,
-    pub fence: u64,
-    pub held: bool,
-    #[serde(skip_serializing_if = "Option::is_none", default)]
-    pub fencing_token: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none", default)]
-    pub holder: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none", default)]
-    pub expires_in_ms: Option<u64>,
-}
+// The answers the lease API sends are the client crate's types, so the two
+// can never disagree on a field.
+pub use fencegate_client::{GrantView, RenewView, StatusView};
 
 /// Checks a key against docs/concepts.md: UTF-8 (guaranteed by `&str`), 1–512
 /// bytes, no control characters.

@@ -423,6 +423,38 @@ impl FenceTable {
         Ok(Admission::Admitted(InflightGuard { table: self.clone(), key, token, sequence: None, id, ctl }))
     }
 
+    /// All-or-nothing admission of a request that changes several keys
+    /// (`DeleteObjects`, `RenameObject`): each `(key, token)` is checked
+    /// and registered as in flight as by [`FenceTable::check`] — one atomic
+    /// step per key — in sorted key order (duplicates once). If any key is
+    /// refused, every registration already made is dropped before this
+    /// returns and the refusal is returned with that key's index: the
+    /// request is forwarded with every key registered, or not at all. A
+    /// registration that is dropped again only ever delays a grant's
+    /// barrier; it never lets an older token through.
+    ///
+    /// External routes: a key whose token must first advance the fence is
+    /// returned as [`Admission::MustAdvance`] for the caller to advance.
+    pub fn check_all(
+        self: &Arc<Self>,
+        keys: &[(&str, u64)],
+        policy: CheckPolicy,
+    ) -> Result<Vec<(usize, Admission)>, (usize, Refusal)> {
+        let mut order: Vec<usize> = (0..keys.len()).collect();
+        order.sort_by(|a, b| keys[*a].0.cmp(keys[*b].0));
+        order.dedup_by(|a, b| keys[*a].0 == keys[*b].0);
+        let mut admitted = Vec::with_capacity(order.len());
+        for i in order {
+            let (key, token) = keys[i];
+            match self.check(key, token, policy) {
+                Ok(a) => admitted.push((i, a)),
+                // `admitted` drops here: every registration is undone.
+                Err(refusal) => return Err((i, refusal)),
+            }
+        }
+        Ok(admitted)
+    }
+
     /// [`FenceTable::check`] for a mutation that carries `X-Fencing-Sequence:
     /// sequence`: admissible only if the sequence is above the highest one
     /// forwarded under the current token, which it then becomes — in memory
@@ -659,6 +691,10 @@ impl InflightGuard {
     pub fn token(&self) -> u64 {
         self.token
     }
+    /// The key it is registered under.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
     /// Its `X-Fencing-Sequence`, if it has one.
     pub fn sequence(&self) -> Option<u64> {
         self.sequence
@@ -688,6 +724,25 @@ mod tests {
         t.load(key, fence);
         t.set_live(key, fence, live);
         t
+    }
+
+    #[test]
+    fn several_keys_are_admitted_all_or_none() {
+        let t = table_with("a", 5, true);
+        t.load("b", 7);
+        t.set_live("b", 7, true);
+        let Ok(all) = t.check_all(&[("b", 7), ("a", 5), ("b", 7)], STRICT) else { panic!() };
+        assert_eq!(all.len(), 2, "a key named twice is registered once");
+        assert_eq!((t.inflight("a"), t.inflight("b")), (1, 1));
+        drop(all);
+        // One stale key among several: none stays registered.
+        match t.check_all(&[("a", 5), ("b", 6)], STRICT) {
+            Err((1, Refusal::Stale { token: 6, fence: 7, .. })) => {}
+            other => panic!("{other:?}"),
+        }
+        assert_eq!((t.inflight("a"), t.inflight("b")), (0, 0));
+        assert!(matches!(t.check_all(&[("a", 5), ("c", 5)], STRICT), Err((1, Refusal::Unissued { .. }))));
+        assert_eq!(t.inflight_total(), 0);
     }
 
     #[test]

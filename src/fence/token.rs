@@ -9,7 +9,9 @@ use http::header::GetAll;
 use http::HeaderValue;
 
 /// True for the names fencing reads (`X-Fencing-Token`,
-/// `X-Fencing-Sequence`), in any case.
+/// `X-Fencing-Sequence`), in any case. (S3 routes' `X-Fencing-Tokens` is
+/// read before hop-by-hop removal too; a `Connection` naming it only keeps
+/// it from the upstream.)
 pub fn is_fencing_header(name: &[u8]) -> bool {
     name.eq_ignore_ascii_case(b"x-fencing-token") || name.eq_ignore_ascii_case(b"x-fencing-sequence")
 }

@@ -152,7 +152,7 @@ async fn serve_one(
     }
     let path_only = target.split_once('?').map_or(target, |(p, _)| p);
     let Ok(checked) = path::check_path(path_only) else { return Next::General };
-    let Some((route, key)) = proxy.route_for(&checked) else { return Next::General };
+    let Some((route, key)) = proxy.route_for(path_only, &checked) else { return Next::General };
     let Ok(method) = Method::from_bytes(&c.buf[head.method.clone()]) else { return Next::General };
     let mutation = route.is_mutation(&method);
     // The path rule's route-dependent half: a refusal is the general path's.

@@ -5,6 +5,10 @@
 //!    a route, and mapped to a resource key; the method is classified once
 //!    ([`Route::is_mutation`]: all but the route's read methods) and a
 //!    mutation's trailing slash refused where the upstream folds it;
+//!    on an S3 route ([`s3`]) the keys come from bucket, key, subresource
+//!    and headers instead — for `DeleteObjects`/`PostObject` from a bounded
+//!    copy of the body — and a request that changes several keys is
+//!    admitted for all of them or none ([`FenceTable::check_all`]);
 //! 2. `admit`   — the token is parsed and compared with the key's fence;
 //!    an admissible mutation is registered as in flight in the same atomic
 //!    step (external routes first advance the fence durably and wait for
@@ -20,6 +24,7 @@ pub mod filestore;
 pub mod headers;
 pub mod path;
 pub mod pool;
+pub mod s3;
 pub mod upstream;
 
 use std::borrow::Cow;
@@ -32,7 +37,7 @@ use tokio::time::Instant;
 use crate::auth::Auth;
 use crate::authority::{validate_key, Authority};
 use crate::body::BoxBody;
-use crate::config::{Config, FenceAuthority, HostHeader, TrailingSlash};
+use crate::config::{Config, FenceAuthority, HostHeader, RouteKindName, TrailingSlash};
 use crate::error::Error;
 use crate::fence::token::TokenError;
 use crate::fence::{parse_token_header, Admission, CheckPolicy, FenceTable, InflightGuard, Refusal};
@@ -42,14 +47,39 @@ use crate::store::{wait_durable, Store};
 use crate::template::Template;
 use fenced_body::FencedBody;
 use headers::{X_FENCING_SEQUENCE, X_FENCING_TOKEN};
+use s3::S3Kind;
 use upstream::{SendError, Upstream, UpstreamUrl};
+
+/// How a route turns a request into the keys it touches: the route kind
+/// seam. The kind classifies; the one admission decision
+/// ([`Proxy::admit`] / [`FenceTable::check`], or
+/// [`FenceTable::check_all`] for several keys) and the one forwarding path
+/// stay the proxy's.
+#[derive(Debug)]
+enum Kind {
+    /// Path templates: the key from the checked path and the `resource`
+    /// template; mutations by method; the fast path may take it; the
+    /// request-target goes upstream behind the upstream's prefix.
+    Http { resource: Option<Template> },
+    /// An S3-compatible store (docs/s3.md): keys from `Host`, path, query
+    /// and — for `DeleteObjects` and `PostObject` — a bounded copy of the
+    /// body; the general path only; the request-target, `Host` and body
+    /// forwarded byte for byte; errors as S3 XML.
+    S3(S3Kind),
+}
+
+/// The route a request path selected.
+enum Selected<'s, 'c> {
+    Http(&'s Route, Cow<'c, str>, &'c path::CheckedPath),
+    S3(&'s Route, &'s S3Kind),
+}
 
 /// One configured route, ready to serve.
 #[derive(Debug)]
 pub struct Route {
     pub name: String,
     matcher: Template,
-    resource: Option<Template>,
+    kind: Kind,
     upstream: Upstream,
     /// The methods forwarded as reads; see [`Route::is_mutation`].
     read_methods: Vec<Method>,
@@ -76,6 +106,11 @@ impl Route {
     /// a method nobody listed fails safe, as a write that needs a token.
     pub fn is_mutation(&self, method: &Method) -> bool {
         !self.read_methods.contains(method)
+    }
+
+    /// Whether refusals on this route are rendered as S3 XML errors.
+    pub fn is_s3(&self) -> bool {
+        matches!(self.kind, Kind::S3(_))
     }
 
     /// The path rule's half that depends on the route: on a route whose
@@ -226,9 +261,18 @@ impl Proxy {
         let mut routes = Vec::new();
         for (i, rc) in cfg.effective_routes().iter().enumerate() {
             let bad = |e: String| Error::Internal(format!("routes[{i}]: {e}"));
-            let matcher = Template::parse_match(&rc.match_path).map_err(bad)?;
-            let resource =
-                rc.resource.as_deref().map(|r| Template::parse_resource(r, &matcher)).transpose().map_err(bad)?;
+            let matcher = Template::parse_match(rc.effective_match()).map_err(bad)?;
+            let kind = match rc.kind {
+                RouteKindName::Http => Kind::Http {
+                    resource: rc
+                        .resource
+                        .as_deref()
+                        .map(|r| Template::parse_resource(r, &matcher))
+                        .transpose()
+                        .map_err(bad)?,
+                },
+                RouteKindName::S3 => Kind::S3(S3Kind::from_config(rc).map_err(bad)?),
+            };
             let url = UpstreamUrl::parse(&rc.upstream).map_err(bad)?;
             let tls = crate::tls::TlsFiles {
                 ca_file: rc.ca_file.clone(),
@@ -249,7 +293,7 @@ impl Proxy {
                 forwarded: metrics.mutations.with_label_values(&[&name, "forwarded"]),
                 name,
                 matcher,
-                resource,
+                kind,
                 upstream,
                 read_methods,
                 trailing_slash: rc.trailing_slash,
@@ -288,7 +332,10 @@ impl Proxy {
                     self.metrics.mutations.with_label_values(&[&route.name, outcome]).inc();
                 }
                 let code = refused.error.code();
-                (refused.error.into_response(), code)
+                match seen.route {
+                    Some(route) if route.is_s3() => (refused.error.into_s3_response(), code),
+                    _ => (refused.error.into_response(), code),
+                }
             }
         };
         let elapsed = started.elapsed();
@@ -315,14 +362,57 @@ impl Proxy {
         response
     }
 
-    /// The first route matching a checked path, and the path's resource key.
-    fn route_for<'s, 'c>(&'s self, checked: &'c path::CheckedPath) -> Option<(&'s Route, Cow<'c, str>)> {
-        let segments = checked.segments();
-        // Captures are built only for a route with a resource template.
-        self.routes.iter().find_map(|r| match &r.resource {
-            Some(t) => r.matcher.matches(&segments).map(|caps| (r, Cow::Owned(t.render(&caps)))),
-            None => r.matcher.is_match(&segments).then_some((r, Cow::Borrowed(checked.decoded.as_str()))),
-        })
+    /// The first route that takes a request path, first match wins: HTTP
+    /// routes match the checked path (`None`: it failed the path rule, so
+    /// no HTTP route takes it), S3 routes the raw path (S3 keys are not
+    /// held to the path rule; the S3 kind checks its own).
+    fn select<'s, 'c>(&'s self, raw: &str, checked: Option<&'c path::CheckedPath>) -> Option<Selected<'s, 'c>> {
+        let segments = checked.map(path::CheckedPath::segments);
+        let mut raw_segments: Option<Vec<&str>> = None;
+        for r in &self.routes {
+            match &r.kind {
+                Kind::Http { resource } => {
+                    let (Some(checked), Some(segments)) = (checked, segments.as_deref()) else { continue };
+                    // Captures are built only for a route with a resource template.
+                    match resource {
+                        Some(t) => {
+                            if let Some(caps) = r.matcher.matches(segments) {
+                                return Some(Selected::Http(r, Cow::Owned(t.render(&caps)), checked));
+                            }
+                        }
+                        None => {
+                            if r.matcher.is_match(segments) {
+                                return Some(Selected::Http(r, Cow::Borrowed(checked.decoded.as_str()), checked));
+                            }
+                        }
+                    }
+                }
+                Kind::S3(s3) => {
+                    let segs = raw_segments.get_or_insert_with(|| {
+                        let rest = raw.strip_prefix('/').unwrap_or(raw);
+                        if rest.is_empty() {
+                            Vec::new()
+                        } else {
+                            rest.split('/').collect()
+                        }
+                    });
+                    if r.matcher.is_match(segs) {
+                        return Some(Selected::S3(r, s3));
+                    }
+                }
+            }
+        }
+        None
+    }
+
+    /// The route of a checked path and its resource key, when the route is
+    /// one the fast path may take (an HTTP route); `None` sends the request
+    /// to the general path, which selects the same route again.
+    fn route_for<'s, 'c>(&'s self, raw: &str, checked: &'c path::CheckedPath) -> Option<(&'s Route, Cow<'c, str>)> {
+        match self.select(raw, Some(checked))? {
+            Selected::Http(r, key, _) => Some((r, key)),
+            Selected::S3(..) => None,
+        }
     }
 
     async fn handle_inner<'a>(
@@ -337,25 +427,34 @@ impl Proxy {
             return Err(headers::fencing_header_named_hop_by_hop().into());
         }
         // 1. route
-        let checked = match path::check_path(req.uri().path()) {
-            Ok(p) => p,
-            Err(msg) => return Err(Error::BadRequest(format!("path refused: {msg}")).into()),
-        };
-        let Some((route, key)) = self.route_for(&checked) else {
-            return Err(Error::NotFound(format!("no route for {}", req.uri().path())).into());
+        let checked = path::check_path(req.uri().path());
+        let (route, key, checked) = match self.select(req.uri().path(), checked.as_ref().ok()) {
+            Some(Selected::Http(route, key, checked)) => (route, key, checked),
+            Some(Selected::S3(route, s3)) => {
+                seen.route = Some(route);
+                return Box::pin(self.handle_s3(route, s3, req, client, seen)).await;
+            }
+            None => {
+                return Err(match checked {
+                    Err(msg) => Error::BadRequest(format!("path refused: {msg}")),
+                    Ok(_) => Error::NotFound(format!("no route for {}", req.uri().path())),
+                }
+                .into())
+            }
         };
         seen.route = Some(route);
         if seen.log {
             seen.key = Some(key.to_string());
         }
         let mutation = route.is_mutation(req.method());
-        route.check_trailing_slash(&checked, mutation)?;
+        route.check_trailing_slash(checked, mutation)?;
         if route.auth {
             // Proxy-Authorization is hop-by-hop: it never reaches the upstream.
             let principal = self.auth.require(req.headers(), "proxy-authorization", client.cert_cn.as_deref())?;
             principal.authorize(&key)?;
         }
-        self.admit_and_forward(route, &key, &checked.decoded, mutation, req, client).await
+        let parsed = parse_token_header(req.headers().get_all(&X_FENCING_TOKEN));
+        self.admit_and_forward(route, &key, &checked.decoded, mutation, parsed, req, client).await
     }
 
     /// The fence check of docs/proxy.md for one request: the one decision both
@@ -415,17 +514,18 @@ impl Proxy {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn admit_and_forward(
         &self,
         route: &Route,
         key: &str,
         object: &str,
         mutation: bool,
+        parsed: Result<Option<u64>, TokenError>,
         req: Request<BoxBody>,
         client: &Peer,
     ) -> Result<Response<BoxBody>, Refused> {
         // 2. admit
-        let parsed = parse_token_header(req.headers().get_all(&X_FENCING_TOKEN));
         let token = parsed.as_ref().ok().copied().flatten();
         let sequence = parse_token_header(req.headers().get_all(&X_FENCING_SEQUENCE));
         let guard = match self.admit(route, key, mutation, parsed, sequence) {
@@ -470,7 +570,7 @@ impl Proxy {
         // 3. forward
         // Boxed once here: every caller above then carries a pointer, not
         // the forwarding state (kilobytes, copied at each level otherwise).
-        Box::pin(self.forward(route, key, object, mutation, req, client, guard, token)).await
+        Box::pin(self.forward(route, key, object, mutation, req, client, guard.into_iter().collect(), token)).await
     }
 
     /// An external route's new token: durable first, then the barrier on
@@ -580,7 +680,7 @@ impl Proxy {
         mutation: bool,
         req: Request<BoxBody>,
         client: &Peer,
-        guard: Option<InflightGuard>,
+        guards: Vec<InflightGuard>,
         token: Option<u64>,
     ) -> Result<Response<BoxBody>, Refused> {
         let outcome_word = |w: &'static str| mutation.then_some(w);
@@ -590,29 +690,31 @@ impl Proxy {
             return Err(Error::PayloadTooLarge { limit_bytes: route.max_body_bytes }.into());
         }
         let (parts, body) = req.into_parts();
-        let ctl = guard.as_ref().map(|g| g.ctl().clone());
+        // A body still streaming is cut off when the fence of (the first
+        // of) its keys moves; the bodies of several-key requests are
+        // already read whole.
+        let ctl = guards.first().map(|g| g.ctl().clone());
         let (body, body_outcome) = FencedBody::new(body, ctl, route.max_body_bytes);
         let mut up = Request::from_parts(parts, body);
         headers::prepare_request(&mut up, client, route.host_header, route.upstream.host(), route.forward_token);
         let started = Instant::now();
-        let sent = match guard {
-            None => route.upstream.send(up, object, token, route.upstream_timeout).await,
+        let sent = if guards.is_empty() {
+            route.upstream.send(up, object, token, route.upstream_timeout).await
+        } else {
             // A registered mutation's exchange runs as its own task, which
             // ends the registration (4.) only when the upstream has answered
             // or failed — also when the client hangs up meanwhile and this
             // future is dropped: activation must still wait for a write the
             // upstream may yet apply.
-            Some(guard) => {
-                let (upstream, object, timeout) = (route.upstream.clone(), object.to_string(), route.upstream_timeout);
-                let exchange = tokio::spawn(async move {
-                    let sent = upstream.send(up, &object, token, timeout).await;
-                    drop(guard);
-                    sent
-                });
-                match exchange.await {
-                    Ok(sent) => sent,
-                    Err(e) => Err(SendError::Other(format!("the exchange task failed: {e}"))),
-                }
+            let (upstream, object, timeout) = (route.upstream.clone(), object.to_string(), route.upstream_timeout);
+            let exchange = tokio::spawn(async move {
+                let sent = upstream.send(up, &object, token, timeout).await;
+                drop(guards);
+                sent
+            });
+            match exchange.await {
+                Ok(sent) => sent,
+                Err(e) => Err(SendError::Other(format!("the exchange task failed: {e}"))),
             }
         };
         route.upstream_duration.observe(started.elapsed().as_secs_f64());

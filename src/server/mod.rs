@@ -175,7 +175,7 @@ pub enum FastPath {
     /// The proxy's forwarding fast path ([`crate::proxy::fast`]).
     Proxy(Arc<Proxy>),
     /// The small HTTP/1.1 loop in front of the listener's own handler
-    /// ([`crate::h1`]); bodies above `max_body_bytes` go to the general path.
+    /// ([`api_loop`]); bodies above `max_body_bytes` go to the general path.
     Handler { max_body_bytes: u64 },
 }
 

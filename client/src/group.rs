@@ -20,8 +20,8 @@ use serde_json::{json, Value};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::{millis, refusal, token_header, Client, ClientError};
-use crate::authority::{GrantView, RenewView};
+use crate::views::{GrantView, RenewView};
+use crate::{millis, refusal, token_header, Client, ClientError};
 
 /// Most operations the gateway takes in one batch.
 pub const BATCH_LIMIT: usize = 1_000;

@@ -1,0 +1,471 @@
+//! The S3 route kind (docs/s3.md): which resources an S3 request touches,
+//! and whether it mutates them, judged from the request head — or, for the
+//! two operations that name their keys only in the body (`DeleteObjects`,
+//! browser `PostObject`), from a bounded copy of the body.
+//!
+//! This module classifies; it never forwards, never admits and never
+//! rewrites a byte. The request-target, `Host`, signed headers and body
+//! are forwarded exactly as the client sent them (SigV4 signs them all).
+//!
+//! Resources: an object request's resource is `{bucket}/{key}` (or the
+//! route's `resource` template over `{bucket}`, `{key}`, `{dir}`); a
+//! bucket-level request's is `{bucket}` (or `bucket_resource`). The bucket
+//! is the first label of `Host` under one of `base_domains`
+//! (virtual-hosted style), else the first path segment (path style). The
+//! key is the rest of the path, percent-decoded once, as S3 decodes it.
+
+pub mod form;
+mod serve;
+pub mod tokens;
+pub mod xml;
+
+use http::{header, HeaderMap, Method, Uri};
+
+use crate::config::RouteConfig;
+use crate::error::Error;
+use crate::template::{Captures, Template};
+
+/// The header naming a `CopyObject`/`UploadPartCopy` source (only read).
+pub const COPY_SOURCE: &str = "x-amz-copy-source";
+/// The header naming a `RenameObject` source (mutated: it disappears).
+pub const RENAME_SOURCE: &str = "x-amz-rename-source";
+/// Most keys one `DeleteObjects` request may name (S3's own limit).
+pub const MAX_DELETE_KEYS: usize = 1000;
+
+/// An S3 route's settings, parsed once.
+#[derive(Debug, Clone)]
+pub struct S3Kind {
+    /// Lower-case, without a leading dot.
+    base_domains: Vec<String>,
+    /// Over `{bucket}`, `{key}`, `{dir}`; `None`: `{bucket}/{key}`.
+    resource: Option<Template>,
+    /// Over `{bucket}` (`{key}` and `{dir}` render empty).
+    bucket_resource: Option<Template>,
+    /// Most body bytes read before admission (DeleteObjects, PostObject).
+    pub max_scanned_body_bytes: u64,
+}
+
+/// What an S3 request touches, judged from its head.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum S3Plan {
+    /// The keys are known from the head. `primary`: the resource logged
+    /// and checked for a read; `mutated`: every resource the request
+    /// changes (empty for a read; two for `RenameObject` unless a template
+    /// folds them into one).
+    Head { primary: String, mutated: Vec<String> },
+    /// `DeleteObjects`: the keys are in the XML body.
+    DeleteObjects { bucket: String },
+    /// A browser `PostObject` form upload: the key is a form field.
+    PostObject { bucket: String },
+}
+
+impl S3Plan {
+    /// Whether the request changes state (a body-named plan always does).
+    pub fn is_mutation(&self) -> bool {
+        !matches!(self, S3Plan::Head { mutated, .. } if mutated.is_empty())
+    }
+}
+
+/// The names an S3 resource template may use.
+fn names_template() -> Result<Template, String> {
+    Template::parse_match("/{bucket}/{dir}/{*key}")
+}
+
+/// Percent-decodes `raw` once (`+` stays `+`, as in an S3 path).
+fn percent_decode(raw: &str) -> Result<String, String> {
+    let bytes = raw.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = bytes.get(i + 1..i + 3).ok_or("truncated percent-escape")?;
+            let d = |c: u8| (c as char).to_digit(16);
+            let (Some(h), Some(l)) = (d(hex[0]), d(hex[1])) else {
+                return Err("invalid percent-escape".into());
+            };
+            // Two hex digits: at most 255.
+            out.push(u8::try_from(h * 16 + l).unwrap_or(0));
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).map_err(|_| "not valid UTF-8 once decoded".to_string())
+}
+
+/// The S3 key rule of this gateway: a key with a `.` or `..` segment or an
+/// empty segment other than a trailing one is refused, since
+/// filesystem-backed S3 servers fold such keys into other keys (an alias
+/// past the other key's fence); control characters are refused too.
+pub(crate) fn check_key(key: &str) -> Result<(), String> {
+    if key.chars().any(char::is_control) {
+        return Err("the key contains control characters".into());
+    }
+    let segs: Vec<&str> = key.split('/').collect();
+    let last = segs.len().saturating_sub(1);
+    for (i, seg) in segs.iter().enumerate() {
+        if seg.is_empty() && i != last {
+            return Err("the key has an empty segment (\"//\" or a leading \"/\")".into());
+        }
+        if *seg == "." || *seg == ".." {
+            return Err("the key has a \".\" or \"..\" segment".into());
+        }
+    }
+    Ok(())
+}
+
+/// The subresource names of a raw query (`?uploads&partNumber=1` →
+/// `uploads`, `partNumber`), percent-decoded.
+fn subresources(query: Option<&str>) -> Vec<String> {
+    let Some(q) = query else { return Vec::new() };
+    q.split('&')
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            let name = p.split_once('=').map_or(p, |(n, _)| n);
+            percent_decode(name).unwrap_or_else(|_| name.to_string())
+        })
+        .collect()
+}
+
+/// Object subresources whose POST reads and changes nothing.
+const READ_ONLY_POSTS: [&str; 2] = ["select", "select-type"];
+
+impl S3Kind {
+    /// Parses and checks the S3 settings of a route.
+    pub fn from_config(rc: &RouteConfig) -> Result<S3Kind, String> {
+        let names = names_template()?;
+        let resource =
+            rc.resource.as_deref().map(|r| Template::parse_resource(r, &names)).transpose().map_err(|e| {
+                format!("resource: {e} (an s3 route's resource template may use {{bucket}}, {{key}} and {{dir}})")
+            })?;
+        let bucket_resource = rc
+            .bucket_resource
+            .as_deref()
+            .map(|r| {
+                let t = Template::parse_resource(r, &names)?;
+                if t.render(&Captures::new()).len() == r.len() {
+                    return Err("must name {bucket}".to_string());
+                }
+                Ok(t)
+            })
+            .transpose()
+            .map_err(|e| format!("bucket_resource: {e}"))?;
+        let mut base_domains = Vec::new();
+        for d in &rc.base_domains {
+            let d = d.trim_start_matches('.').to_ascii_lowercase();
+            if d.is_empty() || d.contains(['/', ':', ' ']) {
+                return Err(format!("base_domains: {d:?} is not a domain name"));
+            }
+            base_domains.push(d);
+        }
+        if rc.forward_fencing_token.eq(&false) {
+            return Err("forward_fencing_token: an s3 route forwards X-Fencing-Token (it may be signed)".into());
+        }
+        if rc.host_header == crate::config::HostHeader::Rewrite {
+            return Err("host_header: an s3 route preserves Host (SigV4 signs it)".into());
+        }
+        if let Ok(crate::proxy::upstream::UpstreamUrl::Http { prefix, .. }) =
+            crate::proxy::upstream::UpstreamUrl::parse(&rc.upstream)
+        {
+            if !prefix.is_empty() {
+                return Err("upstream: an s3 route's upstream has no path prefix (SigV4 signs the path)".into());
+            }
+        }
+        if rc.upstream.starts_with("file://") {
+            return Err("upstream: an s3 route needs an http:// or https:// S3-compatible server".into());
+        }
+        if rc.max_scanned_body_bytes == 0 {
+            return Err("max_scanned_body_bytes: must be at least 1".into());
+        }
+        Ok(S3Kind { base_domains, resource, bucket_resource, max_scanned_body_bytes: rc.max_scanned_body_bytes })
+    }
+
+    /// The resource of object `key` in `bucket`.
+    pub fn object_resource(&self, bucket: &str, key: &str) -> String {
+        match &self.resource {
+            None => format!("{bucket}/{key}"),
+            Some(t) => {
+                let dir = key.rsplit_once('/').map_or("", |(d, _)| d);
+                let caps: Captures = [("bucket", bucket), ("key", key), ("dir", dir)]
+                    .into_iter()
+                    .map(|(n, v)| (n.to_string(), v.to_string()))
+                    .collect();
+                t.render(&caps)
+            }
+        }
+    }
+
+    /// The resource of a bucket-level request.
+    pub fn bucket_resource(&self, bucket: &str) -> String {
+        match &self.bucket_resource {
+            None => bucket.to_string(),
+            Some(t) => {
+                let caps: Captures = [("bucket".to_string(), bucket.to_string())].into_iter().collect();
+                t.render(&caps)
+            }
+        }
+    }
+
+    /// The bucket named by a virtual-hosted `Host`, if any.
+    fn host_bucket(&self, headers: &HeaderMap, uri: &Uri) -> Option<String> {
+        if self.base_domains.is_empty() {
+            return None;
+        }
+        let host = match headers.get(header::HOST).and_then(|h| h.to_str().ok()) {
+            Some(h) => h.to_string(),
+            None => uri.authority()?.as_str().to_string(),
+        };
+        // Without the port (an IPv6 literal has no base domain anyway).
+        let host = host.rsplit_once(':').map_or(host.as_str(), |(h, p)| {
+            if p.bytes().all(|b| b.is_ascii_digit()) {
+                h
+            } else {
+                host.as_str()
+            }
+        });
+        let host = host.trim_end_matches('.').to_ascii_lowercase();
+        self.base_domains.iter().find_map(|d| {
+            let bucket = host.strip_suffix(d.as_str())?.strip_suffix('.')?;
+            (!bucket.is_empty()).then(|| bucket.to_string())
+        })
+    }
+
+    /// The bucket and decoded key of a request (`None`: no bucket, a
+    /// service-level request such as `ListBuckets`; key `""`: bucket-level).
+    pub fn locate(&self, uri: &Uri, headers: &HeaderMap) -> Result<Option<(String, String)>, Error> {
+        let bad = |m: String| Error::BadRequest(format!("S3 request refused: {m}"));
+        let raw = uri.path();
+        let rest = raw.strip_prefix('/').ok_or_else(|| bad("the path must start with \"/\"".into()))?;
+        let (bucket, raw_key) = match self.host_bucket(headers, uri) {
+            Some(b) => (b, rest),
+            None => {
+                let (b, k) = rest.split_once('/').unwrap_or((rest, ""));
+                let b = percent_decode(b).map_err(|e| bad(format!("bucket: {e}")))?;
+                (b, k)
+            }
+        };
+        if bucket.is_empty() {
+            return Ok(None);
+        }
+        if bucket.contains(['/', '\\']) || bucket.chars().any(char::is_control) || bucket == "." || bucket == ".." {
+            return Err(bad(format!("{bucket:?} is not a bucket name")));
+        }
+        let key = percent_decode(raw_key).map_err(|e| bad(format!("key: {e}")))?;
+        if !key.is_empty() {
+            check_key(&key).map_err(bad)?;
+        }
+        Ok(Some((bucket, key)))
+    }
+
+    /// Classifies a request head: the S3 operation's resources and whether
+    /// it mutates them, by method, subresource and headers. Every method
+    /// but `GET`, `HEAD` and `OPTIONS` mutates, except `POST ?select`
+    /// (SelectObjectContent) which only reads; an unknown subresource on
+    /// `PUT`, `POST` or `DELETE` is a mutation.
+    pub fn classify(&self, method: &Method, uri: &Uri, headers: &HeaderMap) -> Result<S3Plan, Error> {
+        let read = matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS);
+        let subs = subresources(uri.query());
+        let Some((bucket, key)) = self.locate(uri, headers)? else {
+            if read {
+                return Ok(S3Plan::Head { primary: String::new(), mutated: Vec::new() });
+            }
+            return Err(Error::BadRequest(
+                "S3 request refused: a request that changes state must name a bucket".into(),
+            ));
+        };
+        if key.is_empty() {
+            let resource = self.bucket_resource(&bucket);
+            if read {
+                return Ok(S3Plan::Head { primary: resource, mutated: Vec::new() });
+            }
+            if *method == Method::POST && subs.iter().any(|s| s == "delete") {
+                return Ok(S3Plan::DeleteObjects { bucket });
+            }
+            if *method == Method::POST && subs.is_empty() {
+                return Ok(S3Plan::PostObject { bucket });
+            }
+            return Ok(S3Plan::Head { primary: resource.clone(), mutated: vec![resource] });
+        }
+        let resource = self.object_resource(&bucket, &key);
+        if read || (*method == Method::POST && !subs.is_empty() && subs.iter().all(|s| READ_ONLY_POSTS.contains(&&**s)))
+        {
+            return Ok(S3Plan::Head { primary: resource, mutated: Vec::new() });
+        }
+        let mut mutated = vec![resource.clone()];
+        if *method == Method::PUT && subs.iter().any(|s| s == "renameObject") {
+            // The source key disappears: it is mutated too.
+            let Some(src) = headers.get(RENAME_SOURCE) else {
+                return Err(Error::BadRequest("S3 request refused: RenameObject without x-amz-rename-source".into()));
+            };
+            let src = src.to_str().map_err(|_| Error::BadRequest("x-amz-rename-source is not text".into()))?;
+            let (src_bucket, src_key) = self.source(src, &bucket)?;
+            let src_res = self.object_resource(&src_bucket, &src_key);
+            if !mutated.contains(&src_res) {
+                mutated.push(src_res);
+            }
+        }
+        Ok(S3Plan::Head { primary: resource, mutated })
+    }
+
+    /// A `x-amz-rename-source` value: `[/]bucket/key` (URL-encoded, an
+    /// optional `?versionId=` dropped) or a bare key in `bucket`.
+    fn source(&self, value: &str, bucket: &str) -> Result<(String, String), Error> {
+        let bad = |m: &str| Error::BadRequest(format!("x-amz-rename-source refused: {m}"));
+        let value = value.split_once('?').map_or(value, |(v, _)| v);
+        let decoded = percent_decode(value).map_err(|e| bad(&e))?;
+        let path = decoded.strip_prefix('/').unwrap_or(&decoded);
+        let (b, k) = match path.split_once('/') {
+            Some((b, k)) if b == bucket => (b.to_string(), k.to_string()),
+            _ => (bucket.to_string(), path.to_string()),
+        };
+        if k.is_empty() {
+            return Err(bad("no key"));
+        }
+        check_key(&k).map_err(|e| bad(&e))?;
+        Ok((b, k))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kind(extra: &str) -> S3Kind {
+        let text = format!("kind = \"s3\"\nupstream = \"http://127.0.0.1:9\"\n{extra}");
+        let rc: RouteConfig = toml::from_str(&text).unwrap();
+        S3Kind::from_config(&rc).unwrap()
+    }
+
+    fn plan(k: &S3Kind, method: &str, target: &str, headers: &[(&str, &str)]) -> Result<S3Plan, Error> {
+        let mut h = HeaderMap::new();
+        for (n, v) in headers {
+            h.append(http::HeaderName::from_bytes(n.as_bytes()).unwrap(), v.parse().unwrap());
+        }
+        k.classify(&Method::from_bytes(method.as_bytes()).unwrap(), &target.parse().unwrap(), &h)
+    }
+
+    fn head(primary: &str, mutated: &[&str]) -> S3Plan {
+        S3Plan::Head { primary: primary.into(), mutated: mutated.iter().map(|s| s.to_string()).collect() }
+    }
+
+    #[test]
+    fn object_writes_mutate_their_key_and_reads_do_not() {
+        let k = kind("");
+        assert_eq!(plan(&k, "PUT", "/b/a/c.txt", &[]).unwrap(), head("b/a/c.txt", &["b/a/c.txt"]));
+        assert_eq!(plan(&k, "GET", "/b/a/c.txt", &[]).unwrap(), head("b/a/c.txt", &[]));
+        assert_eq!(plan(&k, "HEAD", "/b/x", &[]).unwrap(), head("b/x", &[]));
+        for target in [
+            "/b/k?uploads",
+            "/b/k?uploadId=1",
+            "/b/k?partNumber=1&uploadId=1",
+            "/b/k?tagging",
+            "/b/k?acl",
+            "/b/k?retention",
+            "/b/k?legal-hold",
+            "/b/k?restore",
+            "/b/k?whatever-new",
+        ] {
+            for m in ["PUT", "POST", "DELETE"] {
+                assert_eq!(plan(&k, m, target, &[]).unwrap(), head("b/k", &["b/k"]), "{m} {target}");
+            }
+        }
+        assert_eq!(plan(&k, "POST", "/b/k?select&select-type=2", &[]).unwrap(), head("b/k", &[]));
+        assert_eq!(plan(&k, "put", "/b/k", &[]).unwrap(), head("b/k", &["b/k"]), "unknown methods mutate");
+    }
+
+    #[test]
+    fn copy_mutates_the_destination_only_and_rename_both_keys() {
+        let k = kind("");
+        let copy = plan(&k, "PUT", "/b/dst", &[("x-amz-copy-source", "/b/src")]).unwrap();
+        assert_eq!(copy, head("b/dst", &["b/dst"]));
+        let part = plan(&k, "PUT", "/b/dst?partNumber=2&uploadId=u", &[("x-amz-copy-source", "b/src")]).unwrap();
+        assert_eq!(part, head("b/dst", &["b/dst"]));
+        let rename = plan(&k, "PUT", "/b/dst?renameObject", &[("x-amz-rename-source", "/b/s%20rc")]).unwrap();
+        assert_eq!(rename, head("b/dst", &["b/dst", "b/s rc"]));
+        assert!(plan(&k, "PUT", "/b/dst?renameObject", &[]).is_err());
+    }
+
+    #[test]
+    fn bucket_requests_use_the_bucket_resource() {
+        let k = kind("");
+        assert_eq!(plan(&k, "PUT", "/b", &[]).unwrap(), head("b", &["b"]));
+        assert_eq!(plan(&k, "PUT", "/b/", &[]).unwrap(), head("b", &["b"]));
+        assert_eq!(plan(&k, "DELETE", "/b", &[]).unwrap(), head("b", &["b"]));
+        assert_eq!(plan(&k, "PUT", "/b?versioning", &[]).unwrap(), head("b", &["b"]));
+        assert_eq!(plan(&k, "GET", "/b?list-type=2", &[]).unwrap(), head("b", &[]));
+        assert_eq!(plan(&k, "POST", "/b?delete", &[]).unwrap(), S3Plan::DeleteObjects { bucket: "b".into() });
+        assert_eq!(plan(&k, "POST", "/b", &[]).unwrap(), S3Plan::PostObject { bucket: "b".into() });
+        assert_eq!(plan(&k, "GET", "/", &[]).unwrap(), head("", &[]));
+        assert!(plan(&k, "PUT", "/", &[]).is_err(), "a mutation names a bucket");
+        let k = kind("bucket_resource = \"buckets/{bucket}\"");
+        assert_eq!(plan(&k, "PUT", "/b", &[]).unwrap(), head("buckets/b", &["buckets/b"]));
+    }
+
+    #[test]
+    fn odd_requests_are_refused_or_classified_never_a_panic() {
+        let k = kind("base_domains = [\"s3.test\"]");
+        let targets =
+            ["/", "//", "/%", "/%e", "/%C3", "/b/%C3%28", "/b?%zz", "/b?=", "/b?&&", "/b/k?renameObject", "/%2F/k"];
+        let hosts = ["[::1]:80", ":80", ".", "s3.test", ".s3.test", "b.s3.test.", "e.s3.test:x", ""];
+        for t in targets {
+            for h in hosts {
+                for m in ["GET", "PUT", "POST", "DELETE", "MOVE"] {
+                    let headers = [("host", h), ("x-amz-rename-source", "%zz")];
+                    let _ = plan(&k, m, t, &headers);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn keys_are_decoded_once_as_s3_decodes_them() {
+        let k = kind("");
+        assert_eq!(plan(&k, "PUT", "/b/a%2Fb+c%25", &[]).unwrap(), head("b/a/b+c%", &["b/a/b+c%"]));
+        assert_eq!(plan(&k, "PUT", "/b/caf%C3%A9", &[]).unwrap(), head("b/café", &["b/café"]));
+        assert_eq!(plan(&k, "PUT", "/b/dir/", &[]).unwrap(), head("b/dir/", &["b/dir/"]));
+        for bad in ["/b/a/../c", "/b/a/%2e%2e/c", "/b/./c", "/b/a//c", "/b/%ff", "/b/a%0a", "/b/%zz", "/b/%2Fa"] {
+            assert!(plan(&k, "PUT", bad, &[]).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn virtual_hosted_buckets_come_from_host() {
+        let k = kind("base_domains = [\"s3.example.internal\"]");
+        let h = [("host", "photos.s3.example.internal:8080")];
+        assert_eq!(plan(&k, "PUT", "/a/b.jpg", &h).unwrap(), head("photos/a/b.jpg", &["photos/a/b.jpg"]));
+        assert_eq!(plan(&k, "PUT", "/", &h).unwrap(), head("photos", &["photos"]));
+        let h = [("host", "My.Bucket.S3.example.internal")];
+        assert_eq!(plan(&k, "DELETE", "/k", &h).unwrap(), head("my.bucket/k", &["my.bucket/k"]));
+        // Any other host: path style.
+        let h = [("host", "127.0.0.1:8080")];
+        assert_eq!(plan(&k, "PUT", "/b/k", &h).unwrap(), head("b/k", &["b/k"]));
+        let h = [("host", "s3.example.internal")];
+        assert_eq!(plan(&k, "PUT", "/b/k", &h).unwrap(), head("b/k", &["b/k"]));
+    }
+
+    #[test]
+    fn templates_fence_a_prefix() {
+        let k = kind("resource = \"{bucket}/{dir}\"");
+        assert_eq!(plan(&k, "PUT", "/b/logs/2026/x", &[]).unwrap(), head("b/logs/2026", &["b/logs/2026"]));
+        let rename = plan(&k, "PUT", "/b/d/x?renameObject", &[("x-amz-rename-source", "/b/d/y")]).unwrap();
+        assert_eq!(rename, head("b/d", &["b/d"]), "one resource when the template folds both keys");
+    }
+
+    #[test]
+    fn bad_settings_are_refused() {
+        for extra in [
+            "resource = \"{nope}\"",
+            "bucket_resource = \"fixed\"",
+            "base_domains = [\"a/b\"]",
+            "forward_fencing_token = false",
+            "host_header = \"rewrite\"",
+        ] {
+            let text = format!("kind = \"s3\"\nupstream = \"http://127.0.0.1:9\"\n{extra}");
+            let rc: RouteConfig = toml::from_str(&text).unwrap();
+            assert!(S3Kind::from_config(&rc).is_err(), "{extra}");
+        }
+        let rc: RouteConfig = toml::from_str("kind = \"s3\"\nupstream = \"http://127.0.0.1:9/base\"\n").unwrap();
+        assert!(S3Kind::from_config(&rc).is_err());
+    }
+}

@@ -1,0 +1,293 @@
+//! An S3 route's request, from classification to the proxy's one
+//! admission and forwarding path.
+//!
+//! The S3 kind says which resources a request touches ([`S3Kind::classify`],
+//! and for `DeleteObjects`/`PostObject` a bounded copy of the body); then a
+//! request that changes at most one resource goes through
+//! [`Proxy::admit_and_forward`] exactly as on an HTTP route, and one that
+//! changes several through [`Proxy::admit_all_and_forward`]:
+//! [`FenceTable::check_all`](crate::fence::FenceTable::check_all), every key
+//! admissible and registered or the whole request refused. Nothing here
+//! forwards by itself, and nothing changes a byte of what is forwarded.
+
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use http::{header, Request, Response};
+use http_body_util::BodyExt;
+
+use super::form::{self, Scan};
+use super::tokens::Tokens;
+use super::{xml, S3Kind, S3Plan};
+use crate::authority::validate_key;
+use crate::body::BoxBody;
+use crate::error::Error;
+use crate::fence::token::TokenError;
+use crate::fence::{Admission, InflightGuard};
+use crate::peer::Peer;
+use crate::proxy::headers::X_FENCING_SEQUENCE;
+use crate::proxy::{Proxy, Refused, Route, Seen};
+
+/// How long a client may take to send the part of a body read before
+/// admission (the keys of `DeleteObjects`, the fields of `PostObject`).
+const SCAN_TIMEOUT: Duration = Duration::from_secs(30);
+
+impl Proxy {
+    pub(in crate::proxy) async fn handle_s3<'a>(
+        &'a self,
+        route: &'a Route,
+        s3: &S3Kind,
+        req: Request<BoxBody>,
+        client: &Peer,
+        seen: &mut Seen<'a>,
+    ) -> Result<Response<BoxBody>, Refused> {
+        let plan = s3.classify(req.method(), req.uri(), req.headers())?;
+        let mut tokens = Tokens::parse(req.headers());
+        let (req, primary, mutated) = match plan {
+            S3Plan::Head { primary, mutated } => (req, primary, mutated),
+            S3Plan::DeleteObjects { bucket } => {
+                let resource = s3.bucket_resource(&bucket);
+                self.token_before_body(route, &resource, &tokens, client)?;
+                let (req, body) = read_whole(req, s3.max_scanned_body_bytes).await?;
+                // The bytes forwarded stay the original ones; only the
+                // reading here looks through an aws-chunked framing.
+                let aws_chunked = req.headers().get_all(header::CONTENT_ENCODING).iter().any(|v| {
+                    v.to_str().is_ok_and(|v| v.split(',').any(|e| e.trim().eq_ignore_ascii_case("aws-chunked")))
+                });
+                let decoded;
+                let body = if aws_chunked {
+                    decoded = xml::aws_unchunk(&body)
+                        .map_err(|e| Error::BadRequest(format!("DeleteObjects refused: its aws-chunked body: {e}")))?;
+                    &decoded[..]
+                } else {
+                    &body[..]
+                };
+                let keys = xml::delete_keys(body)
+                    .map_err(|e| Error::BadRequest(format!("DeleteObjects refused: its XML body: {e}")))?;
+                let mut mutated = Vec::with_capacity(keys.len());
+                for key in keys {
+                    super::check_key(&key)
+                        .map_err(|e| Error::BadRequest(format!("DeleteObjects refused: key {key:?}: {e}")))?;
+                    let r = s3.object_resource(&bucket, &key);
+                    if !mutated.contains(&r) {
+                        mutated.push(r);
+                    }
+                }
+                (req, resource, mutated)
+            }
+            S3Plan::PostObject { bucket } => {
+                let (req, fields, filename) = read_form(req, s3.max_scanned_body_bytes).await?;
+                let key = form::object_key(&fields, &filename)
+                    .ok_or_else(|| Error::BadRequest("PostObject refused: the form has no key field".into()))?;
+                super::check_key(&key).map_err(|e| Error::BadRequest(format!("PostObject refused: key: {e}")))?;
+                if let Some((_, t)) = fields.iter().find(|(n, _)| n == form::TOKEN_FIELD) {
+                    tokens.default_from_field(t);
+                }
+                let resource = s3.object_resource(&bucket, &key);
+                (req, resource.clone(), vec![resource])
+            }
+        };
+        if seen.log {
+            seen.key = Some(primary.clone());
+        }
+        if route.auth {
+            let principal = self.auth.require(req.headers(), "proxy-authorization", client.cert_cn.as_deref())?;
+            for key in if mutated.is_empty() { std::slice::from_ref(&primary) } else { &mutated[..] } {
+                principal.authorize(key)?;
+            }
+        }
+        match &mutated[..] {
+            // Reads are not judged by their token on S3 routes: SDK hooks add
+            // the holder's token to every call, and a token of one key says
+            // nothing about another key's fence (tokens are one sequence
+            // across keys). A deposed writer learns of it on its next write.
+            [] => self.admit_and_forward(route, &primary, "", false, Ok(None), req, client).await,
+            [one] => self.admit_and_forward(route, one, "", true, tokens.for_resource(one), req, client).await,
+            _ => Box::pin(self.admit_all_and_forward(route, &mutated, &tokens, req, client)).await,
+        }
+    }
+
+    /// A body-named mutation without any token is refused on its head,
+    /// before its body is read (and before a `100 Continue`).
+    fn token_before_body(&self, route: &Route, resource: &str, tokens: &Tokens, client: &Peer) -> Result<(), Refused> {
+        if tokens.any() || !route.enforce {
+            return Ok(());
+        }
+        let error = Error::FencingTokenRequired { key: resource.to_string() };
+        self.refuse_or_shadow(route, resource, None, Refused { error, outcome: Some("missing_token") }, client)
+    }
+
+    /// The admission of a request that changes several resources, then the
+    /// one forwarding path: every resource's token must be admissible and
+    /// every resource is registered in flight (all or none, in sorted
+    /// order), or the whole request is refused and nothing is forwarded.
+    pub(in crate::proxy) async fn admit_all_and_forward(
+        &self,
+        route: &Route,
+        mutated: &[String],
+        tokens: &Tokens,
+        req: Request<BoxBody>,
+        client: &Peer,
+    ) -> Result<Response<BoxBody>, Refused> {
+        if req.headers().contains_key(&X_FENCING_SEQUENCE) {
+            return Err(Error::BadRequest(
+                "X-Fencing-Sequence orders the writes of one key: a request that changes several keys cannot carry it"
+                    .into(),
+            )
+            .into());
+        }
+        let mut pairs: Vec<(&str, u64)> = Vec::with_capacity(mutated.len());
+        for key in mutated {
+            validate_key(key)?;
+            match tokens.for_resource(key) {
+                Ok(Some(t)) => pairs.push((key, t)),
+                Ok(None) => {
+                    let error = Error::FencingTokenRequired { key: key.clone() };
+                    self.refuse_or_shadow(route, key, None, Refused { error, outcome: Some("missing_token") }, client)?;
+                }
+                Err(TokenError::Malformed(m)) => {
+                    let error = Error::MalformedFencingToken(m);
+                    let refused = Refused { error, outcome: Some("malformed_token") };
+                    self.refuse_or_shadow(route, key, None, refused, client)?;
+                }
+            }
+        }
+        let mut guards: Vec<InflightGuard> = Vec::with_capacity(pairs.len());
+        match self.fences.check_all(&pairs, route.policy) {
+            Ok(admitted) => {
+                for (i, admission) in admitted {
+                    let (key, token) = pairs[i];
+                    match admission {
+                        Admission::Admitted(g) => guards.push(g),
+                        // `check` takes no sequence: never this.
+                        Admission::AdmittedAfter(..) => {
+                            return Err(Error::Internal("a sequenced admission without a sequence".into()).into())
+                        }
+                        Admission::MustAdvance => {
+                            match self.fences.advance(key, token, None, route.policy, &self.store) {
+                                Ok((g, durable)) => guards.push(self.activate(route, key, token, g, durable).await?),
+                                Err(refusal) => {
+                                    // Every other registration ends here.
+                                    guards.clear();
+                                    self.refusal(route, key, token, refusal, client)?;
+                                    break;
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            Err((i, refusal)) => {
+                let (key, token) = pairs[i];
+                // Enforcing: refused here. Shadow: forwarded unregistered.
+                self.refusal(route, key, token, refusal, client)?;
+            }
+        }
+        if route.policy.external && !guards.is_empty() {
+            // As for one key: another request may be advancing to these
+            // very tokens; wait as it does, then make sure none moved on.
+            let mut current = Vec::with_capacity(guards.len());
+            for g in guards {
+                let key = g.key().to_string();
+                Box::pin(self.fences.barrier(&key, g.token(), route.upstream_timeout)).await;
+                if let Some(g) = self.still_current(route, &key, g, client)? {
+                    current.push(g);
+                }
+            }
+            guards = current;
+        }
+        let first = mutated.first().map_or("", String::as_str);
+        let token = pairs.first().map(|p| p.1);
+        Box::pin(self.forward(route, first, "", true, req, client, guards, token)).await
+    }
+}
+
+/// Reads a whole body of at most `limit` bytes (413 above it) and gives
+/// back the request with the very same bytes as its body.
+async fn read_whole(req: Request<BoxBody>, limit: u64) -> Result<(Request<BoxBody>, Bytes), Refused> {
+    let (parts, mut body) = req.into_parts();
+    if parts.headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok())
+        > Some(limit)
+    {
+        return Err(Error::PayloadTooLarge { limit_bytes: limit }.into());
+    }
+    let mut buf = BytesMut::new();
+    let read = async {
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| Error::BadRequest(format!("reading the request body: {e}")))?;
+            if let Some(d) = frame.data_ref() {
+                buf.extend_from_slice(d);
+                if buf.len() as u64 > limit {
+                    return Err(Error::PayloadTooLarge { limit_bytes: limit });
+                }
+            }
+        }
+        Ok(())
+    };
+    match tokio::time::timeout(SCAN_TIMEOUT, read).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => return Err(e.into()),
+        Err(_) => return Err(Error::BodyTimeout { timeout_ms: 30_000 }.into()),
+    }
+    let bytes = buf.freeze();
+    Ok((Request::from_parts(parts, crate::body::full(bytes.clone())), bytes))
+}
+
+/// Reads a `PostObject` form up to its file part (at most `limit` bytes)
+/// and gives back the request whose body is the bytes read followed by
+/// the rest of the original body, unchanged.
+async fn read_form(
+    req: Request<BoxBody>,
+    limit: u64,
+) -> Result<(Request<BoxBody>, Vec<(String, String)>, String), Refused> {
+    let bad = |m: String| -> Refused { Error::BadRequest(format!("PostObject refused: {m}")).into() };
+    let content_type = req.headers().get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
+    let Some(boundary) = form::boundary(content_type) else {
+        return Err(bad("a POST to a bucket must be a multipart/form-data upload".into()));
+    };
+    let (parts, mut body) = req.into_parts();
+    let mut buf = BytesMut::new();
+    let read = async {
+        loop {
+            match form::scan(&buf, &boundary) {
+                Ok(Scan::Fields { fields, filename }) => return Ok((fields, filename)),
+                Ok(Scan::NeedMore) => {}
+                Err(e) => return Err(bad(e)),
+            }
+            if buf.len() as u64 > limit {
+                return Err(Error::PayloadTooLarge { limit_bytes: limit }.into());
+            }
+            match body.frame().await {
+                Some(Ok(frame)) => {
+                    if let Some(d) = frame.data_ref() {
+                        buf.extend_from_slice(d);
+                    }
+                }
+                Some(Err(e)) => return Err(bad(format!("reading the request body: {e}"))),
+                None => return Err(bad("the body ended before the file part".into())),
+            }
+        }
+    };
+    let (fields, filename) = match tokio::time::timeout(SCAN_TIMEOUT, read).await {
+        Ok(r) => r?,
+        Err(_) => return Err(Error::BodyTimeout { timeout_ms: 30_000 }.into()),
+    };
+    let body = crate::body::prefixed(buf.freeze(), body);
+    Ok((Request::from_parts(parts, body), fields, filename))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_read_body_is_given_back_byte_for_byte() {
+        let req = Request::builder().body(crate::body::full("<Delete/>")).unwrap();
+        let Ok((req, bytes)) = read_whole(req, 100).await else { panic!("refused") };
+        assert_eq!(&bytes[..], b"<Delete/>");
+        let again = req.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(again, bytes);
+        let big = Request::builder().body(crate::body::full(vec![b'x'; 101])).unwrap();
+        assert!(read_whole(big, 100).await.is_err());
+    }
+}

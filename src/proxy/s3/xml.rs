@@ -1,0 +1,284 @@
+//! The keys of a `DeleteObjects` body, and nothing else of XML.
+//!
+//! A deliberately strict reader: the body must be the document S3
+//! documents — an optional `<?xml …?>` declaration, `<Delete>` (any
+//! attributes, e.g. `xmlns`), optional `<Quiet>`, and `<Object>` elements
+//! holding `<Key>` and optionally `<VersionId>`, `<ETag>`,
+//! `<LastModifiedTime>`, `<Size>`. Text may use the five predefined
+//! entities and character references. Anything else — comments, CDATA,
+//! a DOCTYPE, processing instructions, namespace prefixes, unknown
+//! elements, an `<Object>` without exactly one `<Key>` — is refused, so a
+//! server can never see a key this reader did not (a refused request is
+//! never forwarded).
+
+use super::MAX_DELETE_KEYS;
+
+/// The object keys a `DeleteObjects` body names, in order.
+pub fn delete_keys(body: &[u8]) -> Result<Vec<String>, String> {
+    let text = std::str::from_utf8(body).map_err(|_| "the body is not UTF-8")?;
+    let mut r = Reader { s: text, i: 0 };
+    r.skip_ws();
+    if r.rest().starts_with("<?xml") {
+        let end = r.rest().find("?>").ok_or("unterminated XML declaration")?;
+        r.i += end + 2;
+    }
+    r.skip_ws();
+    r.open("Delete")?;
+    let mut keys = Vec::new();
+    loop {
+        r.skip_ws();
+        if r.rest().starts_with("</") {
+            r.close("Delete")?;
+            break;
+        }
+        let name = r.open_any()?;
+        match name.as_str() {
+            "Quiet" => {
+                r.text()?;
+                r.close("Quiet")?;
+            }
+            "Object" => {
+                let mut key = None;
+                loop {
+                    r.skip_ws();
+                    if r.rest().starts_with("</") {
+                        r.close("Object")?;
+                        break;
+                    }
+                    let field = r.open_any()?;
+                    let value = r.text()?;
+                    r.close(&field)?;
+                    match field.as_str() {
+                        "Key" if key.is_none() => key = Some(value),
+                        "Key" => return Err("an <Object> with two <Key>s".into()),
+                        "VersionId" | "ETag" | "LastModifiedTime" | "Size" => {}
+                        other => return Err(format!("unexpected <{other}> in <Object>")),
+                    }
+                }
+                let key = key.ok_or("an <Object> without <Key>")?;
+                keys.push(key);
+                if keys.len() > MAX_DELETE_KEYS {
+                    return Err(format!("more than {MAX_DELETE_KEYS} keys"));
+                }
+            }
+            other => return Err(format!("unexpected <{other}> in <Delete>")),
+        }
+    }
+    r.skip_ws();
+    if r.i != r.s.len() {
+        return Err("content after </Delete>".into());
+    }
+    if keys.is_empty() {
+        return Err("no <Object> to delete".into());
+    }
+    Ok(keys)
+}
+
+/// The payload of an `aws-chunked` body (`hex-size[;chunk-signature=…]`
+/// CRLF data CRLF …, a zero-size chunk, then trailers), for reading only.
+pub fn aws_unchunk(body: &[u8]) -> Result<Vec<u8>, String> {
+    let mut out = Vec::with_capacity(body.len());
+    let mut rest = body;
+    loop {
+        let line_end = rest.windows(2).position(|w| w == b"\r\n").ok_or("a chunk header without CRLF")?;
+        let header = std::str::from_utf8(&rest[..line_end]).map_err(|_| "a chunk header is not text")?;
+        let size_text = header.split(';').next().unwrap_or("").trim();
+        let size = usize::from_str_radix(size_text, 16).map_err(|_| format!("bad chunk size {size_text:?}"))?;
+        rest = &rest[line_end + 2..];
+        if size == 0 {
+            return Ok(out);
+        }
+        let data = rest.get(..size).ok_or("a chunk shorter than its size")?;
+        out.extend_from_slice(data);
+        rest = rest.get(size..).and_then(|r| r.strip_prefix(b"\r\n")).ok_or("a chunk not followed by CRLF")?;
+    }
+}
+
+struct Reader<'a> {
+    s: &'a str,
+    i: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn rest(&self) -> &'a str {
+        &self.s[self.i..]
+    }
+
+    fn skip_ws(&mut self) {
+        let trimmed = self.rest().trim_start_matches([' ', '\t', '\r', '\n']);
+        self.i = self.s.len() - trimmed.len();
+    }
+
+    /// `<Name attr…>`: the name (a plain name, no prefix, not self-closing).
+    fn open_any(&mut self) -> Result<String, String> {
+        let rest = self.rest();
+        let Some(inner) = rest.strip_prefix('<') else {
+            return Err("expected an element".into());
+        };
+        let end = inner.find('>').ok_or("unterminated tag")?;
+        let tag = &inner[..end];
+        if tag.ends_with('/') {
+            return Err(format!("unexpected empty element <{tag}>"));
+        }
+        let name = tag.split([' ', '\t', '\r', '\n']).next().unwrap_or("");
+        if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric()) {
+            return Err(format!("unexpected markup <{}", tag.chars().take(40).collect::<String>()));
+        }
+        self.i += 1 + end + 1;
+        Ok(name.to_string())
+    }
+
+    fn open(&mut self, want: &str) -> Result<(), String> {
+        let name = self.open_any()?;
+        if name != want {
+            return Err(format!("expected <{want}>, found <{name}>"));
+        }
+        Ok(())
+    }
+
+    fn close(&mut self, want: &str) -> Result<(), String> {
+        let tag = format!("</{want}>");
+        if !self.rest().starts_with(&tag) {
+            return Err(format!("expected {tag}"));
+        }
+        self.i += tag.len();
+        Ok(())
+    }
+
+    /// Text up to the next `<`, entities resolved.
+    fn text(&mut self) -> Result<String, String> {
+        let rest = self.rest();
+        let end = rest.find('<').ok_or("unterminated text")?;
+        let raw = &rest[..end];
+        self.i += end;
+        unescape(raw)
+    }
+}
+
+fn unescape(raw: &str) -> Result<String, String> {
+    if raw.contains('\r') {
+        // XML folds a raw CR (and CRLF) into LF: a key sent that way is
+        // read differently by a conforming server. Refused.
+        return Err("a raw carriage return in text".into());
+    }
+    let mut out = String::with_capacity(raw.len());
+    let mut rest = raw;
+    while let Some(amp) = rest.find('&') {
+        out.push_str(&rest[..amp]);
+        let after = &rest[amp + 1..];
+        let semi = after.find(';').ok_or("unterminated entity")?;
+        let name = &after[..semi];
+        let c = match name {
+            "amp" => '&',
+            "lt" => '<',
+            "gt" => '>',
+            "quot" => '"',
+            "apos" => '\'',
+            _ => {
+                let code = if let Some(hex) = name.strip_prefix("#x").or_else(|| name.strip_prefix("#X")) {
+                    u32::from_str_radix(hex, 16).ok()
+                } else if let Some(dec) = name.strip_prefix('#') {
+                    dec.parse().ok()
+                } else {
+                    None
+                };
+                code.and_then(char::from_u32).ok_or_else(|| format!("unknown entity &{name};"))?
+            }
+        };
+        out.push(c);
+        rest = &after[semi + 1..];
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_documented_body_gives_its_keys() {
+        let body = br#"<?xml version="1.0" encoding="UTF-8"?>
+<Delete xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><Quiet>true</Quiet>
+  <Object><Key>a/b.txt</Key></Object>
+  <Object><Key>x &amp; y&#x2F;&lt;z&gt;</Key><VersionId>v1</VersionId></Object>
+</Delete>"#;
+        assert_eq!(delete_keys(body).unwrap(), vec!["a/b.txt".to_string(), "x & y/<z>".to_string()]);
+    }
+
+    #[test]
+    fn anything_unexpected_is_refused() {
+        for bad in [
+            "",
+            "<Delete></Delete>",
+            "<Delete><Object></Object></Delete>",
+            "<Delete><Object><Key>a</Key><Key>b</Key></Object></Delete>",
+            "<Delete><!-- c --><Object><Key>a</Key></Object></Delete>",
+            "<Delete><Object><Key><![CDATA[a]]></Key></Object></Delete>",
+            "<!DOCTYPE x><Delete><Object><Key>a</Key></Object></Delete>",
+            "<Delete><Object><s3:Key>a</s3:Key></Object></Delete>",
+            "<Delete><Object><Key>a</Key><Other>1</Other></Object></Delete>",
+            "<Delete><Object><Key>&bogus;</Key></Object></Delete>",
+            "<Delete><Object><Key>a</Key></Object></Delete><Delete/>",
+            "<Delete><Object><Key>a</Key></Object>",
+            "<Delete><Object><Key/></Object></Delete>",
+        ] {
+            assert!(delete_keys(bad.as_bytes()).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn no_input_makes_it_panic() {
+        // Every prefix of a valid body, and bytes from a small PRNG mixed
+        // into markup-looking text: errors, never a panic.
+        let valid =
+            "<?xml version=\"1.0\"?><Delete><Object><Key>é&amp;&#x41;</Key><VersionId>v</VersionId></Object></Delete>";
+        for cut in 0..=valid.len() {
+            let _ = delete_keys(&valid.as_bytes()[..cut]);
+        }
+        let alphabet = "<>/&;#x?! DeleteObjectKey=\"éab\r\n";
+        let chars: Vec<char> = alphabet.chars().collect();
+        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+        for _ in 0..20_000 {
+            let len = (seed % 48) as usize;
+            let mut s = String::new();
+            for _ in 0..len {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                s.push(chars[(seed % chars.len() as u64) as usize]);
+            }
+            let _ = delete_keys(s.as_bytes());
+            let _ = delete_keys(format!("<Delete><Object><Key>{s}</Key></Object></Delete>").as_bytes());
+        }
+    }
+
+    #[test]
+    fn aws_chunked_bodies_are_read_through_their_framing() {
+        let body = b"<Delete><Object><Key>a</Key></Object></Delete>";
+        let framed = [
+            format!("{:x};chunk-signature=abc\r\n", 10).into_bytes(),
+            body[..10].to_vec(),
+            b"\r\n".to_vec(),
+            format!("{:x};chunk-signature=def\r\n", body.len() - 10).into_bytes(),
+            body[10..].to_vec(),
+            b"\r\n0;chunk-signature=0\r\nx-amz-checksum-crc32:AAAA\r\n\r\n".to_vec(),
+        ]
+        .concat();
+        assert_eq!(aws_unchunk(&framed).unwrap(), body.to_vec());
+        assert_eq!(delete_keys(&aws_unchunk(&framed).unwrap()).unwrap(), vec!["a".to_string()]);
+        for bad in [&b"zz\r\n"[..], b"5\r\nab", b"2\r\nabc\r\n0\r\n", b"", b"1\r\n"] {
+            assert!(aws_unchunk(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn at_most_a_thousand_keys() {
+        let body = |n: usize| {
+            let objects: String = (0..n).map(|i| format!("<Object><Key>k{i}</Key></Object>")).collect();
+            format!("<Delete>{objects}</Delete>")
+        };
+        assert_eq!(delete_keys(body(1000).as_bytes()).unwrap().len(), 1000);
+        assert!(delete_keys(body(1001).as_bytes()).is_err());
+    }
+}
