@@ -10,7 +10,7 @@
 //! and released 50,000 times a second with a 30 s TTL used to leave 1.5
 //! million entries behind).
 //!
-//! Due grants are ended in slices of [`EXPIRE_PER_TURN`] with a yield to
+//! Due grants are ended in slices of `EXPIRE_PER_TURN` (256) with a yield to
 //! the runtime between slices: 500,000 leases due in the same second used
 //! to hold the gateway's thread for about a second (no request answered);
 //! now they share it with requests while they are worked off.
