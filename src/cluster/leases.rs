@@ -173,16 +173,10 @@ impl Cluster {
         let grant = bounded(self.timeout, "granting a lease", leases.grant(ttl_s, None)).await?;
         let lease = grant.id();
         let granted_ms = u64::try_from(grant.ttl()).unwrap_or(0).saturating_mul(1000);
-        let revision = grant.header().map_or(0, |h| h.revision());
+        // Every token seen before this transaction was committed earlier in
+        // etcd's history, so its revision is above them all — unless that
+        // history was rolled back (a restore, a new cluster).
         let floor = self.floor.get();
-        if offset.saturating_add(rev_u64(revision)) < floor {
-            let _ = bounded(self.timeout, "revoking", leases.revoke(lease)).await;
-            return Err(Error::Unavailable(format!(
-                "etcd's revision {revision} (+ offset {offset}) is below the token floor {floor}: etcd was restored or \
-                 replaced, and granting now could issue a token twice; an operator must run \
-                 `fencegate cluster raise-floor --to {floor}`"
-            )));
-        }
         let value = GrantValue { s: secret.to_string(), h: holder.to_string(), t: granted_ms, o: offset };
         let value = serde_json::to_vec(&value).map_err(|e| Error::Internal(format!("encoding a grant: {e}")))?;
         let grant_key = self.keys.grant(key);
@@ -222,7 +216,17 @@ impl Cluster {
             return Ok(None);
         }
         let rev = done.header().map_or(0, |h| h.revision());
-        Ok(Some((offset.saturating_add(rev_u64(rev)), rev, granted_ms, lease)))
+        let token = offset.saturating_add(rev_u64(rev));
+        if token <= floor {
+            // Withdrawn before anyone saw it: revoking ends the grant.
+            let _ = bounded(self.timeout, "revoking", leases.revoke(lease)).await;
+            return Err(Error::Unavailable(format!(
+                "etcd's revision {rev} (+ offset {offset}) is not above the token floor {floor}: etcd was restored \
+                 or replaced, and granting now could issue a token twice; an operator must run \
+                 `fencegate cluster raise-floor --to {floor}`"
+            )));
+        }
+        Ok(Some((token, rev, granted_ms, lease)))
     }
 
     /// Queues a waiter for `key` on this gateway's membership lease.
