@@ -139,8 +139,10 @@ impl Cluster {
         };
         // The grant exists; it is this acquire's to lose until answered.
         cleanup.queue_key = None;
+        let activation = Instant::now();
         let waited = self.activate(txn_rev).await;
-        self.metrics.activation_wait.observe(started.elapsed().as_secs_f64());
+        self.metrics.activation_wait.observe(activation.elapsed().as_secs_f64());
+        self.metrics.grants.inc();
         waited?;
         self.floor.raise(token);
         tokio::time::timeout(self.timeout, self.floor.wait_persisted(token))
