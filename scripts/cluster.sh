@@ -23,12 +23,24 @@ BASE_API="${BASE_API:-7070}"
 BASE_PROXY="${BASE_PROXY:-8080}"
 dir="$(mktemp -d -t fencegate-cluster.XXXXXX)"
 pids=()
+stopped=""
 stop() {
+  [ -n "$stopped" ] && return
+  stopped=1
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
+  # An etcd leader may linger on SIGTERM (it tries to hand over its
+  # leadership to members that are gone): SIGKILL after 5 s.
+  for _ in $(seq 1 50); do
+    alive=""
+    for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+    [ -z "$alive" ] && break
+    sleep 0.1
+  done
+  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
   echo "stopped; logs and data kept in $dir"
 }
-trap stop EXIT INT TERM
+trap stop EXIT
+trap 'exit 130' INT TERM
 
 initial=""
 for i in 1 2 3; do
