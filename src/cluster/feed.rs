@@ -16,18 +16,47 @@ use super::mirror::{GrantEntry, GrantValue, MemberEntry};
 use super::{rev_u64, unavailable, Cluster, Kind};
 use crate::error::Error;
 
+/// Keys per page of a reload (each page well under gRPC's 4 MiB).
+const LOAD_PAGE: i64 = 500;
+
 impl Cluster {
     /// Reloads everything under the prefix at one revision R and returns
     /// R+1, where the watch must start.
     pub(super) async fn load(&self) -> Result<i64, Error> {
+        // Pages of keys, all read at the revision of the first page (one
+        // consistent view however many fences there are).
         let mut kv = self.client.kv_client();
-        let get = kv.get(self.keys.prefix.as_str(), Some(GetOptions::new().with_prefix()));
-        let resp = match tokio::time::timeout(self.timeout * 4, get).await {
-            Ok(r) => r.map_err(|e| unavailable("loading the fences", e))?,
-            Err(_) => return Err(Error::Unavailable("etcd: loading the fences: timed out".into())),
-        };
-        let header = resp.header().ok_or_else(|| Error::Unavailable("etcd: no response header".into()))?;
-        let (revision, cluster_id) = (header.revision(), header.cluster_id());
+        let mut end = self.keys.prefix.clone().into_bytes();
+        if let Some(last) = end.last_mut() {
+            *last = last.saturating_add(1);
+        }
+        let mut start = self.keys.prefix.clone().into_bytes();
+        let (mut revision, mut cluster_id) = (0, 0);
+        let mut kvs = Vec::new();
+        loop {
+            let mut opts = GetOptions::new().with_range(end.clone()).with_limit(LOAD_PAGE);
+            if revision > 0 {
+                opts = opts.with_revision(revision);
+            }
+            let get = kv.get(start.clone(), Some(opts));
+            let mut resp = match tokio::time::timeout(self.timeout * 4, get).await {
+                Ok(r) => r.map_err(|e| unavailable("loading the fences", e))?,
+                Err(_) => return Err(Error::Unavailable("etcd: loading the fences: timed out".into())),
+            };
+            if revision == 0 {
+                let header = resp.header().ok_or_else(|| Error::Unavailable("etcd: no response header".into()))?;
+                (revision, cluster_id) = (header.revision(), header.cluster_id());
+            }
+            let more = resp.more();
+            let page = resp.take_kvs();
+            let Some(last) = page.last() else { break };
+            start = last.key().to_vec();
+            start.push(0);
+            kvs.extend(page.into_iter().filter(|kv| self.keys.kind(kv.key()) != Kind::Other));
+            if !more {
+                break;
+            }
+        }
         self.floor.observe_cluster(cluster_id, revision);
         let old_grants: Vec<(String, u64)> = {
             let mut m = self.lock_mirror();
@@ -39,7 +68,7 @@ impl Cluster {
             // Ended while the watch was down (a fresh grant comes back below).
             self.fences.set_live(&key, token, false);
         }
-        let kvs = resp.kvs();
+        let kvs = &kvs;
         // The offset first: fences and grants are read with it.
         for kv in kvs {
             if self.keys.kind(kv.key()) == Kind::Offset {
