@@ -149,6 +149,13 @@ async fn a_grant_on_one_gateway_fences_the_old_holder_on_all_three() {
     let st = s.http.get(&format!("{}/v1/locks/status?key=orders/2", s.api(2))).await.json();
     assert_eq!(st["held"], true);
     assert_eq!(st["fencing_token"], other.token);
+    // A clean stop drains and leaves: the next grant needs no quarantine.
+    let mut s = s;
+    let gw = s.gws.pop().unwrap();
+    assert!(gw.terminate().success());
+    let started = Instant::now();
+    acquire(&s.http, &s.api(0), "orders/3", 5000, 0).await.unwrap();
+    assert!(started.elapsed() < Duration::from_millis(UPSTREAM_TIMEOUT_MS), "waited {:?}", started.elapsed());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
