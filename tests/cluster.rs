@@ -109,6 +109,24 @@ async fn a_grant_on_one_gateway_fences_the_old_holder_on_all_three() {
         let r = s.put(i, "/orders/1", old.token).await;
         assert_eq!(r.status, StatusCode::OK, "gateway {i}: {:?}", r.body);
     }
+    // Renew through another gateway; a wrong lease id is lost / not owner.
+    let renew = |api: String, lease_id: String| {
+        let http = s.http.clone();
+        async move {
+            http.post_json(
+                &format!("{api}/v1/locks/renew"),
+                serde_json::json!({"key": "orders/1", "lease_id": lease_id}),
+            )
+            .await
+        }
+    };
+    let r = renew(s.api(1), old.lease_id.clone()).await;
+    assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
+    assert_eq!(r.json()["fencing_token"], old.token);
+    let wrong = "0".repeat(32);
+    assert_eq!(renew(s.api(2), wrong.clone()).await.error_code(), "lease_lost");
+    let bad = release(http, &s.api(2), &common::Grant { lease_id: wrong, ..old.clone() }).await;
+    assert_eq!(bad.error_code(), "not_owner");
     // Held: another acquire anywhere is refused.
     let busy = acquire(http, &s.api(1), "orders/1", 5000, 0).await.unwrap_err();
     assert_eq!(busy.status, StatusCode::CONFLICT);
