@@ -425,3 +425,35 @@ async fn grant_latency_with_one_gateway_for_comparison() {
         grant_ms[grant_ms.len() - 1]
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leader_election_fails_over_across_gateways_when_the_leaders_gateway_dies() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut s = setup(3).await;
+    // Campaign = acquire with a long wait; term = token.
+    let leader = acquire(&s.http, &s.api(0), "election", 2000, 0).await.unwrap();
+    let (h, a) = (s.http.clone(), s.api(1));
+    let candidate = tokio::spawn(async move { acquire(&h, &a, "election", 2000, 20_000).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The leader's gateway dies mid-term (and the leader with it: no renewal).
+    let died = Instant::now();
+    s.gws.remove(0).kill9();
+    let next = tokio::time::timeout(Duration::from_secs(15), candidate).await.unwrap().unwrap().unwrap();
+    let failover = died.elapsed();
+    assert!(next.token > leader.token, "a new term");
+    // Not before the dead gateway's membership expired (≥ 2/3 of its TTL
+    // after the kill) and its quarantine passed: what it forwarded before
+    // dying may still reach an upstream until then.
+    assert!(failover >= Duration::from_millis(MEMBER_TTL_MS * 2 / 3 + UPSTREAM_TIMEOUT_MS), "{failover:?}");
+    // The old leader's writes are refused by the gateways left.
+    for i in 0..2 {
+        assert_eq!(s.put(i, "/election", leader.token).await.error_code(), "stale_fencing_token");
+    }
+    assert_eq!(s.put(1, "/election", next.token).await.status, StatusCode::OK);
+    println!(
+        "FIGURE leader's gateway kill -9: the next leader elected through another gateway after {} ms (lease TTL 2 s, \
+         member TTL {MEMBER_TTL_MS} ms, quarantine {} ms)",
+        failover.as_millis(),
+        UPSTREAM_TIMEOUT_MS + 500
+    );
+}

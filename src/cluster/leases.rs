@@ -375,7 +375,8 @@ impl Cluster {
     /// Activation across gateways: returns once every member that was live
     /// when this gateway's watch reached `rev` has acknowledged `rev`, or
     /// has gone (drained, or its quarantine — the longest upstream timeout
-    /// after its departure — is over).
+    /// after its departure — is over), and the quarantine of every member
+    /// that vanished without draining before it is over too.
     async fn activate(&self, rev: i64) -> Result<(), Error> {
         let deadline = Instant::now() + Duration::from_millis(self.limits.activation_timeout_ms);
         let mut rx = self.applied.subscribe();
@@ -388,7 +389,11 @@ impl Cluster {
             let (missing, quarantine_until) = {
                 let m = self.lock_mirror();
                 let mut missing = 0usize;
-                let mut until: Option<Instant> = None;
+                // A member that vanished without draining shortly before
+                // this grant may still have requests on their way to an
+                // upstream: its quarantine counts too.
+                let mut until: Option<Instant> =
+                    m.departed.values().filter(|d| !d.drained).map(|d| d.at + self.quarantine).max();
                 for (gw, lease) in &members {
                     match m.members.get(gw) {
                         Some(e) if e.lease == *lease => {
