@@ -5,12 +5,15 @@ set -euo pipefail
 
 mode="${1:-build}"
 packages=(libclang-dev)            # RocksDB's bindings are generated with bindgen
+packages+=(protobuf-compiler)      # etcd-client (cluster mode) generates its gRPC code with protoc
 if [ "$mode" = "test" ]; then
   packages+=(procps)               # kill(1) for the crash and restart tests
   packages+=(prometheus)           # real Prometheus + promtool check the dashboard and alert rules
   packages+=(curl python3)         # unmodified programs fenced by `fencegate lock --inject`
   packages+=(python3-venv)         # the S3 tests' venv (boto3, awscli): scripts/setup-s3.sh
   packages+=(iproute2)             # the nemesis partitions a client with a network namespace
+  packages+=(etcd-server)          # cluster mode's tests run a real 3-member etcd cluster (3.4.23)
+  packages+=(etcd-client)          # etcdctl, for scripts/cluster.sh and operators
 fi
 
 missing=()

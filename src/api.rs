@@ -14,7 +14,7 @@ use serde::Serialize;
 use tokio::time::Instant;
 
 use crate::auth::{Auth, Principal};
-use crate::authority::{AcquireRequest, Authority, ReleaseRequest, RenewRequest};
+use crate::authority::{AcquireRequest, Leases, ReleaseRequest, RenewRequest};
 use crate::body::{full, BoxBody};
 use crate::error::Error;
 use crate::metrics::Metrics;
@@ -27,7 +27,7 @@ pub use batch::{BATCH_BODY_FACTOR, MAX_BATCH_OPERATIONS};
 /// What the api listener needs.
 #[derive(Debug, Clone)]
 pub struct Api {
-    pub authority: Arc<Authority>,
+    pub authority: Leases,
     pub metrics: Arc<Metrics>,
     pub max_body_bytes: u64,
     /// The deadline for a whole request body (408 after it).
@@ -200,7 +200,7 @@ impl Api {
             "renew" => self.renew(req, p).await,
             "release" => self.release(req, p).await,
             "batch" => self.batch(req, p).await,
-            "status" => self.status(req.uri().query(), p),
+            "status" => self.status(req.uri().query(), p).await,
             "watch" => {
                 let query = req.uri().query().map(str::to_string);
                 drop(req);
@@ -250,7 +250,7 @@ impl Api {
             self.metrics.lock_request("renew", "invalid");
         })?;
         authorize(p, &body.key)?;
-        let view = self.authority.renew(body)?;
+        let view = self.authority.renew(body).await?;
         Ok(json_response(StatusCode::OK, &view))
     }
 
@@ -265,15 +265,15 @@ impl Api {
             released: bool,
         }
         let key = body.key.clone();
-        self.authority.release(body)?;
+        self.authority.release(body).await?;
         Ok(json_response(StatusCode::OK, &Released { key, released: true }))
     }
 
-    fn status(&self, query: Option<&str>, p: Option<&Principal>) -> Result<Response<BoxBody>, Error> {
+    async fn status(&self, query: Option<&str>, p: Option<&Principal>) -> Result<Response<BoxBody>, Error> {
         let q = Query::parse(query)?;
         let key = q.required("key")?;
         authorize(p, &key)?;
-        Ok(json_response(StatusCode::OK, &self.authority.status(&key)?))
+        Ok(json_response(StatusCode::OK, &self.authority.status(&key).await?))
     }
 
     async fn watch(
@@ -295,7 +295,7 @@ impl Api {
         let timeout_ms = q.number("timeout_ms")?.unwrap_or(30_000);
         let view = tokio::select! {
             v = self.authority.watch(&key, after, Duration::from_millis(timeout_ms)) => v?,
-            () = self.shutdown.wait() => self.authority.status(&key)?,
+            () = self.shutdown.wait() => self.authority.status(&key).await?,
         };
         Ok(json_response(StatusCode::OK, &view))
     }

@@ -12,7 +12,7 @@ use tokio::task::JoinSet;
 
 use crate::api::Api;
 use crate::auth::Auth;
-use crate::authority::Authority;
+use crate::authority::{Authority, Leases};
 use crate::config::Config;
 use crate::error::Error;
 use crate::fence::FenceTable;
@@ -56,7 +56,7 @@ pub struct Gateway {
     /// Where the api listener is bound.
     pub api_addr: SocketAddr,
     /// Shared handles, for in-process tests.
-    pub authority: Arc<Authority>,
+    pub authority: Leases,
     pub metrics: Arc<Metrics>,
     store: Store,
     fences: Arc<FenceTable>,
@@ -116,14 +116,37 @@ impl Gateway {
         let fences = FenceTable::with_capacity(store.estimated_fences());
         store.for_each_fence(|key, record| fences.load_record(key, record))?;
         fences.set_max_fences(cfg.locks.max_fences);
-        let authority = Authority::restore(fences.clone(), store.clone(), metrics.clone(), cfg.locks.clone())?;
-        tracing::info!(
-            fences = fences.len(),
-            live_grants = authority.live_grants(),
-            boots = store.boots()?,
-            elapsed_ms = started.elapsed().as_millis() as u64,
-            "fence table rebuilt from the store"
-        );
+        let (trigger, stop) = shutdown::channel();
+        let authority = match &cfg.cluster {
+            None => {
+                let authority = Authority::restore(fences.clone(), store.clone(), metrics.clone(), cfg.locks.clone())?;
+                tracing::info!(
+                    fences = fences.len(),
+                    live_grants = authority.live_grants(),
+                    boots = store.boots()?,
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    "fence table rebuilt from the store"
+                );
+                Leases::Embedded(authority)
+            }
+            Some(cluster) => {
+                metrics.register_cluster().map_err(|e| Error::Internal(format!("metrics: {e}")))?;
+                let longest = cfg.effective_routes().iter().map(|r| r.upstream_timeout_ms).max().unwrap_or(0);
+                let start = crate::cluster::Start {
+                    cfg: cluster.clone(),
+                    gateway_id: cluster.gateway_id(cfg.listen),
+                    fences: fences.clone(),
+                    metrics: metrics.clone(),
+                    limits: cfg.locks.clone(),
+                    // A little beyond the timeout: the exchange that times
+                    // out is over just after it.
+                    quarantine: Duration::from_millis(longest + 500),
+                    data_dir: cfg.data_dir.clone(),
+                    stop: stop.clone(),
+                };
+                Leases::Cluster(crate::cluster::Cluster::start(start).await?)
+            }
+        };
         let auth = Arc::new(Auth::load(&cfg.auth)?);
         let proxy = Arc::new(Proxy::new(&cfg, authority.clone(), store.clone(), metrics.clone(), auth.clone())?);
 
@@ -160,7 +183,6 @@ impl Gateway {
         let proxy_addr = proxy_listener.local_addr().map_err(|e| Error::Internal(e.to_string()))?;
         let api_addr = api_listener.local_addr().map_err(|e| Error::Internal(e.to_string()))?;
 
-        let (trigger, stop) = shutdown::channel();
         let limits = Limits {
             max_connections: cfg.server.max_connections,
             max_connections_per_address: cfg.server.max_connections_per_address,
@@ -209,11 +231,13 @@ impl Gateway {
         };
         tasks.spawn(server::serve("proxy", proxy_listener, proxy_handler, limits, proxy_tls, stop.clone(), proxy_fast));
         tasks.spawn(server::serve("api", api_listener, api_handler, limits, api_tls, stop.clone(), api_fast));
-        let expiry = authority.clone().run_expiry(stop);
-        tasks.spawn(async move {
-            expiry.await;
-            true
-        });
+        if let Leases::Embedded(embedded) = &authority {
+            let expiry = embedded.clone().run_expiry(stop);
+            tasks.spawn(async move {
+                expiry.await;
+                true
+            });
+        }
         tracing::info!(proxy = %proxy_addr, api = %api_addr, data_dir = %cfg.data_dir.display(), "fencegate serving");
         Ok(Gateway {
             proxy_addr,
@@ -261,6 +285,12 @@ impl Gateway {
                 "mutations still in flight at the stop: not recorded as clean"
             );
             clean = false;
+        }
+        if let Leases::Cluster(c) = &self.authority {
+            if clean {
+                // Peers need not quarantine a member that drained.
+                c.leave().await;
+            }
         }
         if !clean {
             tracing::warn!("not every request drained: the next start will wait out the upstream timeout");

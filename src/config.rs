@@ -40,6 +40,108 @@ pub struct Config {
     /// Proxy routes, first match wins. Empty: one catch-all route to the
     /// built-in object store in `<data_dir>/objects`.
     pub routes: Vec<RouteConfig>,
+    /// Cluster mode (docs/cluster.md): the authority in an etcd cluster
+    /// shared by several gateways. Absent: single-node RocksDB mode.
+    pub cluster: Option<ClusterConfig>,
+}
+
+/// `[cluster]`: several gateways sharing one authority in etcd.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterConfig {
+    /// Client URLs of the etcd members (`http://host:port` or `https://…`).
+    pub etcd_endpoints: Vec<String>,
+    /// This gateway's name among its peers; default: host name + ":" +
+    /// proxy port. Two running gateways must never share one.
+    #[serde(default)]
+    pub gateway_id: Option<String>,
+    /// TTL of the gateway's membership lease in etcd. etcd leases are whole
+    /// seconds (rounded up here) with a floor of about 1.5 × etcd's
+    /// election timeout. A gateway stops admitting mutations before it.
+    #[serde(default = "default_member_ttl_ms")]
+    pub member_ttl_ms: u64,
+    /// Every key fencegate keeps in etcd starts with it.
+    #[serde(default = "default_prefix")]
+    pub prefix: String,
+    /// Deadline of each etcd request (grants, renewals, keepalives).
+    #[serde(default = "default_etcd_timeout_ms")]
+    pub etcd_timeout_ms: u64,
+    /// TLS to etcd: CA bundle (PEM) to trust.
+    #[serde(default)]
+    pub ca_file: Option<PathBuf>,
+    /// mTLS to etcd: client certificate chain (PEM) …
+    #[serde(default)]
+    pub cert_file: Option<PathBuf>,
+    /// … and its private key (PEM).
+    #[serde(default)]
+    pub key_file: Option<PathBuf>,
+}
+
+fn default_member_ttl_ms() -> u64 {
+    5_000
+}
+fn default_prefix() -> String {
+    "/fencegate/".into()
+}
+fn default_etcd_timeout_ms() -> u64 {
+    2_000
+}
+
+impl ClusterConfig {
+    /// A cluster of these endpoints with every other setting at its default.
+    pub fn with_endpoints(etcd_endpoints: Vec<String>) -> ClusterConfig {
+        ClusterConfig {
+            etcd_endpoints,
+            gateway_id: None,
+            member_ttl_ms: default_member_ttl_ms(),
+            prefix: default_prefix(),
+            etcd_timeout_ms: default_etcd_timeout_ms(),
+            ca_file: None,
+            cert_file: None,
+            key_file: None,
+        }
+    }
+
+    /// The gateway id: the configured one, else host name + proxy port.
+    pub fn gateway_id(&self, listen: SocketAddr) -> String {
+        if let Some(id) = &self.gateway_id {
+            return id.clone();
+        }
+        let host = rustix::system::uname().nodename().to_string_lossy().into_owned();
+        format!("{host}:{}", listen.port())
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        if self.etcd_endpoints.is_empty() {
+            return Err("cluster.etcd_endpoints: at least one etcd endpoint is needed".into());
+        }
+        for e in &self.etcd_endpoints {
+            if !(e.starts_with("http://") || e.starts_with("https://")) {
+                return Err(format!("cluster.etcd_endpoints: {e:?} is not an http:// or https:// URL"));
+            }
+        }
+        if self.member_ttl_ms < 1000 {
+            return Err(format!(
+                "cluster.member_ttl_ms: {} is below 1000 (etcd leases are whole seconds)",
+                self.member_ttl_ms
+            ));
+        }
+        if self.prefix.is_empty() {
+            return Err("cluster.prefix: must not be empty".into());
+        }
+        if self.etcd_timeout_ms == 0 {
+            return Err("cluster.etcd_timeout_ms: must be at least 1".into());
+        }
+        if let Some(id) = &self.gateway_id {
+            if id.is_empty() || id.len() > 128 || id.chars().any(|c| c.is_control() || c == '/') {
+                return Err(format!("cluster.gateway_id: {id:?} must be 1 to 128 bytes, no '/' or control characters"));
+            }
+        }
+        if self.cert_file.is_some() != self.key_file.is_some() {
+            return Err("cluster.cert_file and cluster.key_file: give both or neither".into());
+        }
+        Ok(())
+    }
 }
 
 /// Bounds of the lease API (docs/lease-api.md).
@@ -253,6 +355,11 @@ pub struct RouteConfig {
     /// the file); above it the request is refused (413).
     #[serde(default = "default_max_scanned_body_bytes")]
     pub max_scanned_body_bytes: u64,
+    /// Cluster mode: this route's upstream is local to each gateway on
+    /// purpose (a `file://` store per gateway). Without it a `file://`
+    /// route is refused in cluster mode.
+    #[serde(default)]
+    pub per_gateway: bool,
 }
 
 /// The kind of a route: how a request becomes the keys it touches.
@@ -321,6 +428,7 @@ impl Default for Config {
             server: ServerConfig::default(),
             auth: crate::auth::AuthConfig::default(),
             routes: Vec::new(),
+            cluster: None,
         }
     }
 }
@@ -376,6 +484,8 @@ pub struct Overrides {
     pub upstream: Option<String>,
     pub log_level: Option<String>,
     pub log_format: Option<String>,
+    /// `--etcd URL[,URL…]`: cluster mode with these etcd endpoints.
+    pub etcd: Option<Vec<String>>,
 }
 
 impl Config {
@@ -409,6 +519,12 @@ impl Config {
         }
         if let Some(u) = o.upstream {
             self.routes = vec![RouteConfig::catch_all(u)];
+        }
+        if let Some(endpoints) = o.etcd {
+            match &mut self.cluster {
+                Some(c) => c.etcd_endpoints = endpoints,
+                None => self.cluster = Some(ClusterConfig::with_endpoints(endpoints)),
+            }
         }
     }
 
@@ -467,6 +583,22 @@ impl Config {
         }
         if self.listen == self.api_listen && self.listen.port() != 0 {
             return Err(format!("listen and api_listen are both {}", self.listen));
+        }
+        if let Some(c) = &self.cluster {
+            c.validate()?;
+            // The built-in store keeps objects on this gateway's disk: other
+            // gateways of the cluster would fence writes to a different copy.
+            for (i, r) in self.effective_routes().iter().enumerate() {
+                if r.upstream.to_ascii_lowercase().starts_with("file://") && !r.per_gateway {
+                    let at =
+                        if self.routes.is_empty() { "the default route".to_string() } else { format!("routes[{i}]") };
+                    return Err(format!(
+                        "{at}: a file:// upstream is local to one gateway, but cluster mode fences the same \
+                         resources on every gateway: give an upstream the gateways share, or set per_gateway = true \
+                         on the route if each gateway serving its own copy is what you want"
+                    ));
+                }
+            }
         }
         let mut names = std::collections::HashSet::new();
         for (i, r) in self.routes.iter().enumerate() {
@@ -556,6 +688,7 @@ impl RouteConfig {
             base_domains: Vec::new(),
             bucket_resource: None,
             max_scanned_body_bytes: default_max_scanned_body_bytes(),
+            per_gateway: false,
         }
     }
 

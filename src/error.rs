@@ -107,6 +107,10 @@ pub enum Error {
     /// The gateway is shutting down or not ready.
     #[error("unavailable: {0}")]
     Unavailable(String),
+    /// Cluster mode: this gateway cannot prove its fences are current, so
+    /// it refuses mutations until it has resynchronised (docs/cluster.md).
+    #[error("this gateway cannot prove its fences are current: {0}; retry, or use another gateway")]
+    NotCurrent(String),
     /// Anything else that is a bug or an environment failure.
     #[error("internal error: {0}")]
     Internal(String),
@@ -148,7 +152,7 @@ impl Error {
             Error::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             Error::Store(_) | Error::Internal(_) | Error::Config(_) => StatusCode::INTERNAL_SERVER_ERROR,
             Error::FenceQuota { .. } => StatusCode::INSUFFICIENT_STORAGE,
-            Error::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Error::Unavailable(_) | Error::NotCurrent(_) => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
@@ -180,6 +184,7 @@ impl Error {
             Error::Store(_) => "store_error",
             Error::FenceQuota { .. } => "fence_quota_exceeded",
             Error::Unavailable(_) => "unavailable",
+            Error::NotCurrent(_) => "not_current",
             Error::Internal(_) => "internal",
             Error::Config(_) => "config_error",
         }
@@ -350,6 +355,8 @@ mod tests {
             (Error::TooManyWatches { owner: "p".into(), limit: 1 }, 429, "too_many_watches"),
             (Error::BodyTimeout { timeout_ms: 5 }, 408, "request_timeout"),
             (Error::Config("x".into()), 500, "config_error"),
+            (Error::NotCurrent("x".into()), 503, "not_current"),
+            (Error::Unavailable("x".into()), 503, "unavailable"),
         ];
         for (err, status, code) in cases {
             assert_eq!(err.status().as_u16(), status, "{err:?}");

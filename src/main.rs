@@ -31,6 +31,9 @@ enum Command {
     /// Print the SHA-256 of a bearer token, for `token_sha256` in a
     /// principals file (reads the token from stdin when none is given).
     HashToken { token: Option<String> },
+    /// Cluster mode, operator tasks.
+    #[command(subcommand)]
+    Cluster(ClusterCommand),
     /// Validate a config file and say precisely what is wrong with it.
     CheckConfig {
         /// The TOML file to check.
@@ -162,6 +165,24 @@ struct RunArgs {
     proxy: String,
 }
 
+#[derive(Subcommand)]
+enum ClusterCommand {
+    /// After an etcd restore (or a move to a new etcd cluster): make every
+    /// token issued from now on greater than N — the token floor the
+    /// gateways' refusal names. Never lowers anything.
+    RaiseFloor {
+        /// The etcd endpoints (URL[,URL…]).
+        #[arg(long, value_delimiter = ',', required = true)]
+        etcd: Vec<String>,
+        /// The key prefix of the cluster in etcd.
+        #[arg(long, default_value = "/fencegate/")]
+        prefix: String,
+        /// Every new token will be greater than this.
+        #[arg(long)]
+        to: u64,
+    },
+}
+
 #[derive(clap::Args)]
 struct ServeArgs {
     /// RocksDB and the built-in object store live here [default: ./fencegate-data].
@@ -185,6 +206,10 @@ struct ServeArgs {
     /// Log format: text or json (one JSON object per line).
     #[arg(long, value_parser = ["text", "json"])]
     log_format: Option<String>,
+    /// Cluster mode: share the authority with other gateways through these
+    /// etcd endpoints (URL[,URL…]).
+    #[arg(long, value_delimiter = ',')]
+    etcd: Option<Vec<String>>,
 }
 
 /// mimalloc rather than the system allocator: every request allocates a
@@ -200,7 +225,31 @@ fn main() -> ExitCode {
         Command::CheckConfig { file } => check_config(&file),
         Command::Serve(args) => serve(args),
         Command::HashToken { token } => hash_token(token),
+        Command::Cluster(c) => cluster_command(c),
         other => client_command(other),
+    }
+}
+
+fn cluster_command(c: ClusterCommand) -> ExitCode {
+    let ClusterCommand::RaiseFloor { etcd, prefix, to } = c;
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("fencegate: starting the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut cfg = fencegate::config::ClusterConfig::with_endpoints(etcd);
+    cfg.prefix = prefix;
+    match runtime.block_on(fencegate::cluster::raise_floor(&cfg, to)) {
+        Ok(offset) => {
+            println!("{}", serde_json::json!({ "offset": offset, "floor": to }));
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("fencegate: raising the token floor: {e}");
+            ExitCode::FAILURE
+        }
     }
 }
 
@@ -236,7 +285,7 @@ fn client_command(command: Command) -> ExitCode {
             | Command::Watch { conn, .. }
             | Command::Lock { conn, .. }
             | Command::Elect { conn, .. } => conn,
-            Command::Serve(_) | Command::CheckConfig { .. } | Command::HashToken { .. } => {
+            Command::Serve(_) | Command::CheckConfig { .. } | Command::HashToken { .. } | Command::Cluster(_) => {
                 return ExitCode::from(cmd::EXIT_USAGE)
             }
         };
@@ -293,7 +342,7 @@ fn client_command(command: Command) -> ExitCode {
             Command::Elect { name, candidate, ttl, run, command, .. } => {
                 cmd::elect(&c, name, candidate, *ttl, opts(run, command)).await
             }
-            Command::Serve(_) | Command::CheckConfig { .. } | Command::HashToken { .. } => {
+            Command::Serve(_) | Command::CheckConfig { .. } | Command::HashToken { .. } | Command::Cluster(_) => {
                 ExitCode::from(cmd::EXIT_USAGE)
             }
         }
@@ -411,6 +460,7 @@ fn serve(args: ServeArgs) -> ExitCode {
         upstream: args.upstream,
         log_level: args.log_level,
         log_format: args.log_format,
+        etcd: args.etcd,
     });
     if let Err(e) = fencegate::app::check(&cfg) {
         eprintln!("fencegate: invalid configuration: {e}");

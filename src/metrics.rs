@@ -58,6 +58,13 @@ pub struct Metrics {
     pub activation_overruns: IntCounter,
     /// Waiters currently queued across all keys.
     pub lock_waiters: IntGauge,
+    /// Cluster mode (registered by [`Metrics::register_cluster`]): live
+    /// members as this gateway's watch sees them.
+    pub cluster_members: IntGauge,
+    /// Cluster mode: 1 while this gateway can prove its fences current.
+    pub cluster_current: IntGauge,
+    /// Cluster mode: reloads of the fences after a broken watch.
+    pub cluster_resyncs: IntCounter,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -90,6 +97,18 @@ impl Metrics {
                 &["op", "outcome"],
             )?,
             leases_active: IntGauge::new("fencegate_leases_active", "Grants currently live.")?,
+            cluster_members: IntGauge::new(
+                "fencegate_cluster_members",
+                "Cluster mode: live gateways seen by this gateway's etcd watch.",
+            )?,
+            cluster_current: IntGauge::new(
+                "fencegate_cluster_current",
+                "Cluster mode: 1 while this gateway can prove its fences are current (else it refuses mutations).",
+            )?,
+            cluster_resyncs: IntCounter::new(
+                "fencegate_cluster_resyncs_total",
+                "Cluster mode: full reloads of the fences after the etcd watch broke.",
+            )?,
             lease_expirations: IntCounter::new(
                 "fencegate_lease_expirations_total",
                 "Grants that ended because their TTL passed without renewal.",
@@ -213,6 +232,14 @@ impl Metrics {
         }
     }
 
+    /// Registers the cluster-mode series (not shown in single-node mode).
+    pub fn register_cluster(&self) -> Result<(), prometheus::Error> {
+        self.registry.register(Box::new(self.cluster_members.clone()))?;
+        self.registry.register(Box::new(self.cluster_current.clone()))?;
+        self.registry.register(Box::new(self.cluster_resyncs.clone()))?;
+        Ok(())
+    }
+
     /// Pre-creates the series of one route so dashboards see zeros.
     pub fn register_route(&self, route: &str) {
         for outcome in [
@@ -222,6 +249,7 @@ impl Metrics {
             "lease_expired",
             "stale_sequence",
             "quota_exceeded",
+            "not_current",
             "missing_token",
             "malformed_token",
             "upstream_error",

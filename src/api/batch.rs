@@ -147,12 +147,12 @@ impl Api {
             }
             Op::Renew(body) => {
                 authorize(p, &body.key)?;
-                to_value(serde_json::to_value(self.authority.renew(body)?))
+                to_value(serde_json::to_value(self.authority.renew(body).await?))
             }
             Op::Release(body) => {
                 authorize(p, &body.key)?;
                 let key = body.key.clone();
-                self.authority.release(body)?;
+                self.authority.release(body).await?;
                 Ok(json!({ "key": key, "released": true }))
             }
         }

@@ -58,6 +58,9 @@ pub enum Refusal {
     StaleSequence { token: u64, sequence: u64, last_sequence: u64 },
     /// A new key would pass the gateway's `max_fences`.
     NoRoom { limit: usize },
+    /// Cluster mode: this gateway cannot prove its fences are current (its
+    /// membership lease may have lapsed, or its watch may be behind).
+    NotCurrent { why: &'static str },
 }
 
 impl Refusal {
@@ -73,6 +76,7 @@ impl Refusal {
                 Error::StaleSequence { key, token, sequence, last_sequence }
             }
             Refusal::NoRoom { limit } => Error::FenceQuota { scope: "gateway", limit },
+            Refusal::NotCurrent { why } => Error::NotCurrent(why.to_string()),
         }
     }
 }
@@ -228,6 +232,52 @@ pub struct FenceTable {
     /// above every fence on disk (every issued token was fsynced as its
     /// key's fence before anyone saw it).
     next_token: AtomicU64,
+    /// Cluster mode only: mutations are admitted only while the gateway can
+    /// prove its fences are current ([`Currency`]). Off in single-node mode,
+    /// where the check costs one relaxed load.
+    currency: Currency,
+}
+
+/// Whether this gateway's view of the fences may be trusted (cluster mode):
+/// a monotonic deadline, moved forward by the membership keepalive and
+/// pulled back to zero the moment the etcd watch may be behind.
+#[derive(Debug)]
+struct Currency {
+    gated: AtomicBool,
+    base: Instant,
+    /// Nanoseconds after `base` until which the view is current; 0: not.
+    until_ns: AtomicU64,
+    /// Why it is not current, for the refusal's message.
+    why: std::sync::Mutex<&'static str>,
+}
+
+impl Currency {
+    fn new() -> Currency {
+        Currency {
+            gated: AtomicBool::new(false),
+            base: Instant::now(),
+            until_ns: AtomicU64::new(0),
+            why: std::sync::Mutex::new("the gateway has not joined its cluster yet"),
+        }
+    }
+
+    /// `Err` with the reason when mutations must be refused.
+    fn check(&self) -> Result<(), Refusal> {
+        if !self.gated.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        let now = u64::try_from(self.base.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        if now < self.until_ns.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let why = *self.why.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let why = if self.until_ns.load(Ordering::Acquire) == 0 {
+            why
+        } else {
+            "the gateway's membership lease may have lapsed (no keepalive acknowledged in time)"
+        };
+        Err(Refusal::NotCurrent { why })
+    }
 }
 
 impl std::fmt::Debug for FenceTable {
@@ -263,7 +313,66 @@ impl FenceTable {
             next_token: AtomicU64::new(1),
             fence_count: AtomicUsize::new(0),
             max_fences: AtomicUsize::new(usize::MAX),
+            currency: Currency::new(),
         }
+    }
+
+    /// Cluster mode: from now on mutations are admitted only while
+    /// [`FenceTable::set_current_until`] says the view is current.
+    pub fn gate_on_currency(&self) {
+        self.currency.gated.store(true, Ordering::Release);
+    }
+
+    /// Cluster mode: the view is current until `until` (a monotonic
+    /// deadline derived from the last acknowledged keepalive).
+    pub fn set_current_until(&self, until: Instant) {
+        let ns = u64::try_from(until.saturating_duration_since(self.currency.base).as_nanos()).unwrap_or(u64::MAX);
+        self.currency.until_ns.store(ns.max(1), Ordering::Release);
+    }
+
+    /// Cluster mode: the view is not current (`why`) until the next
+    /// [`FenceTable::set_current_until`]. Uploads still streaming are
+    /// aborted: a forward whose body has not been sent must not complete
+    /// on a view that may be stale.
+    pub fn set_not_current(&self, why: &'static str) {
+        *self.currency.why.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = why;
+        self.currency.until_ns.store(0, Ordering::Release);
+        self.abort_streaming();
+    }
+
+    /// True when mutations may be admitted (always, outside cluster mode).
+    pub fn is_current(&self) -> bool {
+        self.currency.check().is_ok()
+    }
+
+    /// Aborts every admitted upload whose body is still streaming.
+    pub fn abort_streaming(&self) {
+        for slot in &self.slots {
+            for e in &slot.inflight {
+                e.ctl.abort_if_streaming();
+            }
+        }
+    }
+
+    /// Cluster mode: installs a fence the shared authority issued (read
+    /// from etcd, so durable). Raises the fence if `token` is above it
+    /// (aborting older uploads still streaming) and marks the grant behind
+    /// it live or ended. A fence never moves down: after an etcd restore a
+    /// lower stored fence is ignored. Refused only by the fence quota.
+    pub fn install(&self, key: &str, token: u64, live: bool) -> Result<(), Error> {
+        let mut slot = self.slot_or_new(key).map_err(|limit| Error::FenceQuota { scope: "gateway", limit })?;
+        if token > slot.fence {
+            slot.raise(token, live);
+            slot.external = false;
+        } else if token == slot.fence {
+            slot.live = live;
+        }
+        if slot.fence > slot.durable {
+            slot.durable = slot.fence;
+        }
+        drop(slot);
+        self.next_token.fetch_max(token.saturating_add(1), Ordering::AcqRel);
+        Ok(())
     }
 
     /// The most keys that may have a fence: a grant or an external advance
@@ -380,6 +489,7 @@ impl FenceTable {
     /// The fence check of docs/proxy.md and, when it passes, the registration of
     /// the request as in flight — one atomic step per key.
     pub fn check(self: &Arc<Self>, key: &str, token: u64, policy: CheckPolicy) -> Result<Admission, Refusal> {
+        self.currency.check()?;
         let Some(mut slot) = self.slots.get_mut(key) else {
             // Never fenced: fence 0. Nothing was ever issued for this key.
             if policy.external && token > 0 {
@@ -514,6 +624,7 @@ impl FenceTable {
         policy: CheckPolicy,
         store: &Store,
     ) -> Result<(InflightGuard, Option<oneshot::Receiver<Result<(), Error>>>), Refusal> {
+        self.currency.check()?;
         let mut slot = self.slot_or_new(key).map_err(|limit| Refusal::NoRoom { limit })?;
         if token < slot.fence {
             let superseded_for = slot.moved_at.map_or(Duration::ZERO, |t| t.elapsed());
@@ -743,6 +854,50 @@ mod tests {
         assert_eq!((t.inflight("a"), t.inflight("b")), (0, 0));
         assert!(matches!(t.check_all(&[("a", 5), ("c", 5)], STRICT), Err((1, Refusal::Unissued { .. }))));
         assert_eq!(t.inflight_total(), 0);
+    }
+
+    #[test]
+    fn a_gateway_that_is_not_current_refuses_mutations_until_it_is_again() {
+        let t = table_with("k", 5, true);
+        assert!(t.is_current(), "single-node mode is always current");
+        t.gate_on_currency();
+        assert!(matches!(t.check("k", 5, STRICT), Err(Refusal::NotCurrent { .. })));
+        t.set_current_until(Instant::now() + Duration::from_secs(60));
+        assert!(matches!(t.check("k", 5, STRICT), Ok(Admission::Admitted(_))));
+        t.set_not_current("watch broken");
+        match t.check("k", 5, STRICT) {
+            Err(Refusal::NotCurrent { why }) => assert_eq!(why, "watch broken"),
+            other => panic!("{other:?}"),
+        }
+        // A deadline in the past is not current either.
+        t.set_current_until(Instant::now());
+        assert!(matches!(t.check("k", 5, STRICT), Err(Refusal::NotCurrent { .. })));
+    }
+
+    #[test]
+    fn losing_currency_aborts_uploads_still_streaming() {
+        let t = table_with("k", 5, true);
+        let Ok(Admission::Admitted(g)) = t.check("k", 5, STRICT) else { panic!() };
+        t.gate_on_currency();
+        t.set_not_current("lapsed");
+        assert!(g.ctl().is_aborted());
+    }
+
+    #[test]
+    fn installed_fences_only_rise_and_carry_liveness() {
+        let t = FenceTable::new();
+        t.install("k", 10, true).unwrap();
+        assert_eq!((t.fence("k"), t.durable_fence("k")), (10, 10));
+        assert!(matches!(t.check("k", 10, STRICT), Ok(Admission::Admitted(_))));
+        let Ok(Admission::Admitted(old)) = t.check("k", 10, STRICT) else { panic!() };
+        t.install("k", 7, true).unwrap();
+        assert_eq!(t.fence("k"), 10, "a restored lower fence is ignored");
+        t.install("k", 12, false).unwrap();
+        assert!(old.ctl().is_aborted(), "a newer fence aborts older uploads");
+        assert!(matches!(t.check("k", 12, STRICT), Err(Refusal::LeaseExpired { .. })));
+        t.install("k", 12, true).unwrap();
+        assert!(matches!(t.check("k", 12, STRICT), Ok(Admission::Admitted(_))));
+        assert!(matches!(t.check("k", 10, STRICT), Err(Refusal::Stale { .. })));
     }
 
     #[test]

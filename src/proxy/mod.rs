@@ -35,7 +35,7 @@ use http::{header, Method, Request, Response};
 use tokio::time::Instant;
 
 use crate::auth::Auth;
-use crate::authority::{validate_key, Authority};
+use crate::authority::{validate_key, Leases};
 use crate::body::BoxBody;
 use crate::config::{Config, FenceAuthority, HostHeader, RouteKindName, TrailingSlash};
 use crate::error::Error;
@@ -135,7 +135,7 @@ impl Route {
 pub struct Proxy {
     routes: Vec<Route>,
     auth: Arc<Auth>,
-    authority: Arc<Authority>,
+    authority: Leases,
     fences: Arc<FenceTable>,
     store: Store,
     metrics: Arc<Metrics>,
@@ -244,6 +244,7 @@ fn outcome_of(r: &Refusal) -> &'static str {
         Refusal::StaleSequence { .. } => "stale_sequence",
         Refusal::LeaseExpired { .. } => "lease_expired",
         Refusal::NoRoom { .. } => "quota_exceeded",
+        Refusal::NotCurrent { .. } => "not_current",
     }
 }
 
@@ -252,7 +253,7 @@ impl Proxy {
     /// or the embedded default).
     pub fn new(
         cfg: &Config,
-        authority: Arc<Authority>,
+        authority: Leases,
         store: Store,
         metrics: Arc<Metrics>,
         auth: Arc<Auth>,
@@ -615,6 +616,12 @@ impl Proxy {
     ) -> Result<Option<InflightGuard>, Refused> {
         let fence = self.fences.fence(key);
         let token = guard.token();
+        if !self.fences.is_current() {
+            // Cluster mode: the view went stale while this request waited.
+            drop(guard);
+            let why = "the gateway's view may have gone stale while the request waited";
+            return self.refusal(route, key, token, Refusal::NotCurrent { why }, client);
+        }
         if fence <= token {
             return Ok(Some(guard));
         }
@@ -649,7 +656,7 @@ impl Proxy {
         client: &Peer,
     ) -> Result<(), Refused> {
         let fence = self.fences.fence(key);
-        let holder = self.authority.status(key).ok().and_then(|s| s.holder).unwrap_or_default();
+        let holder = self.authority.holder_of(key);
         tracing::warn!(
             target: "fencegate::audit",
             route = %route.name,

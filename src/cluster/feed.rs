@@ -1,0 +1,322 @@
+//! The fence feed: the mirror and the fence table loaded by one consistent
+//! read at revision R, then fed by a watch from R+1 (never from "now", which
+//! could skip a fence). A watch that ends, errs or is cancelled by a
+//! compaction marks the gateway not current at once and reloads. Each
+//! installed fence runs the local activation barrier; the highest revision
+//! up to which every fence is installed and activated is acknowledged in
+//! `a/GW` (coalesced: one put in flight, always the latest value).
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use etcd_client::{EventType, GetOptions, KeyValue, PutOptions, WatchOptions};
+
+use super::mirror::{GrantEntry, GrantValue, MemberEntry};
+use super::{rev_u64, unavailable, Cluster, Kind};
+use crate::error::Error;
+
+/// Keys per page of a reload (each page well under gRPC's 4 MiB).
+const LOAD_PAGE: i64 = 500;
+
+impl Cluster {
+    /// Reloads everything under the prefix at one revision R and returns
+    /// R+1, where the watch must start.
+    pub(super) async fn load(&self) -> Result<i64, Error> {
+        // Pages of keys, all read at the revision of the first page (one
+        // consistent view however many fences there are).
+        let mut kv = self.client.kv_client();
+        let mut end = self.keys.prefix.clone().into_bytes();
+        if let Some(last) = end.last_mut() {
+            *last = last.saturating_add(1);
+        }
+        let mut start = self.keys.prefix.clone().into_bytes();
+        let (mut revision, mut cluster_id) = (0, 0);
+        let mut kvs = Vec::new();
+        loop {
+            let mut opts = GetOptions::new().with_range(end.clone()).with_limit(LOAD_PAGE);
+            if revision > 0 {
+                opts = opts.with_revision(revision);
+            }
+            let get = kv.get(start.clone(), Some(opts));
+            let mut resp = match tokio::time::timeout(self.timeout * 4, get).await {
+                Ok(r) => r.map_err(|e| unavailable("loading the fences", e))?,
+                Err(_) => return Err(Error::Unavailable("etcd: loading the fences: timed out".into())),
+            };
+            if revision == 0 {
+                let header = resp.header().ok_or_else(|| Error::Unavailable("etcd: no response header".into()))?;
+                (revision, cluster_id) = (header.revision(), header.cluster_id());
+            }
+            let more = resp.more();
+            let page = resp.take_kvs();
+            let Some(last) = page.last() else { break };
+            start = last.key().to_vec();
+            start.push(0);
+            kvs.extend(page.into_iter().filter(|kv| self.keys.kind(kv.key()) != Kind::Other));
+            if !more {
+                break;
+            }
+        }
+        self.floor.observe_cluster(cluster_id, revision);
+        let old_grants: Vec<(String, u64)> = {
+            let mut m = self.lock_mirror();
+            let old = m.grants.iter().map(|(k, g)| (k.clone(), g.token)).collect();
+            *m = super::mirror::Mirror::default();
+            old
+        };
+        for (key, token) in old_grants {
+            // Ended while the watch was down (a fresh grant comes back below).
+            self.fences.set_live(&key, token, false);
+        }
+        let kvs = &kvs;
+        // The offset first: fences and grants are read with it.
+        for kv in kvs {
+            if self.keys.kind(kv.key()) == Kind::Offset {
+                self.apply_put(kv);
+            }
+        }
+        for kv in kvs {
+            if !matches!(self.keys.kind(kv.key()), Kind::Offset | Kind::Fence(_)) {
+                self.apply_put(kv);
+            }
+        }
+        for kv in kvs {
+            if matches!(self.keys.kind(kv.key()), Kind::Fence(_)) {
+                self.apply_put(kv);
+            }
+        }
+        // Nothing is in flight under a fence this read just installed that
+        // a barrier must wait for beyond what `apply_put` started.
+        self.applied.send_replace(revision);
+        self.recompute_activated();
+        Ok(revision + 1)
+    }
+
+    /// Applies one put (load or watch event) to the mirror and the table.
+    fn apply_put(&self, kv: &KeyValue) {
+        match self.keys.kind(kv.key()) {
+            Kind::Offset => {
+                let Some(offset) = kv.value_str().ok().and_then(|v| v.trim().parse::<u64>().ok()) else {
+                    tracing::error!("etcd: the token offset does not parse; ignored");
+                    return;
+                };
+                let mut m = self.lock_mirror();
+                m.offset = m.offset.max(offset);
+                m.offset_rev = kv.mod_revision();
+            }
+            Kind::Grant(key) => {
+                let Ok(value) = serde_json::from_slice::<GrantValue>(kv.value()) else {
+                    tracing::error!(key, "etcd: a grant's value does not parse; ignored");
+                    return;
+                };
+                let token = value.o.saturating_add(rev_u64(kv.create_revision()));
+                let entry = GrantEntry { token, lease: kv.lease(), value };
+                self.lock_mirror().grants.insert(key.to_string(), entry);
+                self.fences.set_live(key, token, true);
+            }
+            Kind::Fence(key) => {
+                let offset = kv.value_str().ok().and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(0);
+                let token = offset.saturating_add(rev_u64(kv.mod_revision()));
+                let live = self.lock_mirror().grants.get(key).is_some_and(|g| g.token == token);
+                if let Err(e) = self.fences.install(key, token, live) {
+                    // A fence that cannot be installed must not be acknowledged.
+                    tracing::error!(key, token, error = %e, "cannot install a fence; this gateway stops admitting");
+                    self.fences.set_not_current("a fence from etcd could not be installed (fence quota)");
+                    self.feed_ok.store(false, Ordering::Release);
+                    return;
+                }
+                self.floor.raise(token);
+                self.start_activation(key, token, kv.mod_revision());
+            }
+            Kind::Queue(key) => self.lock_mirror().add_waiter(kv.key(), key, kv.create_revision()),
+            Kind::Member(gw) => {
+                let drained = kv.value() == b"drained";
+                let mut m = self.lock_mirror();
+                m.members.insert(gw.to_string(), MemberEntry { lease: kv.lease(), drained });
+                self.metrics.cluster_members.set(i64::try_from(m.members.len()).unwrap_or(i64::MAX));
+            }
+            Kind::Ack(gw) => {
+                if let Some(rev) = kv.value_str().ok().and_then(|v| v.parse::<i64>().ok()) {
+                    let mut m = self.lock_mirror();
+                    let e = m.acks.entry(gw.to_string()).or_insert(0);
+                    *e = (*e).max(rev);
+                }
+            }
+            Kind::Other => {}
+        }
+    }
+
+    fn apply_delete(&self, raw: &[u8]) {
+        match self.keys.kind(raw) {
+            Kind::Grant(key) => {
+                let ended = self.lock_mirror().grants.remove(key);
+                if let Some(g) = ended {
+                    self.fences.set_live(key, g.token, false);
+                }
+            }
+            Kind::Queue(_) => self.lock_mirror().remove_waiter(raw),
+            Kind::Member(gw) => {
+                let mut m = self.lock_mirror();
+                m.remove_member(gw);
+                self.metrics.cluster_members.set(i64::try_from(m.members.len()).unwrap_or(i64::MAX));
+            }
+            Kind::Ack(gw) => {
+                self.lock_mirror().acks.remove(gw);
+            }
+            // Fences and the offset are never deleted by fencegate.
+            Kind::Fence(_) | Kind::Offset | Kind::Other => {}
+        }
+    }
+
+    /// The local half of activation for a fence at `rev`: older in-flight
+    /// mutations of `key` on this gateway finish (or are aborted) before
+    /// `rev` is acknowledged.
+    fn start_activation(&self, key: &str, token: u64, rev: i64) {
+        {
+            let mut last = self.last_fence.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            *last = (*last).max(rev);
+        }
+        if self.fences.inflight(key) == 0 {
+            return;
+        }
+        self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(rev);
+        let fences = self.fences.clone();
+        let key = key.to_string();
+        let timeout = Duration::from_millis(self.limits.activation_timeout_ms);
+        let kick = self.ack_kick.clone();
+        let pending = self.pending.clone();
+        tokio::spawn(async move {
+            let outcome = fences.barrier(&key, token, timeout).await;
+            if outcome.overrun {
+                tracing::warn!(key = %key, token, "activation gave up waiting for older in-flight mutations");
+            }
+            pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&rev);
+            // Wakes the ack writer (the value is recomputed there).
+            kick.notify_one();
+        });
+    }
+
+    /// The revision this gateway may acknowledge: every fence up to it is
+    /// installed and its older in-flight mutations are over.
+    pub(super) fn ack_target(&self) -> i64 {
+        let last = *self.last_fence.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let first = self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner).first().copied();
+        match first {
+            Some(p) => (p - 1).min(last),
+            None => last,
+        }
+    }
+
+    /// Wakes the ack writer: the ack target may have moved.
+    pub(super) fn recompute_activated(&self) {
+        self.ack_kick.notify_one();
+    }
+
+    /// Feeds the mirror from the watch; reloads after any break.
+    pub(super) async fn run_feed(self: Arc<Self>, mut from: i64) {
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            if self.stop.is_triggered() {
+                return;
+            }
+            self.feed_ok.store(true, Ordering::Release);
+            let why = tokio::select! {
+                why = self.watch_from(from) => why,
+                () = self.stop.wait() => return,
+            };
+            self.feed_ok.store(false, Ordering::Release);
+            self.fences.set_not_current("the gateway's etcd watch may be behind; resynchronising");
+            self.metrics.cluster_resyncs.inc();
+            tracing::warn!(gateway = %self.gateway_id, reason = %why, "etcd watch broken; reloading");
+            loop {
+                tokio::select! {
+                    () = tokio::time::sleep(backoff) => {}
+                    () = self.stop.wait() => return,
+                }
+                match self.load().await {
+                    Ok(next) => {
+                        from = next;
+                        backoff = Duration::from_millis(100);
+                        break;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "reloading from etcd failed; retrying");
+                        backoff = (backoff * 2).min(Duration::from_secs(2));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Watches from `from` until the watch breaks; returns why.
+    async fn watch_from(&self, from: i64) -> String {
+        let mut client = self.client.watch_client();
+        let opts = WatchOptions::new().with_prefix().with_start_revision(from);
+        let watch = client.watch(self.keys.prefix.as_str(), Some(opts));
+        let mut stream = match tokio::time::timeout(self.timeout, watch).await {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => return format!("starting the watch: {e}"),
+            Err(_) => return "starting the watch: timed out".into(),
+        };
+        loop {
+            let msg = match stream.message().await {
+                Ok(Some(m)) => m,
+                Ok(None) => return "the watch stream ended".into(),
+                Err(e) => return format!("watch error: {e}"),
+            };
+            if msg.canceled() {
+                if msg.compact_revision() > 0 {
+                    return format!("compacted at revision {}", msg.compact_revision());
+                }
+                return format!("watch cancelled: {}", msg.cancel_reason());
+            }
+            let mut last = 0;
+            for ev in msg.events() {
+                let Some(kv) = ev.kv() else { continue };
+                match ev.event_type() {
+                    EventType::Put => self.apply_put(kv),
+                    EventType::Delete => self.apply_delete(kv.key()),
+                }
+                last = last.max(kv.mod_revision());
+            }
+            if last > 0 {
+                self.applied.send_modify(|v| *v = (*v).max(last));
+                self.recompute_activated();
+            }
+        }
+    }
+
+    /// Writes `a/GW` whenever the activated revision moves (coalesced).
+    pub(super) async fn run_acks(self: Arc<Self>) {
+        loop {
+            tokio::select! {
+                () = self.ack_kick.notified() => {}
+                () = self.stop.wait() => return,
+            }
+            let written = *self.ack_lock.lock().await;
+            if self.ack_target() > written {
+                // A failure is retried by the next kick or heartbeat.
+                let _ = self.write_ack().await;
+            }
+        }
+    }
+
+    /// Puts the current ack target on the membership lease; returns the
+    /// put's revision. Serialised, so acks only ever go up.
+    pub(super) async fn write_ack(&self) -> Result<i64, Error> {
+        let mut last = self.ack_lock.lock().await;
+        let Some(lease) = self.member_lease() else {
+            return Err(Error::Unavailable("not a member".into()));
+        };
+        let target = self.ack_target().max(*last);
+        let mut kv = self.client.kv_client();
+        let put =
+            kv.put(self.keys.ack(&self.gateway_id), target.to_string(), Some(PutOptions::new().with_lease(lease)));
+        let resp = match tokio::time::timeout(self.timeout, put).await {
+            Ok(r) => r.map_err(|e| unavailable("acknowledging", e))?,
+            Err(_) => return Err(Error::Unavailable("etcd: acknowledging: timed out".into())),
+        };
+        *last = target;
+        Ok(resp.header().map_or(0, |h| h.revision()))
+    }
+}

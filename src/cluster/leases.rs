@@ -1,0 +1,435 @@
+//! The lease API over etcd: acquire, renew, release, status, watch, with
+//! the same bodies and errors as the embedded authority (docs/lease-api.md).
+//!
+//! - acquire: a fresh etcd lease L, then one transaction: `g/KEY` absent,
+//!   no older waiter, the offset unchanged → put `g/KEY` on L, put `f/KEY`,
+//!   drop this waiter's entry. A waiter queues `q/KEY\0ID` on its gateway's
+//!   membership lease and tries again only when its mirror says the key is
+//!   free and it is the oldest waiter, so a release wakes only the next
+//!   waiter in the whole cluster. Then activation (every live member
+//!   acknowledged) and the durable floor, before the answer.
+//! - renew: the grant's lease-id hash compared, then one keepalive of L.
+//! - release: the hash compared, then L revoked (which deletes `g/KEY`).
+//! - status and watch: from the mirror, which the watch keeps current.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};
+use tokio::time::Instant;
+
+use super::mirror::GrantValue;
+use super::{rev_u64, unavailable, Cluster};
+use crate::authority::types::{new_lease_id, secret_eq, validate_holder, validate_ttl, validate_wait};
+use crate::authority::{validate_key, AcquireRequest, GrantView, ReleaseRequest, RenewRequest, RenewView, StatusView};
+use crate::error::Error;
+
+fn sha256_hex(s: &str) -> String {
+    let d = ring::digest::digest(&ring::digest::SHA256, s.as_bytes());
+    d.as_ref().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Bounds an etcd call by the request deadline.
+async fn bounded<T, E: std::fmt::Display>(
+    timeout: Duration,
+    what: &str,
+    f: impl std::future::Future<Output = Result<T, E>>,
+) -> Result<T, Error> {
+    match tokio::time::timeout(timeout, f).await {
+        Ok(r) => r.map_err(|e| unavailable(what, e)),
+        Err(_) => Err(Error::Unavailable(format!("etcd: {what}: no answer within {} ms", millis(timeout)))),
+    }
+}
+
+/// Deletes this acquire's waiter entry (or revokes its unanswered grant)
+/// however the acquire ends, including a client that hung up.
+struct Cleanup {
+    cluster: Arc<Cluster>,
+    queue_key: Option<String>,
+    lease: Option<i64>,
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        let (queue_key, lease) = (self.queue_key.take(), self.lease.take());
+        if queue_key.is_none() && lease.is_none() {
+            return;
+        }
+        let c = self.cluster.clone();
+        tokio::spawn(async move {
+            if let Some(q) = queue_key {
+                let mut kv = c.client.kv_client();
+                let _ = bounded(c.timeout, "leaving the queue", kv.delete(q, None)).await;
+            }
+            if let Some(l) = lease {
+                let mut leases = c.client.lease_client();
+                let _ = bounded(c.timeout, "revoking", leases.revoke(l)).await;
+            }
+        });
+    }
+}
+
+impl Cluster {
+    /// `POST /v1/locks/acquire` in cluster mode.
+    pub async fn acquire(self: &Arc<Self>, req: AcquireRequest) -> Result<GrantView, Error> {
+        let result = self.acquire_inner(req).await;
+        let outcome = match &result {
+            Ok(_) => Some("ok"),
+            Err(Error::Locked { .. }) => Some("locked"),
+            Err(Error::BadRequest(_)) => Some("invalid"),
+            Err(_) => None,
+        };
+        if let Some(o) = outcome {
+            self.metrics.lock_request("acquire", o);
+        }
+        result
+    }
+
+    async fn acquire_inner(self: &Arc<Self>, req: AcquireRequest) -> Result<GrantView, Error> {
+        validate_key(&req.key)?;
+        validate_ttl(req.ttl_ms, &self.limits)?;
+        validate_wait(req.wait_ms, &self.limits)?;
+        let holder = req.holder.clone().unwrap_or_default();
+        validate_holder(&holder, &self.limits)?;
+        let started = Instant::now();
+        let wait_until = started + Duration::from_millis(req.wait_ms);
+        let lease_id = new_lease_id()?;
+        let secret = sha256_hex(&lease_id);
+        let ttl_s = i64::try_from(req.ttl_ms.div_ceil(1000)).unwrap_or(i64::MAX);
+        let key = req.key.as_str();
+        let mut cleanup = Cleanup { cluster: self.clone(), queue_key: None, lease: None };
+        let mut mine: Option<i64> = None;
+        let mut applied = self.applied.subscribe();
+        let mut first = true;
+        let (token, txn_rev, granted_ms) = loop {
+            let may_try = first || self.lock_mirror().may_take(key, mine);
+            first = false;
+            if may_try {
+                let queued = cleanup.queue_key.as_deref().zip(mine);
+                if let Some((token, rev, ms, lease)) = self.try_grant(key, &holder, &secret, ttl_s, queued).await? {
+                    cleanup.lease = Some(lease);
+                    break (token, rev, ms);
+                }
+            }
+            if req.wait_ms == 0 {
+                return Err(self.locked(key));
+            }
+            if mine.is_none() {
+                let (qkey, rev) = self.enqueue(key).await?;
+                cleanup.queue_key = Some(qkey);
+                mine = Some(rev);
+                continue;
+            }
+            if let Some(q) = mine {
+                let gone =
+                    *applied.borrow() >= q && !self.lock_mirror().queues.get(key).is_some_and(|s| s.contains(&q));
+                if gone {
+                    return Err(Error::Unavailable(
+                        "this gateway's membership ended while the acquire waited; retry".into(),
+                    ));
+                }
+            }
+            if tokio::time::timeout_at(wait_until, applied.changed()).await.is_err() {
+                return Err(self.locked(key));
+            }
+        };
+        // The grant exists; it is this acquire's to lose until answered.
+        cleanup.queue_key = None;
+        let activation = Instant::now();
+        let waited = self.activate(txn_rev).await;
+        self.metrics.activation_wait.observe(activation.elapsed().as_secs_f64());
+        self.metrics.grants.inc();
+        waited?;
+        self.floor.raise(token);
+        tokio::time::timeout(self.timeout, self.floor.wait_persisted(token))
+            .await
+            .map_err(|_| Error::Store("the token floor was not written in time".into()))??;
+        cleanup.lease = None;
+        Ok(GrantView { key: req.key, fencing_token: token, lease_id, ttl_ms: granted_ms, holder })
+    }
+
+    fn locked(&self, key: &str) -> Error {
+        let retry_after_ms = self.lock_mirror().grants.get(key).map_or(1000, |g| g.value.t);
+        Error::Locked { key: key.to_string(), retry_after_ms }
+    }
+
+    /// One attempt: `Some((token, revision, granted ttl ms, lease))` on
+    /// success. `queued`: this acquire's waiter entry and its revision.
+    async fn try_grant(
+        &self,
+        key: &str,
+        holder: &str,
+        secret: &str,
+        ttl_s: i64,
+        queued: Option<(&str, i64)>,
+    ) -> Result<Option<(u64, i64, u64, i64)>, Error> {
+        let (offset, offset_rev) = {
+            let m = self.lock_mirror();
+            (m.offset, m.offset_rev)
+        };
+        let mut leases = self.client.lease_client();
+        let grant = bounded(self.timeout, "granting a lease", leases.grant(ttl_s, None)).await?;
+        let lease = grant.id();
+        let granted_ms = u64::try_from(grant.ttl()).unwrap_or(0).saturating_mul(1000);
+        // Every token seen before this transaction was committed earlier in
+        // etcd's history, so its revision is above them all — unless that
+        // history was rolled back (a restore, a new cluster).
+        let floor = self.floor.get();
+        let value = GrantValue { s: secret.to_string(), h: holder.to_string(), t: granted_ms, o: offset };
+        let value = serde_json::to_vec(&value).map_err(|e| Error::Internal(format!("encoding a grant: {e}")))?;
+        let grant_key = self.keys.grant(key);
+        let queue = self.keys.queue_prefix(key);
+        let queue_end = format!("{}\u{1}", queue.trim_end_matches('\0'));
+        let mut when = vec![
+            Compare::create_revision(grant_key.clone(), CompareOp::Equal, 0),
+            Compare::mod_revision(self.keys.offset(), CompareOp::Equal, offset_rev),
+        ];
+        let mut then = vec![
+            TxnOp::put(grant_key, value, Some(PutOptions::new().with_lease(lease))),
+            TxnOp::put(self.keys.fence(key), offset.to_string(), None),
+        ];
+        match queued {
+            Some((qkey, rev)) => {
+                // Every waiter of the key is this one or younger …
+                when.push(Compare::create_revision(queue.clone(), CompareOp::Greater, rev - 1).with_range(queue_end));
+                // … and this one is still queued (its gateway still a member).
+                when.push(Compare::create_revision(qkey, CompareOp::Equal, rev));
+                then.push(TxnOp::delete(qkey, None));
+            }
+            None => when.push(Compare::create_revision(queue, CompareOp::Equal, 0).with_range(queue_end)),
+        }
+        let mut kv = self.client.kv_client();
+        let txn = Txn::new().when(when).and_then(then);
+        let done = match bounded(self.timeout, "granting", kv.txn(txn)).await {
+            Ok(d) => d,
+            Err(e) => {
+                // Unknown outcome: the lease, if granted, is revoked, which
+                // ends such a grant at once.
+                let _ = bounded(self.timeout, "revoking", leases.revoke(lease)).await;
+                return Err(e);
+            }
+        };
+        if !done.succeeded() {
+            let _ = bounded(self.timeout, "revoking", leases.revoke(lease)).await;
+            return Ok(None);
+        }
+        let rev = done.header().map_or(0, |h| h.revision());
+        let token = offset.saturating_add(rev_u64(rev));
+        if token <= floor {
+            // Withdrawn before anyone saw it: revoking ends the grant.
+            let _ = bounded(self.timeout, "revoking", leases.revoke(lease)).await;
+            return Err(Error::Unavailable(format!(
+                "etcd's revision {rev} (+ offset {offset}) is not above the token floor {floor}: etcd was restored \
+                 or replaced, and granting now could issue a token twice; an operator must run \
+                 `fencegate cluster raise-floor --to {floor}`"
+            )));
+        }
+        Ok(Some((token, rev, granted_ms, lease)))
+    }
+
+    /// Queues a waiter for `key` on this gateway's membership lease.
+    async fn enqueue(&self, key: &str) -> Result<(String, i64), Error> {
+        let Some(member) = self.member_lease() else {
+            return Err(Error::Unavailable("this gateway has not joined its cluster; retry".into()));
+        };
+        let id = new_lease_id()?;
+        let qkey = format!("{}{}-{}", self.keys.queue_prefix(key), self.gateway_id, &id[..16]);
+        let mut kv = self.client.kv_client();
+        let put = kv.put(qkey.clone(), "", Some(PutOptions::new().with_lease(member)));
+        let resp = bounded(self.timeout, "queueing", put).await?;
+        let rev = resp.header().map_or(0, |h| h.revision());
+        Ok((qkey, rev))
+    }
+}
+
+impl Cluster {
+    /// The grant of `key` as etcd has it now (a consistent read), if its
+    /// lease id hashes to the stored one.
+    async fn own_grant(&self, key: &str, lease_id: &str) -> Result<Option<(GrantValue, i64, u64)>, Error> {
+        let mut kv = self.client.kv_client();
+        let resp = bounded(self.timeout, "reading a grant", kv.get(self.keys.grant(key), None)).await?;
+        let Some(found) = resp.kvs().first() else { return Ok(None) };
+        let Ok(value) = serde_json::from_slice::<GrantValue>(found.value()) else { return Ok(None) };
+        if !secret_eq(&value.s, &sha256_hex(lease_id)) {
+            return Ok(None);
+        }
+        let token = value.o.saturating_add(rev_u64(found.create_revision()));
+        Ok(Some((value, found.lease(), token)))
+    }
+
+    /// `POST /v1/locks/renew`: one keepalive of the grant's etcd lease. An
+    /// etcd lease's TTL is fixed when it is granted, so a renewal always
+    /// extends by the granted TTL (`ttl_ms` in the answer), whatever it asks.
+    pub async fn renew(&self, req: RenewRequest) -> Result<RenewView, Error> {
+        let result = self.renew_inner(req).await;
+        let outcome = match &result {
+            Ok(_) => Some("ok"),
+            Err(Error::LeaseLost { .. }) => Some("lost"),
+            Err(Error::BadRequest(_)) => Some("invalid"),
+            Err(_) => None,
+        };
+        if let Some(o) = outcome {
+            self.metrics.lock_request("renew", o);
+        }
+        result
+    }
+
+    async fn renew_inner(&self, req: RenewRequest) -> Result<RenewView, Error> {
+        validate_key(&req.key)?;
+        if let Some(ttl_ms) = req.ttl_ms {
+            validate_ttl(ttl_ms, &self.limits)?;
+        }
+        let lost = || Error::LeaseLost { key: req.key.clone() };
+        let Some((value, lease, token)) = self.own_grant(&req.key, &req.lease_id).await? else {
+            return Err(lost());
+        };
+        let mut leases = self.client.lease_client();
+        match tokio::time::timeout(self.timeout, leases.keep_alive(lease)).await {
+            Ok(Ok(_)) => Ok(RenewView { key: req.key, fencing_token: token, ttl_ms: value.t }),
+            Ok(Err(etcd_client::Error::LeaseKeepAliveError(m))) if m.contains("not found") => Err(lost()),
+            Ok(Err(e)) => Err(unavailable("renewing", e)),
+            Err(_) => Err(Error::Unavailable("etcd: renewing: timed out".into())),
+        }
+    }
+
+    /// `POST /v1/locks/release`: revokes the grant's etcd lease, which
+    /// deletes the grant key in the same step.
+    pub async fn release(&self, req: ReleaseRequest) -> Result<(), Error> {
+        let result = self.release_inner(&req).await;
+        let outcome = match &result {
+            Ok(()) => Some("ok"),
+            Err(Error::NotOwner { .. }) => Some("not_owner"),
+            Err(Error::BadRequest(_)) => Some("invalid"),
+            Err(_) => None,
+        };
+        if let Some(o) = outcome {
+            self.metrics.lock_request("release", o);
+        }
+        result
+    }
+
+    async fn release_inner(&self, req: &ReleaseRequest) -> Result<(), Error> {
+        validate_key(&req.key)?;
+        let not_owner = || Error::NotOwner { key: req.key.clone() };
+        let Some((_, lease, _)) = self.own_grant(&req.key, &req.lease_id).await? else {
+            return Err(not_owner());
+        };
+        let mut leases = self.client.lease_client();
+        match tokio::time::timeout(self.timeout, leases.revoke(lease)).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) if e.to_string().contains("not found") => Err(not_owner()),
+            Ok(Err(e)) => Err(unavailable("releasing", e)),
+            Err(_) => Err(Error::Unavailable("etcd: releasing: timed out".into())),
+        }
+    }
+
+    /// `GET /v1/locks/status` from this gateway's mirror, with the lease's
+    /// remaining time asked of etcd.
+    pub async fn status(&self, key: &str) -> Result<StatusView, Error> {
+        validate_key(key)?;
+        let fence = self.fences.durable_fence(key);
+        let grant = self.lock_mirror().grants.get(key).cloned();
+        let Some(g) = grant else {
+            return Ok(StatusView {
+                key: key.to_string(),
+                fence,
+                held: false,
+                fencing_token: None,
+                holder: None,
+                expires_in_ms: None,
+            });
+        };
+        let mut leases = self.client.lease_client();
+        let ttl = bounded(self.timeout, "reading a lease", leases.time_to_live(g.lease, None)).await?;
+        let left = u64::try_from(ttl.ttl()).unwrap_or(0).saturating_mul(1000);
+        Ok(StatusView {
+            key: key.to_string(),
+            fence: fence.max(g.token),
+            held: ttl.ttl() > 0,
+            fencing_token: (ttl.ttl() > 0).then_some(g.token),
+            holder: (ttl.ttl() > 0).then_some(g.value.h.clone()),
+            expires_in_ms: (ttl.ttl() > 0).then_some(left),
+        })
+    }
+
+    /// `GET /v1/locks/watch`: until the holder's token differs from
+    /// `after` (0: no holder), as this gateway's watch sees it.
+    pub async fn watch(&self, key: &str, after: u64, timeout: Duration) -> Result<StatusView, Error> {
+        validate_key(key)?;
+        let timeout = timeout.min(Duration::from_millis(self.limits.max_watch_timeout_ms));
+        let mut rx = self.applied.subscribe();
+        let changed = rx.wait_for(|_| self.lock_mirror().holder_token(key) != after);
+        let _ = tokio::time::timeout(timeout, changed).await;
+        self.status(key).await
+    }
+
+    /// The holder label of `key`'s live grant, for audit lines.
+    pub fn holder_of(&self, key: &str) -> String {
+        self.lock_mirror().grants.get(key).map(|g| g.value.h.clone()).unwrap_or_default()
+    }
+
+    /// Activation across gateways: returns once every member that was live
+    /// when this gateway's watch reached `rev` has acknowledged `rev`, or
+    /// has gone (drained, or its quarantine — the longest upstream timeout
+    /// after its departure — is over), and the quarantine of every member
+    /// that vanished without draining before it is over too.
+    async fn activate(&self, rev: i64) -> Result<(), Error> {
+        let deadline = Instant::now() + Duration::from_millis(self.limits.activation_timeout_ms);
+        let mut rx = self.applied.subscribe();
+        if tokio::time::timeout_at(deadline, rx.wait_for(|a| *a >= rev)).await.is_err() {
+            return Err(Error::Unavailable("this gateway's etcd watch did not deliver its own grant in time".into()));
+        }
+        let members: Vec<(String, i64)> =
+            self.lock_mirror().members.iter().map(|(gw, m)| (gw.clone(), m.lease)).collect();
+        loop {
+            let (missing, quarantine_until) = {
+                let m = self.lock_mirror();
+                let mut missing = 0usize;
+                // A member that vanished without draining shortly before
+                // this grant may still have requests on their way to an
+                // upstream: its quarantine counts too.
+                let mut until: Option<Instant> =
+                    m.departed.values().filter(|d| !d.drained).map(|d| d.at + self.quarantine).max();
+                for (gw, lease) in &members {
+                    match m.members.get(gw) {
+                        Some(e) if e.lease == *lease => {
+                            if !e.drained && m.acks.get(gw).copied().unwrap_or(0) < rev {
+                                missing += 1;
+                            }
+                        }
+                        _ => {
+                            let left = match m.departed.get(gw) {
+                                Some(d) if d.lease == *lease && d.drained => None,
+                                Some(d) if d.lease == *lease => Some(d.at + self.quarantine),
+                                // Replaced by a new incarnation unseen: from now.
+                                _ => Some(Instant::now() + self.quarantine),
+                            };
+                            until = until.max(left);
+                        }
+                    }
+                }
+                (missing, until)
+            };
+            if missing == 0 {
+                if let Some(u) = quarantine_until {
+                    if u > deadline {
+                        return Err(Error::Unavailable(
+                            "a gateway left without draining; its quarantine outlasts activation_timeout_ms".into(),
+                        ));
+                    }
+                    tokio::time::sleep_until(u).await;
+                }
+                return Ok(());
+            }
+            if tokio::time::timeout_at(deadline, rx.changed()).await.is_err() {
+                return Err(Error::Unavailable(format!(
+                    "{missing} gateway(s) did not acknowledge the grant within activation_timeout_ms"
+                )));
+            }
+        }
+    }
+}

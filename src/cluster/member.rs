@@ -1,0 +1,158 @@
+//! Membership and self-fencing. The gateway holds `m/GW` on its own etcd
+//! lease and keeps it alive with at most one keepalive in flight. After a
+//! keepalive sent at `s` is acknowledged, etcd keeps the lease until at
+//! least `s + TTL` (a leader change only extends it), so the gateway's own
+//! deadline `s + TTL·(1−ε) − margin`, on the monotonic clock, always falls
+//! before etcd could declare it dead and a peer's grant could skip it.
+//!
+//! The deadline is moved only when the watch is also proved current: after
+//! each keepalive the gateway puts its acknowledgement key and waits to see
+//! that very put come back on its watch (etcd 3.4's progress notifications
+//! are not reliable for this). Past the deadline, or while the watch is
+//! broken, the fence table refuses mutations (`not_current`) and aborts
+//! uploads still streaming; the gateway rejoins with a new lease, and is
+//! current again once its watch has caught up with its new member key.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use etcd_client::PutOptions;
+use tokio::time::Instant;
+
+use super::{unavailable, Cluster};
+use crate::error::Error;
+
+/// ε: the share of the TTL given up to clock-rate differences.
+const EPSILON: f64 = 0.1;
+/// Margin for scheduling delays between the check and the forward.
+const MARGIN: Duration = Duration::from_millis(200);
+
+impl Cluster {
+    /// The local deadline after a keepalive sent at `sent` got `ttl`.
+    fn deadline_after(sent: Instant, ttl: Duration) -> Instant {
+        (sent + ttl.mul_f64(1.0 - EPSILON)).checked_sub(MARGIN).unwrap_or(sent)
+    }
+
+    pub(super) async fn run_member(self: Arc<Self>) {
+        loop {
+            if self.stop.is_triggered() {
+                return;
+            }
+            let why = tokio::select! {
+                why = self.membership_term() => why,
+                () = self.stop.wait() => return,
+            };
+            self.fences.set_not_current(why);
+            self.metrics.cluster_current.set(0);
+            tracing::warn!(gateway = %self.gateway_id, reason = why, "not current; rejoining the cluster");
+            if let Some(old) = self.member_lease() {
+                self.set_member_lease(None);
+                // Best effort: peers then stop waiting for this incarnation.
+                let mut leases = self.client.lease_client();
+                let timeout = self.timeout;
+                tokio::spawn(async move {
+                    let _ = tokio::time::timeout(timeout, leases.revoke(old)).await;
+                });
+            }
+            tokio::select! {
+                () = tokio::time::sleep(Duration::from_millis(200)) => {}
+                () = self.stop.wait() => return,
+            }
+        }
+    }
+
+    /// One membership: join, then keep alive until it cannot be proved.
+    /// Returns why it ended.
+    async fn membership_term(&self) -> &'static str {
+        let ttl_s = i64::try_from(self.member_ttl.as_millis().div_ceil(1000)).unwrap_or(i64::MAX);
+        let sent = Instant::now();
+        let (lease, granted) = match self.join(ttl_s).await {
+            Ok(j) => j,
+            Err(e) => {
+                tracing::warn!(error = %e, "joining the cluster failed");
+                return "the gateway cannot reach etcd to join its cluster";
+            }
+        };
+        let interval = granted / 3;
+        let mut deadline = Self::deadline_after(sent, granted);
+        let mut leases = self.client.lease_client();
+        let mut keeper = None;
+        // The join itself is the first round: prove the watch current.
+        let mut next_deadline = Some(deadline);
+        loop {
+            if let Some(d) = next_deadline.take() {
+                if self.prove_current(d).await {
+                    deadline = d;
+                    self.fences.set_current_until(d);
+                    self.metrics.cluster_current.set(1);
+                }
+            }
+            let wake = (Instant::now() + interval).min(deadline);
+            tokio::time::sleep_until(wake).await;
+            if Instant::now() >= deadline {
+                return "the gateway's membership lease may have lapsed (no keepalive acknowledged in time)";
+            }
+            // One keepalive in flight, bounded by the deadline. Opening
+            // the stream sends the first one and reads its answer.
+            let sent = Instant::now();
+            let budget = deadline.saturating_duration_since(sent).min(self.timeout);
+            let round = async {
+                match keeper.as_mut() {
+                    None => {
+                        let (k, stream) = leases.keep_alive(lease).await?;
+                        keeper = Some((k, stream));
+                        Ok(Some(granted))
+                    }
+                    Some((k, stream)) => {
+                        k.keep_alive().await?;
+                        Ok::<_, etcd_client::Error>(
+                            stream.message().await?.map(|r| Duration::from_secs(u64::try_from(r.ttl()).unwrap_or(0))),
+                        )
+                    }
+                }
+            };
+            match tokio::time::timeout(budget, round).await {
+                Ok(Ok(Some(ttl))) if !ttl.is_zero() => next_deadline = Some(Self::deadline_after(sent, ttl)),
+                Ok(Ok(Some(_))) => return "the gateway's membership lease expired in etcd",
+                Ok(Err(etcd_client::Error::LeaseKeepAliveError(m))) if m.contains("not found") => {
+                    return "the gateway's membership lease expired in etcd";
+                }
+                _ => keeper = None,
+            }
+        }
+    }
+
+    /// Grants the membership lease and puts `m/GW` on it.
+    async fn join(&self, ttl_s: i64) -> Result<(i64, Duration), Error> {
+        let mut leases = self.client.lease_client();
+        let grant = match tokio::time::timeout(self.timeout, leases.grant(ttl_s, None)).await {
+            Ok(r) => r.map_err(|e| unavailable("granting the membership lease", e))?,
+            Err(_) => return Err(Error::Unavailable("etcd: granting the membership lease: timed out".into())),
+        };
+        let lease = grant.id();
+        let granted = Duration::from_secs(u64::try_from(grant.ttl()).unwrap_or(0));
+        let mut kv = self.client.kv_client();
+        let put = kv.put(self.keys.member(&self.gateway_id), "up", Some(PutOptions::new().with_lease(lease)));
+        match tokio::time::timeout(self.timeout, put).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => return Err(unavailable("joining", e)),
+            Err(_) => return Err(Error::Unavailable("etcd: joining: timed out".into())),
+        }
+        self.set_member_lease(Some(lease));
+        tracing::info!(gateway = %self.gateway_id, lease, ttl_ms = granted.as_millis() as u64, "joined the cluster");
+        Ok((lease, granted))
+    }
+
+    /// Puts this gateway's acknowledgement and waits (until `deadline`) to
+    /// see it come back on the watch: then every event before it has been
+    /// applied here.
+    async fn prove_current(&self, deadline: Instant) -> bool {
+        if !self.feed_is_ok() {
+            return false;
+        }
+        let Ok(rev) = self.write_ack().await else { return false };
+        let mut rx = self.applied.subscribe();
+        let seen = tokio::time::timeout_at(deadline, rx.wait_for(|applied| *applied >= rev)).await;
+        matches!(seen, Ok(Ok(_))) && self.feed_is_ok()
+    }
+}

@@ -1,0 +1,299 @@
+//! Cluster mode (docs/cluster.md): several gateways share one authority
+//! kept in a real etcd cluster, through fencegate's own transactions (not
+//! etcd's lock service, whose 3.4 releases can grant on an expired lease).
+//!
+//! What lives in etcd, under the configured prefix `P`:
+//!
+//! | key | value | lease | meaning |
+//! |---|---|---|---|
+//! | `P g/KEY` | holder, ttl, hash of the lease id, offset | the grant's own | the live grant of KEY |
+//! | `P f/KEY` | offset | none | KEY's fence: `offset + mod_revision` |
+//! | `P q/KEY \0 ID` | empty | the waiting gateway's membership | a waiter, ordered by create revision |
+//! | `P m/GW` | `up` or `drained` | GW's membership | gateway GW is a live member |
+//! | `P a/GW` | revision | GW's membership | GW installed every fence up to it and finished older in-flight mutations |
+//! | `P meta/offset` | u64 | none | added to revisions (raised by `fencegate cluster raise-floor`) |
+//!
+//! Guarantees:
+//! - A grant is one transaction: create-if-absent of `g/KEY` on a fresh
+//!   etcd lease, only when no older waiter is queued, plus the fence put.
+//!   Its token is `offset + revision` of that transaction: global, strictly
+//!   increasing, and one transaction grants one key, so a token names
+//!   exactly one grant of one key. A put on an expired lease fails, so no
+//!   grant is ever made on a dead lease.
+//! - Each gateway mirrors the prefix in memory (one consistent read at R,
+//!   a watch from R+1, a full reload when compaction cancels the watch) and
+//!   installs fences into its [`FenceTable`]: the data path never waits on
+//!   etcd.
+//! - A grant is returned only once every live member acknowledged it (its
+//!   `a/GW` reached the grant's revision) or its membership ended, plus a
+//!   quarantine of the longest upstream timeout for a member that vanished
+//!   without draining.
+//! - A gateway admits mutations only while its membership keepalive is
+//!   acknowledged in time and its watch is proved current ([`member`]).
+
+mod feed;
+mod floor;
+mod leases;
+mod member;
+mod mirror;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use etcd_client::{Client, ConnectOptions};
+use tokio::sync::watch;
+
+use crate::config::{ClusterConfig, LocksConfig};
+use crate::error::Error;
+use crate::fence::FenceTable;
+use crate::metrics::Metrics;
+use crate::shutdown::Shutdown;
+
+pub use floor::raise_floor;
+use mirror::Mirror;
+
+/// Key layout under the prefix (see the module doc).
+#[derive(Debug, Clone)]
+pub(crate) struct Keys {
+    prefix: String,
+}
+
+/// What an etcd key under the prefix is.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Kind<'a> {
+    Grant(&'a str),
+    Fence(&'a str),
+    Queue(&'a str),
+    Member(&'a str),
+    Ack(&'a str),
+    Offset,
+    Other,
+}
+
+impl Keys {
+    pub(crate) fn new(prefix: &str) -> Keys {
+        Keys { prefix: prefix.to_string() }
+    }
+    fn grant(&self, key: &str) -> String {
+        format!("{}g/{key}", self.prefix)
+    }
+    fn fence(&self, key: &str) -> String {
+        format!("{}f/{key}", self.prefix)
+    }
+    /// Lock keys have no control characters, so `\0` ends the key part.
+    fn queue_prefix(&self, key: &str) -> String {
+        format!("{}q/{key}\0", self.prefix)
+    }
+    fn member(&self, gw: &str) -> String {
+        format!("{}m/{gw}", self.prefix)
+    }
+    fn ack(&self, gw: &str) -> String {
+        format!("{}a/{gw}", self.prefix)
+    }
+    pub(crate) fn offset(&self) -> String {
+        format!("{}meta/offset", self.prefix)
+    }
+    /// Classifies an etcd key (bytes from a peer: anything not UTF-8 or
+    /// outside the layout is `Other` and ignored).
+    fn kind<'a>(&self, raw: &'a [u8]) -> Kind<'a> {
+        let Ok(s) = std::str::from_utf8(raw) else { return Kind::Other };
+        let Some(rest) = s.strip_prefix(self.prefix.as_str()) else { return Kind::Other };
+        if let Some(k) = rest.strip_prefix("g/") {
+            Kind::Grant(k)
+        } else if let Some(k) = rest.strip_prefix("f/") {
+            Kind::Fence(k)
+        } else if let Some(k) = rest.strip_prefix("q/") {
+            k.split_once('\0').map_or(Kind::Other, |(key, _)| Kind::Queue(key))
+        } else if let Some(g) = rest.strip_prefix("m/") {
+            Kind::Member(g)
+        } else if let Some(g) = rest.strip_prefix("a/") {
+            Kind::Ack(g)
+        } else if rest == "meta/offset" {
+            Kind::Offset
+        } else {
+            Kind::Other
+        }
+    }
+}
+
+/// An etcd failure as the client sees it: 503, fail closed.
+fn unavailable(what: &str, e: impl std::fmt::Display) -> Error {
+    Error::Unavailable(format!("etcd: {what}: {e}"))
+}
+
+/// A revision as a token (revisions are positive).
+fn rev_u64(rev: i64) -> u64 {
+    u64::try_from(rev).unwrap_or(0)
+}
+
+/// Connects a client to the configured endpoints (TLS if configured).
+pub async fn connect(cfg: &ClusterConfig) -> Result<Client, Error> {
+    let mut opts = ConnectOptions::new()
+        .with_connect_timeout(Duration::from_millis(cfg.etcd_timeout_ms))
+        .with_keep_alive(Duration::from_secs(1), Duration::from_millis(cfg.etcd_timeout_ms))
+        .with_keep_alive_while_idle(true)
+        // A member without a leader refuses instead of serving stale data.
+        .with_require_leader(true);
+    if cfg.ca_file.is_some() || cfg.cert_file.is_some() {
+        let mut tls = etcd_client::TlsOptions::new();
+        if let Some(ca) = &cfg.ca_file {
+            let pem = std::fs::read(ca).map_err(|e| Error::Internal(format!("reading {}: {e}", ca.display())))?;
+            tls = tls.ca_certificate(etcd_client::Certificate::from_pem(pem));
+        }
+        if let (Some(c), Some(k)) = (&cfg.cert_file, &cfg.key_file) {
+            let cert = std::fs::read(c).map_err(|e| Error::Internal(format!("reading {}: {e}", c.display())))?;
+            let key = std::fs::read(k).map_err(|e| Error::Internal(format!("reading {}: {e}", k.display())))?;
+            tls = tls.identity(etcd_client::Identity::from_pem(cert, key));
+        }
+        opts = opts.with_tls(tls);
+    }
+    let connect = Client::connect(&cfg.etcd_endpoints, Some(opts));
+    match tokio::time::timeout(Duration::from_millis(cfg.etcd_timeout_ms), connect).await {
+        Ok(Ok(c)) => Ok(c),
+        Ok(Err(e)) => Err(unavailable("connecting", e)),
+        Err(_) => Err(Error::Unavailable("etcd: connecting: timed out".into())),
+    }
+}
+
+/// This gateway's membership: the etcd lease its `m/` and `a/` keys live on.
+#[derive(Debug, Default, Clone, Copy)]
+struct Membership {
+    lease: Option<i64>,
+}
+
+/// The cluster-mode authority of one gateway.
+pub struct Cluster {
+    client: Client,
+    keys: Keys,
+    gateway_id: String,
+    fences: Arc<FenceTable>,
+    metrics: Arc<Metrics>,
+    limits: LocksConfig,
+    /// Deadline of each etcd request.
+    timeout: Duration,
+    member_ttl: Duration,
+    /// How long a request forwarded by a gateway that vanished without
+    /// draining may still be applied: the longest upstream timeout.
+    quarantine: Duration,
+    mirror: Mutex<Mirror>,
+    /// Highest revision the feed has applied; changes wake local waiters,
+    /// watchers and activations.
+    applied: watch::Sender<i64>,
+    /// Wakes the acknowledgement writer.
+    ack_kick: Arc<tokio::sync::Notify>,
+    /// Revisions of fences whose local activation barrier still runs.
+    pending: Arc<Mutex<std::collections::BTreeSet<i64>>>,
+    /// The last fence revision applied.
+    last_fence: Mutex<i64>,
+    membership: Mutex<Membership>,
+    /// The watch is running and was loaded from a consistent read.
+    feed_ok: AtomicBool,
+    ack_lock: tokio::sync::Mutex<i64>,
+    floor: Arc<floor::Floor>,
+    stop: Shutdown,
+}
+
+impl std::fmt::Debug for Cluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cluster").field("gateway_id", &self.gateway_id).finish_non_exhaustive()
+    }
+}
+
+/// What [`Cluster::start`] needs beyond the config.
+#[derive(Debug)]
+pub struct Start {
+    pub cfg: ClusterConfig,
+    pub gateway_id: String,
+    pub fences: Arc<FenceTable>,
+    pub metrics: Arc<Metrics>,
+    pub limits: LocksConfig,
+    pub quarantine: Duration,
+    pub data_dir: std::path::PathBuf,
+    pub stop: Shutdown,
+}
+
+impl Cluster {
+    /// Connects, loads the fences at a consistent revision, starts the
+    /// watch, the membership and the acknowledgements. Mutations are
+    /// refused (`not_current`) until the gateway has joined.
+    pub async fn start(s: Start) -> Result<Arc<Cluster>, Error> {
+        let client = connect(&s.cfg).await?;
+        let floor = Arc::new(floor::Floor::open(&s.data_dir)?);
+        s.fences.gate_on_currency();
+        s.fences.set_not_current("the gateway has not joined its cluster yet");
+        let cluster = Arc::new(Cluster {
+            client,
+            keys: Keys::new(&s.cfg.prefix),
+            gateway_id: s.gateway_id,
+            fences: s.fences,
+            metrics: s.metrics,
+            limits: s.limits,
+            timeout: Duration::from_millis(s.cfg.etcd_timeout_ms),
+            member_ttl: Duration::from_millis(s.cfg.member_ttl_ms),
+            quarantine: s.quarantine,
+            mirror: Mutex::new(Mirror::default()),
+            applied: watch::channel(0).0,
+            ack_kick: Arc::default(),
+            pending: Arc::default(),
+            last_fence: Mutex::new(0),
+            membership: Mutex::default(),
+            feed_ok: AtomicBool::new(false),
+            ack_lock: tokio::sync::Mutex::new(0),
+            floor,
+            stop: s.stop,
+        });
+        // The first load is part of the start: an unreachable etcd fails it
+        // loudly instead of serving nothing.
+        let watch_from = cluster.load().await?;
+        tokio::spawn(cluster.clone().run_feed(watch_from));
+        tokio::spawn(cluster.clone().run_member());
+        tokio::spawn(cluster.clone().run_acks());
+        tokio::spawn(cluster.floor.clone().run(cluster.stop.clone()));
+        tracing::info!(gateway = %cluster.gateway_id, revision = watch_from - 1, "cluster mode: fences loaded from etcd");
+        Ok(cluster)
+    }
+
+    /// The fence table this gateway admits mutations with.
+    pub fn fences(&self) -> &Arc<FenceTable> {
+        &self.fences
+    }
+
+    /// This gateway's id among its peers.
+    pub fn gateway_id(&self) -> &str {
+        &self.gateway_id
+    }
+
+    fn lock_mirror(&self) -> std::sync::MutexGuard<'_, Mirror> {
+        self.mirror.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn member_lease(&self) -> Option<i64> {
+        self.membership.lock().unwrap_or_else(std::sync::PoisonError::into_inner).lease
+    }
+
+    fn set_member_lease(&self, lease: Option<i64>) {
+        self.membership.lock().unwrap_or_else(std::sync::PoisonError::into_inner).lease = lease;
+    }
+
+    fn feed_is_ok(&self) -> bool {
+        self.feed_ok.load(Ordering::Acquire)
+    }
+
+    /// A clean stop: marks this member drained (no peer waits a quarantine
+    /// for it) and ends its membership. Called once nothing is in flight.
+    pub async fn leave(&self) {
+        let Some(lease) = self.member_lease() else { return };
+        let mut kv = self.client.kv_client();
+        let put = kv.put(
+            self.keys.member(&self.gateway_id),
+            "drained",
+            Some(etcd_client::PutOptions::new().with_lease(lease)),
+        );
+        let _ = tokio::time::timeout(self.timeout, put).await;
+        let mut leases = self.client.lease_client();
+        let _ = tokio::time::timeout(self.timeout, leases.revoke(lease)).await;
+        self.set_member_lease(None);
+        tracing::info!(gateway = %self.gateway_id, "left the cluster");
+    }
+}

@@ -1,0 +1,459 @@
+//! Cluster mode against a real 3-member etcd cluster and 3 gateways (the
+//! real binary) on loopback: fences across gateways, token uniqueness,
+//! FIFO across gateways, losing the etcd leader, a stopped gateway's
+//! self-fencing, and etcd unavailable. The tests of this file run one at a
+//! time (each starts 6 processes).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+#[path = "common/etcd.rs"]
+mod etcd;
+
+use std::time::{Duration, Instant};
+
+use common::{acquire, release, Gateway, Http, Opts, Recorder};
+use etcd::EtcdCluster;
+use http::{Method, StatusCode};
+
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Member TTL of the test gateways: etcd's floor on default timeouts.
+const MEMBER_TTL_MS: u64 = 2000;
+/// Upstream timeout, hence the quarantine of a gateway that vanished.
+const UPSTREAM_TIMEOUT_MS: u64 = 1000;
+
+struct Setup {
+    etcd: EtcdCluster,
+    gws: Vec<Gateway>,
+    rec: Recorder,
+    http: Http,
+    _dir: tempfile::TempDir,
+}
+
+fn gateway_config(etcd: &EtcdCluster, id: &str, upstream: &str) -> String {
+    format!(
+        r#"
+[cluster]
+etcd_endpoints = {eps}
+gateway_id = "{id}"
+member_ttl_ms = {MEMBER_TTL_MS}
+etcd_timeout_ms = 1000
+
+[locks]
+activation_timeout_ms = 15000
+
+[[routes]]
+match = "/{{*path}}"
+upstream = "{upstream}"
+upstream_timeout_ms = {UPSTREAM_TIMEOUT_MS}
+"#,
+        eps = etcd.endpoints_toml()
+    )
+}
+
+async fn setup(gateways: usize) -> Setup {
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = EtcdCluster::start(dir.path(), 3).await;
+    let rec = Recorder::start().await;
+    let mut gws = Vec::new();
+    for i in 0..gateways {
+        let data = dir.path().join(format!("gw{i}"));
+        let config = Some(gateway_config(&etcd, &format!("gw{i}"), &rec.url()));
+        gws.push(Gateway::start(&data, Opts { config, ..Opts::default() }));
+    }
+    let http = Http::default();
+    let s = Setup { etcd, gws, rec, http, _dir: dir };
+    for i in 0..gateways {
+        s.wait_current(i, Duration::from_secs(20)).await;
+    }
+    s
+}
+
+impl Setup {
+    fn api(&self, i: usize) -> String {
+        self.gws[i].api_url("")
+    }
+
+    async fn put(&self, i: usize, path: &str, token: u64) -> common::Reply {
+        let t = token.to_string();
+        match self.http.try_send(Method::PUT, &self.gws[i].proxy_url(path), &[("x-fencing-token", &t)], "data").await {
+            Ok(r) => r,
+            Err(e) => panic!("PUT through gateway {i}: {e}"),
+        }
+    }
+
+    /// Waits until gateway `i` answers mutations with something other
+    /// than `not_current` (a made-up token: 403 once it is current).
+    async fn wait_current(&self, i: usize, limit: Duration) -> Duration {
+        let started = Instant::now();
+        loop {
+            let r = self.put(i, "/probe/current", u64::MAX).await;
+            if r.status != StatusCode::SERVICE_UNAVAILABLE {
+                return started.elapsed();
+            }
+            assert!(started.elapsed() < limit, "gateway {i} not current after {limit:?}: {}", self.gws[i].log_text());
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_on_one_gateway_fences_the_old_holder_on_all_three() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let s = setup(3).await;
+    let http = &s.http;
+
+    let old = acquire(http, &s.api(0), "orders/1", 5000, 0).await.unwrap();
+    // The holder's write passes through any gateway.
+    for i in 0..3 {
+        let r = s.put(i, "/orders/1", old.token).await;
+        assert_eq!(r.status, StatusCode::OK, "gateway {i}: {:?}", r.body);
+    }
+    // Renew through another gateway; a wrong lease id is lost / not owner.
+    let renew = |api: String, lease_id: String| {
+        let http = s.http.clone();
+        async move {
+            http.post_json(
+                &format!("{api}/v1/locks/renew"),
+                serde_json::json!({"key": "orders/1", "lease_id": lease_id}),
+            )
+            .await
+        }
+    };
+    let r = renew(s.api(1), old.lease_id.clone()).await;
+    assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
+    assert_eq!(r.json()["fencing_token"], old.token);
+    let wrong = "0".repeat(32);
+    assert_eq!(renew(s.api(2), wrong.clone()).await.error_code(), "lease_lost");
+    let bad = release(http, &s.api(2), &common::Grant { lease_id: wrong, ..old.clone() }).await;
+    assert_eq!(bad.error_code(), "not_owner");
+    // Held: another acquire anywhere is refused.
+    let busy = acquire(http, &s.api(1), "orders/1", 5000, 0).await.unwrap_err();
+    assert_eq!(busy.status, StatusCode::CONFLICT);
+    assert_eq!(busy.error_code(), "locked");
+
+    assert_eq!(release(http, &s.api(0), &old).await.status, StatusCode::OK);
+    let new = acquire(http, &s.api(2), "orders/1", 5000, 0).await.unwrap();
+    assert!(new.token > old.token, "tokens increase: {} then {}", old.token, new.token);
+    let before = s.rec.count();
+    // As soon as the grant is answered, the old holder is refused on every
+    // gateway, before the upstream.
+    for i in 0..3 {
+        let r = s.put(i, "/orders/1", old.token).await;
+        assert_eq!(r.status, StatusCode::CONFLICT, "gateway {i}");
+        assert_eq!(r.error_code(), "stale_fencing_token");
+        assert_eq!(r.json()["fence"], new.token);
+    }
+    assert_eq!(s.rec.count(), before, "no stale write reached the upstream");
+    // The check table on every gateway.
+    for i in 0..3 {
+        let missing = s.http.send(Method::PUT, &s.gws[i].proxy_url("/orders/1"), &[], "x").await;
+        assert_eq!(missing.status, StatusCode::PRECONDITION_REQUIRED);
+        assert_eq!(s.put(i, "/orders/1", new.token + 1).await.error_code(), "unissued_fencing_token");
+        assert_eq!(s.put(i, "/orders/1", new.token).await.status, StatusCode::OK);
+        // Reads pass without a token.
+        assert_eq!(s.http.get(&s.gws[i].proxy_url("/orders/1")).await.status, StatusCode::OK);
+    }
+    // The new holder's token of another key is unissued here.
+    let other = acquire(http, &s.api(1), "orders/2", 5000, 0).await.unwrap();
+    assert_eq!(s.put(0, "/orders/1", other.token).await.error_code(), "unissued_fencing_token");
+    // A released grant's token is refused (lease_expired) everywhere.
+    assert_eq!(release(http, &s.api(1), &new).await.status, StatusCode::OK);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for i in 0..3 {
+        assert_eq!(s.put(i, "/orders/1", new.token).await.error_code(), "lease_expired", "gateway {i}");
+    }
+    // Status and watch agree across gateways.
+    let st = s.http.get(&format!("{}/v1/locks/status?key=orders/2", s.api(2))).await.json();
+    assert_eq!(st["held"], true);
+    assert_eq!(st["fencing_token"], other.token);
+    // A clean stop drains and leaves: the next grant needs no quarantine.
+    let mut s = s;
+    let gw = s.gws.pop().unwrap();
+    assert!(gw.terminate().success());
+    let started = Instant::now();
+    acquire(&s.http, &s.api(0), "orders/3", 5000, 0).await.unwrap();
+    assert!(started.elapsed() < Duration::from_millis(UPSTREAM_TIMEOUT_MS), "waited {:?}", started.elapsed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_are_unique_across_gateways_and_waiters_are_served_in_order() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let s = setup(3).await;
+    // Concurrent grants of distinct keys through all three gateways.
+    let mut tasks = Vec::new();
+    for n in 0..30 {
+        let http = s.http.clone();
+        let api = s.api(n % 3);
+        tasks.push(tokio::spawn(async move { acquire(&http, &api, &format!("k/{n}"), 5000, 0).await.unwrap().token }));
+    }
+    let mut tokens = Vec::new();
+    for t in tasks {
+        tokens.push(t.await.unwrap());
+    }
+    let mut unique = tokens.clone();
+    unique.sort_unstable();
+    unique.dedup();
+    assert_eq!(unique.len(), tokens.len(), "a token was issued twice: {tokens:?}");
+
+    // FIFO across gateways: holder on 0, first waiter on 1, second on 2.
+    let holder = acquire(&s.http, &s.api(0), "fifo", 10_000, 0).await.unwrap();
+    let (h1, a1) = (s.http.clone(), s.api(1));
+    let first = tokio::spawn(async move { acquire(&h1, &a1, "fifo", 10_000, 20_000).await });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (h2, a2) = (s.http.clone(), s.api(2));
+    let second = tokio::spawn(async move { acquire(&h2, &a2, "fifo", 10_000, 20_000).await });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(release(&s.http, &s.api(0), &holder).await.status, StatusCode::OK);
+    let first = tokio::time::timeout(Duration::from_secs(10), first).await.unwrap().unwrap().unwrap();
+    assert!(first.token > holder.token);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!second.is_finished(), "the second waiter must wait for the first");
+    assert_eq!(release(&s.http, &s.api(1), &first).await.status, StatusCode::OK);
+    let second = tokio::time::timeout(Duration::from_secs(10), second).await.unwrap().unwrap().unwrap();
+    assert!(second.token > first.token);
+    // Watch across gateways: a watcher on 0 sees the release on 2.
+    let (h0, a0) = (s.http.clone(), s.api(0));
+    let after = second.token;
+    let watcher = tokio::spawn(async move {
+        h0.get(&format!("{a0}/v1/locks/watch?key=fifo&after={after}&timeout_ms=10000")).await.json()
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(release(&s.http, &s.api(2), &second).await.status, StatusCode::OK);
+    let seen = tokio::time::timeout(Duration::from_secs(5), watcher).await.unwrap().unwrap();
+    assert_eq!(seen["held"], false);
+
+    // What a grant costs: sequential acquire + release cycles, each grant
+    // acknowledged by all three gateways before it is answered.
+    let cycles = 30;
+    let started = Instant::now();
+    let mut grant_ms = Vec::new();
+    for n in 0..cycles {
+        let t = Instant::now();
+        let g = acquire(&s.http, &s.api(n % 3), "cost", 5000, 0).await.unwrap();
+        grant_ms.push(t.elapsed().as_secs_f64() * 1000.0);
+        assert_eq!(release(&s.http, &s.api(n % 3), &g).await.status, StatusCode::OK);
+    }
+    grant_ms.sort_by(f64::total_cmp);
+    println!(
+        "FIGURE grant with 3 gateways: p50 {:.1} ms, max {:.1} ms; acquire+release cycle {:.1} ms (sequential, {cycles} cycles)",
+        grant_ms[grant_ms.len() / 2],
+        grant_ms[grant_ms.len() - 1],
+        started.elapsed().as_secs_f64() * 1000.0 / f64::from(u32::try_from(cycles).unwrap())
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_etcd_leader_keeps_grants_and_fenced_writes_working() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut s = setup(3).await;
+    let g = acquire(&s.http, &s.api(0), "ha/before", 30_000, 0).await.unwrap();
+    let leader = s.etcd.leader().await;
+    let killed = Instant::now();
+    s.etcd.kill9(leader);
+    // The next grant succeeds (retried while the cluster elects).
+    let grant = loop {
+        match acquire(&s.http, &s.api(1), "ha/after", 30_000, 0).await {
+            Ok(g) => break g,
+            Err(r) => assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{:?}", r.body),
+        }
+        assert!(killed.elapsed() < Duration::from_secs(20), "no grant after the leader died");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let to_grant = killed.elapsed();
+    assert!(grant.token > g.token);
+    // The next fenced write succeeds through every gateway.
+    let mut to_write = Duration::ZERO;
+    for i in 0..3 {
+        loop {
+            let r = s.put(i, "/ha/after", grant.token).await;
+            if r.status == StatusCode::OK {
+                break;
+            }
+            assert_eq!(r.error_code(), "not_current", "gateway {i}: {:?}", r.body);
+            assert!(killed.elapsed() < Duration::from_secs(20), "gateway {i} never forwarded again");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        to_write = to_write.max(killed.elapsed());
+    }
+    // Nothing acknowledged was lost: the earlier grant's fence is there.
+    assert_eq!(s.put(2, "/ha/before", g.token).await.status, StatusCode::OK);
+    println!(
+        "FIGURE etcd leader kill -9: next grant after {} ms, next fenced write on all 3 gateways after {} ms",
+        to_grant.as_millis(),
+        to_write.as_millis()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_gateway_refuses_mutations_as_not_current_and_the_others_grant() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let s = setup(3).await;
+    let old = acquire(&s.http, &s.api(0), "paused", 2000, 0).await.unwrap();
+    assert_eq!(s.put(2, "/paused", old.token).await.status, StatusCode::OK);
+    let pid = s.gws[2].child.id();
+    common::signal(pid, "STOP");
+    tokio::time::sleep(Duration::from_millis(MEMBER_TTL_MS + 1500)).await;
+    // The others grant without the stopped one: its membership expired
+    // (plus its quarantine).
+    let started = Instant::now();
+    let new = acquire(&s.http, &s.api(1), "paused", 5000, 5000).await.unwrap();
+    let grant_took = started.elapsed();
+    assert!(new.token > old.token);
+    common::signal(pid, "CONT");
+    // At once after SIGCONT: its deadline has passed, so it refuses rather
+    // than judge with fences that may be stale.
+    let r = s.put(2, "/paused", old.token).await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{:?}", r.body);
+    assert_eq!(r.error_code(), "not_current");
+    // Reads pass meanwhile.
+    assert_eq!(s.http.get(&s.gws[2].proxy_url("/paused")).await.status, StatusCode::OK);
+    // It rejoins by itself and then judges with the new fence.
+    let rejoin = s.wait_current(2, Duration::from_secs(15)).await;
+    assert_eq!(s.put(2, "/paused", old.token).await.error_code(), "stale_fencing_token");
+    assert_eq!(s.put(2, "/paused", new.token).await.status, StatusCode::OK);
+    println!(
+        "FIGURE stopped gateway: a grant elsewhere took {} ms after the stop outlived its member TTL; it rejoined {} ms \
+         after SIGCONT",
+        grant_took.as_millis(),
+        rejoin.as_millis()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_etcd_down_grants_and_mutations_fail_closed_with_503_and_recover() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut s = setup(2).await;
+    let g = acquire(&s.http, &s.api(0), "down", 30_000, 0).await.unwrap();
+    for i in 0..3 {
+        s.etcd.kill9(i);
+    }
+    let started = Instant::now();
+    let r = acquire(&s.http, &s.api(1), "down/2", 5000, 0).await.unwrap_err();
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{:?}", r.body);
+    assert!(started.elapsed() < Duration::from_secs(5), "the grant hung for {:?}", started.elapsed());
+    // Mutations stop within the member TTL, with a JSON 503.
+    let started = Instant::now();
+    loop {
+        let r = s.put(0, "/down", g.token).await;
+        if r.status == StatusCode::SERVICE_UNAVAILABLE {
+            assert_eq!(r.error_code(), "not_current");
+            break;
+        }
+        assert_eq!(r.status, StatusCode::OK);
+        assert!(started.elapsed() < Duration::from_millis(MEMBER_TTL_MS + 1000), "still forwarding with etcd down");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for i in 0..3 {
+        s.etcd.restart(i);
+    }
+    s.etcd.wait_healthy(Duration::from_secs(30)).await;
+    for i in 0..2 {
+        s.wait_current(i, Duration::from_secs(20)).await;
+    }
+    assert_eq!(s.put(1, "/down", g.token).await.status, StatusCode::OK);
+    acquire(&s.http, &s.api(1), "down/2", 5000, 0).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_file_route_is_refused_in_cluster_mode_unless_per_gateway() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fencegate"))
+        .args(["serve", "--etcd", "http://127.0.0.1:1", "--data-dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("file://") && err.contains("per_gateway"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_whose_watch_fell_behind_a_compaction_reloads_and_keeps_the_fences() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let s = setup(2).await;
+    let old = acquire(&s.http, &s.api(0), "compacted", 2000, 0).await.unwrap();
+    assert_eq!(s.put(1, "/compacted", old.token).await.status, StatusCode::OK);
+    let pid = s.gws[1].child.id();
+    common::signal(pid, "STOP");
+    // While it is stopped: enough traffic under the prefix to back up its
+    // watch stream, a new grant of the key, then a compaction past it all.
+    let mut etcd = s.etcd.client().await;
+    let mut writers = Vec::new();
+    for w in 0..4 {
+        let mut c = etcd.clone();
+        writers.push(tokio::spawn(async move {
+            let filler = "x".repeat(2048);
+            for n in 0..600 {
+                c.put(format!("/fencegate/filler/{w}/{n}"), filler.clone(), None).await.unwrap();
+            }
+        }));
+    }
+    for w in writers {
+        w.await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let new = acquire(&s.http, &s.api(0), "compacted", 5000, 5000).await.unwrap();
+    let rev = etcd.get("/fencegate/", None).await.unwrap().header().unwrap().revision();
+    etcd.compact(rev, None).await.unwrap();
+    common::signal(pid, "CONT");
+    s.wait_current(1, Duration::from_secs(20)).await;
+    // Whether its watch was cancelled by the compaction (then it reloaded)
+    // or not, it judges with the new fence.
+    assert_eq!(s.put(1, "/compacted", old.token).await.error_code(), "stale_fencing_token");
+    assert_eq!(s.put(1, "/compacted", new.token).await.status, StatusCode::OK);
+    let metrics = String::from_utf8(s.http.get(&s.gws[1].api_url("/metrics")).await.body.to_vec()).unwrap();
+    let resyncs = metrics.lines().find(|l| l.starts_with("fencegate_cluster_resyncs_total")).unwrap_or("").to_string();
+    println!("FIGURE compaction while a gateway was stopped: {resyncs}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grant_latency_with_one_gateway_for_comparison() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let s = setup(1).await;
+    let mut grant_ms = Vec::new();
+    for _ in 0..30 {
+        let t = Instant::now();
+        let g = acquire(&s.http, &s.api(0), "cost1", 5000, 0).await.unwrap();
+        grant_ms.push(t.elapsed().as_secs_f64() * 1000.0);
+        assert_eq!(release(&s.http, &s.api(0), &g).await.status, StatusCode::OK);
+    }
+    grant_ms.sort_by(f64::total_cmp);
+    println!(
+        "FIGURE grant with 1 gateway: p50 {:.1} ms, max {:.1} ms (sequential, 30 grants)",
+        grant_ms[grant_ms.len() / 2],
+        grant_ms[grant_ms.len() - 1]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leader_election_fails_over_across_gateways_when_the_leaders_gateway_dies() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut s = setup(3).await;
+    // Campaign = acquire with a long wait; term = token.
+    let leader = acquire(&s.http, &s.api(0), "election", 2000, 0).await.unwrap();
+    let (h, a) = (s.http.clone(), s.api(1));
+    let candidate = tokio::spawn(async move { acquire(&h, &a, "election", 2000, 20_000).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The leader's gateway dies mid-term (and the leader with it: no renewal).
+    let died = Instant::now();
+    s.gws.remove(0).kill9();
+    let next = tokio::time::timeout(Duration::from_secs(15), candidate).await.unwrap().unwrap().unwrap();
+    let failover = died.elapsed();
+    assert!(next.token > leader.token, "a new term");
+    // Not before the dead gateway's membership expired (≥ 2/3 of its TTL
+    // after the kill) and its quarantine passed: what it forwarded before
+    // dying may still reach an upstream until then.
+    assert!(failover >= Duration::from_millis(MEMBER_TTL_MS * 2 / 3 + UPSTREAM_TIMEOUT_MS), "{failover:?}");
+    // The old leader's writes are refused by the gateways left.
+    for i in 0..2 {
+        assert_eq!(s.put(i, "/election", leader.token).await.error_code(), "stale_fencing_token");
+    }
+    assert_eq!(s.put(1, "/election", next.token).await.status, StatusCode::OK);
+    println!(
+        "FIGURE leader's gateway kill -9: the next leader elected through another gateway after {} ms (lease TTL 2 s, \
+         member TTL {MEMBER_TTL_MS} ms, quarantine {} ms)",
+        failover.as_millis(),
+        UPSTREAM_TIMEOUT_MS + 500
+    );
+}
