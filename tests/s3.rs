@@ -619,3 +619,113 @@ async fn over_h2c_the_authority_is_the_host_forwarded_and_the_target_is_untouche
     assert!(raw.ends_with("over h2"), "{raw}");
     conn.abort();
 }
+
+/// An upstream that answers `200` at once, sends whitespace while it
+/// "runs" the operation for `apply_after`, then applies it (records the
+/// instant) and ends the body — as S3 answers CompleteMultipartUpload,
+/// CopyObject and UploadPartCopy.
+async fn slow_complete_upstream(apply_after: Duration) -> (std::net::SocketAddr, Arc<Mutex<Vec<std::time::Instant>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let applied: Arc<Mutex<Vec<std::time::Instant>>> = Arc::default();
+    let seen = applied.clone();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let seen = seen.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let head_end = loop {
+                    if let Some(i) = find(&buf, b"\r\n\r\n") {
+                        break i + 4;
+                    }
+                    let mut chunk = [0u8; 8192];
+                    match stream.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                };
+                let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+                let len = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:").map(|v| v.trim().parse::<usize>().unwrap()))
+                    .unwrap_or(0);
+                while buf.len() < head_end + len {
+                    let mut chunk = [0u8; 8192];
+                    match stream.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\n \r\n").await;
+                let steps = 10u32;
+                for _ in 0..steps {
+                    tokio::time::sleep(apply_after / steps).await;
+                    if stream.write_all(b"1\r\n \r\n").await.is_err() {
+                        return;
+                    }
+                }
+                seen.lock().unwrap().push(std::time::Instant::now());
+                let done = "<CompleteMultipartUploadResult/>";
+                let _ = stream.write_all(format!("{:x}\r\n{done}\r\n0\r\n\r\n", done.len()).as_bytes()).await;
+            });
+        }
+    });
+    (addr, applied)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_write_answered_at_once_but_applied_at_the_end_of_its_body_holds_a_new_grant_until_then() {
+    let (addr, applied) = slow_complete_upstream(Duration::from_millis(1500)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = s3_config(&format!("http://{addr}"), "upstream_timeout_ms = 10000");
+    let gw = Gateway::start(&dir.path().join("data"), Opts { config: Some(config), ..Opts::default() });
+    let http = Http::default();
+    let api = gw.api_url("");
+    let old = acquire(&http, &api, "bkt/obj", 10_000, 0).await.unwrap();
+    let client = Client::builder(TokioExecutor::new()).build_http();
+    let req = Request::post(gw.proxy_url("/bkt/obj?uploadId=u1"))
+        .header("x-fencing-token", old.token.to_string())
+        .body(http_body_util::Full::new(Bytes::from_static(b"<CompleteMultipartUpload/>")))
+        .unwrap();
+    // The head arrives at once; the body is read on as a client does.
+    let resp = client.request(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert!(applied.lock().unwrap().is_empty(), "not applied yet when the head arrives");
+    let reading = tokio::spawn(http_body_util::BodyExt::collect(resp.into_body()));
+    release(&http, &api, &old).await;
+    let new = acquire(&http, &api, "bkt/obj", 10_000, 5_000).await.unwrap();
+    let granted = std::time::Instant::now();
+    assert!(new.token > old.token);
+    let applied_at = *applied.lock().unwrap().first().expect("the old write was applied before the new grant");
+    assert!(applied_at <= granted, "the new grant came before the old write was applied");
+    let body = reading.await.unwrap().unwrap().to_bytes();
+    assert!(body.ends_with(b"<CompleteMultipartUploadResult/>"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_response_body_that_never_ends_holds_a_grant_no_longer_than_the_upstream_timeout() {
+    let (addr, _applied) = slow_complete_upstream(Duration::from_secs(60)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = s3_config(&format!("http://{addr}"), "upstream_timeout_ms = 1000");
+    let gw = Gateway::start(&dir.path().join("data"), Opts { config: Some(config), ..Opts::default() });
+    let http = Http::default();
+    let api = gw.api_url("");
+    let old = acquire(&http, &api, "bkt/obj", 10_000, 0).await.unwrap();
+    let client = Client::builder(TokioExecutor::new()).build_http();
+    let req = Request::put(gw.proxy_url("/bkt/obj"))
+        .header("x-fencing-token", old.token.to_string())
+        .header("x-amz-copy-source", "/bkt/src")
+        .body(http_body_util::Full::new(Bytes::new()))
+        .unwrap();
+    let resp = client.request(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    // The client stops reading (drops the body) at once.
+    drop(resp);
+    release(&http, &api, &old).await;
+    let started = std::time::Instant::now();
+    let new = acquire(&http, &api, "bkt/obj", 10_000, 20_000).await.unwrap();
+    assert!(new.token > old.token);
+    let waited = started.elapsed();
+    assert!(waited >= Duration::from_millis(500), "the grant must wait for the body ({waited:?})");
+    assert!(waited < Duration::from_secs(5), "the upstream timeout bounds the wait ({waited:?})");
+}

@@ -22,6 +22,7 @@ pub mod fast;
 pub mod fenced_body;
 pub mod filestore;
 pub mod headers;
+pub mod held_body;
 pub mod path;
 pub mod pool;
 pub mod s3;
@@ -706,11 +707,23 @@ impl Proxy {
             // or failed — also when the client hangs up meanwhile and this
             // future is dropped: activation must still wait for a write the
             // upstream may yet apply.
+            //    On an S3 route the registration ends only with the response
+            //    body (or the route's upstream timeout): S3 answers some
+            //    writes `200` at once and applies them at the body's end.
             let (upstream, object, timeout) = (route.upstream.clone(), object.to_string(), route.upstream_timeout);
+            let hold_body = route.is_s3();
             let exchange = tokio::spawn(async move {
+                let deadline = tokio::time::Instant::now() + timeout;
                 let sent = upstream.send(up, &object, token, timeout).await;
-                drop(guards);
-                sent
+                match sent {
+                    Ok(resp) if hold_body => {
+                        Ok(resp.map(|b| BoxBody::new(held_body::HeldBody::new(b, guards, deadline))))
+                    }
+                    sent => {
+                        drop(guards);
+                        sent
+                    }
+                }
             });
             match exchange.await {
                 Ok(sent) => sent,
