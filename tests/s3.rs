@@ -574,11 +574,13 @@ async fn an_aws_chunked_delete_objects_is_judged_by_its_keys_and_forwarded_as_se
     let api = gw.api_url("");
     let (g, stale) = live_and_stale(&http, &api, "bkt/k1").await;
     let xml = delete_body(&["k1"]);
-    let framed = format!("{:x};chunk-signature=aa\r\n{xml}\r\n0;chunk-signature=bb\r\n\r\n", xml.len());
+    let (sa, sb) = ("a".repeat(64), "b".repeat(64));
+    let framed = format!("{:x};chunk-signature={sa}\r\n{xml}\r\n0;chunk-signature={sb}\r\n\r\n", xml.len());
     let url = gw.proxy_url("/bkt?delete");
     let headers = |t: u64| {
         vec![
             ("content-encoding".to_string(), "aws-chunked".to_string()),
+            ("x-amz-content-sha256".to_string(), "STREAMING-AWS4-HMAC-SHA256-PAYLOAD".to_string()),
             ("x-amz-decoded-content-length".to_string(), xml.len().to_string()),
             ("x-fencing-token".to_string(), t.to_string()),
         ]
@@ -593,6 +595,31 @@ async fn an_aws_chunked_delete_objects_is_judged_by_its_keys_and_forwarded_as_se
     let r = http.send(Method::POST, &url, &live_h, framed.clone()).await;
     assert_eq!(r.status, StatusCode::OK);
     assert!(echo.last().ends_with(framed.as_bytes()), "forwarded with its framing, unchanged");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_delete_objects_whose_framing_the_server_may_read_otherwise_is_refused() {
+    let (_d, gw, echo, http) = setup("").await;
+    let api = gw.api_url("");
+    let g = acquire(&http, &api, "bkt/mine", 60_000, 0).await.unwrap();
+    let t = g.token.to_string();
+    let url = gw.proxy_url("/bkt?delete");
+    // A server that decides by x-amz-content-sha256 reads these bytes raw
+    // and finds `victim`; read through the framing they name `mine` only.
+    let hidden = "29\r\n<Delete><Object><Key>mine</Key></Object>\r\n9;a=<Object><Key>victim</Key></Object>\r\n</Delete>\r\n0\r\n\r\n";
+    let cases: [(&[(&str, &str)], &str); 3] = [
+        (&[("content-encoding", "aws-chunked"), ("x-amz-content-sha256", "UNSIGNED-PAYLOAD")], hidden),
+        (&[("content-encoding", "aws-chunked"), ("x-amz-content-sha256", "STREAMING-UNSIGNED-PAYLOAD-TRAILER")], hidden),
+        (&[("x-amz-content-sha256", "STREAMING-UNSIGNED-PAYLOAD-TRAILER")], hidden),
+    ];
+    for (extra, body) in cases {
+        let mut h = vec![("x-fencing-token", t.as_str())];
+        h.extend_from_slice(extra);
+        let r = http.send(Method::POST, &url, &h, body.to_string()).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{extra:?}");
+        assert_eq!(xml_code(&r.body), "BadRequest", "{extra:?}");
+    }
+    assert_eq!(echo.count(), 0, "nothing forwarded");
 }
 
 #[tokio::test(flavor = "multi_thread")]
