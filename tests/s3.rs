@@ -341,7 +341,7 @@ async fn post_object_is_fenced_by_the_key_in_its_form() {
     let (g, stale) = live_and_stale(&http, &api, "bkt/uploads/cat.jpg").await;
     let form = |token: u64| {
         format!(
-            "--XyZ\r\nContent-Disposition: form-data; name=\"key\"\r\n\r\nuploads/${{filename}}\r\n\
+            "--XyZ\r\nContent-Disposition: form-data; name=\"key\"\r\n\r\nuploads/cat.jpg\r\n\
              --XyZ\r\nContent-Disposition: form-data; name=\"x-ignore-fencing-token\"\r\n\r\n{token}\r\n\
              --XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"cat.jpg\"\r\n\r\nJPEGDATA\r\n--XyZ--\r\n"
         )
@@ -353,6 +353,30 @@ async fn post_object_is_fenced_by_the_key_in_its_form() {
     let no_key = form(g.token).replace("name=\"key\"", "name=\"nokey\"");
     assert_eq!(http.send(Method::POST, &url, &ct, no_key).await.status, StatusCode::BAD_REQUEST);
     assert_eq!(http.send(Method::POST, &url, &[], "not a form").await.status, StatusCode::BAD_REQUEST);
+    // AWS replaces ${filename}, s3s does not: the key written is unknown.
+    let by_name = form(g.token).replace("uploads/cat.jpg", "uploads/${filename}");
+    assert_eq!(http.send(Method::POST, &url, &ct, by_name).await.status, StatusCode::BAD_REQUEST);
+    // Any form POST is a PostObject, whatever its query: fenced by its key.
+    for q in ["?x", "?delete", "?select&select-type=2"] {
+        let r = http.send(Method::POST, &gw.proxy_url(&format!("/bkt{q}")), &ct, form(stale)).await;
+        assert_eq!((r.status, xml_code(&r.body)), (StatusCode::CONFLICT, "StaleFencingToken".to_string()), "{q}");
+    }
+    // A second key field, a filename hiding `name=file`, two dispositions,
+    // bare-LF header ends: refused, never forwarded.
+    let key_part = |k: &str| format!("--XyZ\r\nContent-Disposition: form-data; name=\"key\"\r\n\r\n{k}\r\n");
+    for tricked in [
+        form(g.token).replacen("--XyZ", &format!("{}--XyZ", key_part("victim")), 2).replacen(
+            &key_part("victim"),
+            "",
+            1,
+        ),
+        form(g.token).replace("name=\"x-ignore-fencing-token\"", "name=\"x\"; filename=\"a;name=file;\""),
+        form(g.token).replace("name=\"key\"\r\n", "name=\"key\"\r\nContent-Disposition: form-data; name=\"k2\"\r\n"),
+        form(g.token).replace("name=\"key\"\r\n\r\n", "name=\"key\"\n\n"),
+    ] {
+        let r = http.send(Method::POST, &url, &ct, tricked.clone()).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{tricked:?}");
+    }
     assert_eq!(echo.count(), 0);
     let r = http.send(Method::POST, &url, &ct, form(g.token)).await;
     assert_eq!(r.status, StatusCode::OK, "{}", gw.log_text());
@@ -609,7 +633,10 @@ async fn a_delete_objects_whose_framing_the_server_may_read_otherwise_is_refused
     let hidden = "29\r\n<Delete><Object><Key>mine</Key></Object>\r\n9;a=<Object><Key>victim</Key></Object>\r\n</Delete>\r\n0\r\n\r\n";
     let cases: [(&[(&str, &str)], &str); 3] = [
         (&[("content-encoding", "aws-chunked"), ("x-amz-content-sha256", "UNSIGNED-PAYLOAD")], hidden),
-        (&[("content-encoding", "aws-chunked"), ("x-amz-content-sha256", "STREAMING-UNSIGNED-PAYLOAD-TRAILER")], hidden),
+        (
+            &[("content-encoding", "aws-chunked"), ("x-amz-content-sha256", "STREAMING-UNSIGNED-PAYLOAD-TRAILER")],
+            hidden,
+        ),
         (&[("x-amz-content-sha256", "STREAMING-UNSIGNED-PAYLOAD-TRAILER")], hidden),
     ];
     for (extra, body) in cases {

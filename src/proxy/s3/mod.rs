@@ -128,6 +128,22 @@ fn subresources(query: Option<&str>) -> Vec<String> {
         .collect()
 }
 
+/// Whether a request's body is a form (`multipart/…`), by its one
+/// `Content-Type`; more than one `Content-Type` is refused.
+fn is_form_post(headers: &HeaderMap) -> Result<bool, Error> {
+    let mut all = headers.get_all(header::CONTENT_TYPE).iter();
+    let (Some(ct), None) = (all.next(), all.next()) else {
+        return if headers.contains_key(header::CONTENT_TYPE) {
+            Err(Error::BadRequest("S3 request refused: more than one Content-Type".into()))
+        } else {
+            Ok(false)
+        };
+    };
+    // Anything that mentions multipart is read as a form (and refused
+    // unless it is a well-formed multipart/form-data one).
+    Ok(String::from_utf8_lossy(ct.as_bytes()).to_ascii_lowercase().contains("multipart"))
+}
+
 /// Object subresources whose POST reads and changes nothing.
 const READ_ONLY_POSTS: [&str; 2] = ["select", "select-type"];
 
@@ -266,6 +282,18 @@ impl S3Kind {
     pub fn classify(&self, method: &Method, uri: &Uri, headers: &HeaderMap) -> Result<S3Plan, Error> {
         let read = matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS);
         let subs = subresources(uri.query());
+        if *method == Method::POST && is_form_post(headers)? {
+            // A server takes any form POST to a bucket for PostObject,
+            // whatever its query (`?delete`, `?select`, `?x`): so does
+            // this gateway; one that names a key as well is refused.
+            return match self.locate(uri, headers)? {
+                Some((bucket, key)) if key.is_empty() => Ok(S3Plan::PostObject { bucket }),
+                _ => Err(Error::BadRequest(
+                    "S3 request refused: a multipart/form-data POST goes to a bucket (PostObject), never to a key"
+                        .into(),
+                )),
+            };
+        }
         let Some((bucket, key)) = self.locate(uri, headers)? else {
             if read {
                 return Ok(S3Plan::Head { primary: String::new(), mutated: Vec::new() });
@@ -416,6 +444,25 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn every_form_post_to_a_bucket_is_a_post_object_whatever_its_query() {
+        let k = kind("");
+        let form = [("content-type", "multipart/form-data; boundary=b")];
+        for target in ["/b", "/b?x", "/b?delete", "/b?select&select-type=2", "/b?uploads", "/b/"] {
+            assert_eq!(plan(&k, "POST", target, &form).unwrap(), S3Plan::PostObject { bucket: "b".into() }, "{target}");
+        }
+        let odd = [("content-type", "Multipart/Form-Data;boundary=b")];
+        assert_eq!(plan(&k, "POST", "/b?delete", &odd).unwrap(), S3Plan::PostObject { bucket: "b".into() });
+        assert!(plan(&k, "POST", "/b/k?select&select-type=2", &form).is_err(), "a form POST to a key");
+        assert!(plan(&k, "POST", "/", &form).is_err());
+        let two = [("content-type", "text/xml"), ("content-type", "multipart/form-data; boundary=b")];
+        assert!(plan(&k, "POST", "/b?delete", &two).is_err());
+        assert_eq!(
+            plan(&k, "POST", "/b?delete", &[("content-type", "text/xml")]).unwrap(),
+            S3Plan::DeleteObjects { bucket: "b".into() }
+        );
     }
 
     #[test]

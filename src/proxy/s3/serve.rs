@@ -51,8 +51,8 @@ impl Proxy {
                 let (req, body) = read_whole(req, s3.max_scanned_body_bytes).await?;
                 // The bytes forwarded stay the original ones; only the
                 // reading here looks through an aws-chunked framing.
-                let aws_chunked = aws_chunked(req.headers())
-                    .map_err(|e| Error::BadRequest(format!("DeleteObjects refused: {e}")))?;
+                let aws_chunked =
+                    aws_chunked(req.headers()).map_err(|e| Error::BadRequest(format!("DeleteObjects refused: {e}")))?;
                 let decoded;
                 let body = if aws_chunked {
                     decoded = xml::aws_unchunk(&body)
@@ -80,9 +80,9 @@ impl Proxy {
                 if aws_chunked(req.headers()).map_err(|e| Error::BadRequest(format!("PostObject refused: {e}")))? {
                     return Err(Error::BadRequest("PostObject refused: an aws-chunked form".into()).into());
                 }
-                let (req, fields, filename) = read_form(req, s3.max_scanned_body_bytes).await?;
-                let key = form::object_key(&fields, &filename)
-                    .ok_or_else(|| Error::BadRequest("PostObject refused: the form has no key field".into()))?;
+                let (req, fields) = read_form(req, s3.max_scanned_body_bytes).await?;
+                let key =
+                    form::object_key(&fields).map_err(|e| Error::BadRequest(format!("PostObject refused: {e}")))?;
                 super::check_key(&key).map_err(|e| Error::BadRequest(format!("PostObject refused: key: {e}")))?;
                 if let Some((_, t)) = fields.iter().find(|(n, _)| n == form::TOKEN_FIELD) {
                     tokens.default_from_field(t);
@@ -270,10 +270,7 @@ async fn read_whole(req: Request<BoxBody>, limit: u64) -> Result<(Request<BoxBod
 /// Reads a `PostObject` form up to its file part (at most `limit` bytes)
 /// and gives back the request whose body is the bytes read followed by
 /// the rest of the original body, unchanged.
-async fn read_form(
-    req: Request<BoxBody>,
-    limit: u64,
-) -> Result<(Request<BoxBody>, Vec<(String, String)>, String), Refused> {
+async fn read_form(req: Request<BoxBody>, limit: u64) -> Result<(Request<BoxBody>, Vec<(String, String)>), Refused> {
     let bad = |m: String| -> Refused { Error::BadRequest(format!("PostObject refused: {m}")).into() };
     let content_type = req.headers().get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
     let Some(boundary) = form::boundary(content_type) else {
@@ -284,7 +281,7 @@ async fn read_form(
     let read = async {
         loop {
             match form::scan(&buf, &boundary) {
-                Ok(Scan::Fields { fields, filename }) => return Ok((fields, filename)),
+                Ok(Scan::Fields { fields }) => return Ok(fields),
                 Ok(Scan::NeedMore) => {}
                 Err(e) => return Err(bad(e)),
             }
@@ -302,12 +299,12 @@ async fn read_form(
             }
         }
     };
-    let (fields, filename) = match tokio::time::timeout(SCAN_TIMEOUT, read).await {
+    let fields = match tokio::time::timeout(SCAN_TIMEOUT, read).await {
         Ok(r) => r?,
         Err(_) => return Err(Error::BodyTimeout { timeout_ms: 30_000 }.into()),
     };
     let body = crate::body::prefixed(buf.freeze(), body);
-    Ok((Request::from_parts(parts, body), fields, filename))
+    Ok((Request::from_parts(parts, body), fields))
 }
 
 #[cfg(test)]
