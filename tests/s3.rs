@@ -783,3 +783,24 @@ async fn a_response_body_that_never_ends_holds_a_grant_no_longer_than_the_upstre
     assert!(waited >= Duration::from_millis(500), "the grant must wait for the body ({waited:?})");
     assert!(waited < Duration::from_secs(5), "the upstream timeout bounds the wait ({waited:?})");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_encoded_bucket_selects_the_route_of_the_bucket_it_names() {
+    let echo = Echo::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let u = echo.url();
+    let config = format!(
+        "[[routes]]\nname = \"bkt\"\nkind = \"s3\"\nmatch = \"/bkt/{{*path}}\"\nupstream = \"{u}\"\n\n\
+         [[routes]]\nname = \"rest\"\nkind = \"s3\"\nmatch = \"/{{*path}}\"\nenforce = false\nupstream = \"{u}\"\n"
+    );
+    let gw = Gateway::start(&dir.path().join("data"), Opts { config: Some(config), ..Opts::default() });
+    let http = Http::default();
+    // S3 reads `/bk%74/victim` as bucket `bkt`: the enforcing route takes it.
+    for target in ["/bk%74/victim", "/%62kt/victim", "/bkt/vict%69m"] {
+        let r = http.send(Method::PUT, &gw.proxy_url(target), &[], "x").await;
+        assert_eq!(xml_code(&r.body), "FencingTokenRequired", "{target}");
+    }
+    assert_eq!(echo.count(), 0);
+    let r = http.send(Method::PUT, &gw.proxy_url("/other/k"), &[], "x").await;
+    assert_eq!(r.status, StatusCode::OK, "the other route still takes other buckets");
+}
