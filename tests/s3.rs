@@ -4,7 +4,10 @@
 //! refused whole for one stale key; PostObject fenced by its form key;
 //! the request-target, Host, signed headers and aws-chunked bodies
 //! forwarded byte for byte; `Expect: 100-continue` decided on the head; an
-//! older UploadPart still streaming cut off by a new grant.
+//! older UploadPart still streaming cut off by a new grant; a write answered
+//! at once and applied at the end of its response body holding a new grant
+//! until then; bodies, forms and paths another parser could read otherwise
+//! refused or routed as S3 reads them.
 #![allow(clippy::unwrap_used)]
 
 mod common;
