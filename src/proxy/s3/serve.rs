@@ -225,8 +225,14 @@ fn aws_chunked(headers: &http::HeaderMap) -> Result<bool, String> {
     let streaming = match (hashes.next(), hashes.next()) {
         (None, _) => false,
         (Some(v), None) => {
-            let v = v.to_str().map_err(|_| "x-amz-content-sha256 is not text")?;
-            v.trim().get(..10).is_some_and(|p| p.eq_ignore_ascii_case("STREAMING-"))
+            let v = v.to_str().map_err(|_| "x-amz-content-sha256 is not text")?.trim();
+            let prefix = v.get(..10);
+            // Servers compare it case-sensitively, or may not: any other
+            // spelling is refused.
+            if prefix.is_some_and(|p| p.eq_ignore_ascii_case("STREAMING-") && p != "STREAMING-") {
+                return Err("x-amz-content-sha256: STREAMING- in another case".into());
+            }
+            prefix == Some("STREAMING-")
         }
         (Some(_), Some(_)) => return Err("more than one x-amz-content-sha256".into()),
     };
@@ -343,5 +349,8 @@ mod tests {
         assert!(aws_chunked(&headers(&[(sha, "STREAMING-AWS4-HMAC-SHA256-PAYLOAD")])).is_err());
         let twice = [("content-encoding", "aws-chunked"), ("content-encoding", "gzip"), (sha, "STREAMING-X")];
         assert!(aws_chunked(&headers(&twice)).is_err());
+        let lower = [("content-encoding", "aws-chunked"), (sha, "streaming-UNSIGNED-PAYLOAD-TRAILER")];
+        assert!(aws_chunked(&headers(&lower)).is_err());
+        assert!(aws_chunked(&headers(&[(sha, "Streaming-x")])).is_err());
     }
 }
