@@ -41,7 +41,14 @@ pub fn boundary(content_type: &str) -> Option<String> {
             if found.is_some() {
                 return None;
             }
-            found = Some(v.trim().trim_matches('"').to_string());
+            let v = v.trim();
+            // A quoted boundary is quoted whole (a `;` inside quotes would
+            // have split it above).
+            let v = match v.strip_prefix('"') {
+                Some(q) => q.strip_suffix('"')?,
+                None => v,
+            };
+            found = Some(v.to_string());
         }
     }
     found.filter(|b| !b.is_empty() && b.len() <= 70 && !b.contains(['"', '\\', '\r', '\n']))
@@ -246,6 +253,8 @@ mod tests {
         assert_eq!(boundary("multipart/form-data; boundary=\"a b\"").as_deref(), Some("a b"));
         assert_eq!(boundary("text/plain"), None);
         assert_eq!(boundary("multipart/form-data; boundary=a; boundary=b"), None);
+        assert_eq!(boundary("multipart/form-data; boundary=\"a;b\""), None);
+        assert_eq!(boundary("multipart/form-data; boundary=\"ab"), None);
         let Scan::Fields { fields } = scan(FORM.as_bytes(), "XyZ").unwrap() else { panic!() };
         assert_eq!(object_key(&fields).as_deref(), Ok("uploads/cat.jpg"));
         assert_eq!(fields.iter().find(|(n, _)| n == TOKEN_FIELD).map(|(_, v)| v.as_str()), Some("42"));
