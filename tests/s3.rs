@@ -4,7 +4,10 @@
 //! refused whole for one stale key; PostObject fenced by its form key;
 //! the request-target, Host, signed headers and aws-chunked bodies
 //! forwarded byte for byte; `Expect: 100-continue` decided on the head; an
-//! older UploadPart still streaming cut off by a new grant.
+//! older UploadPart still streaming cut off by a new grant; a write answered
+//! at once and applied at the end of its response body holding a new grant
+//! until then; bodies, forms and paths another parser could read otherwise
+//! refused or routed as S3 reads them.
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -341,7 +344,7 @@ async fn post_object_is_fenced_by_the_key_in_its_form() {
     let (g, stale) = live_and_stale(&http, &api, "bkt/uploads/cat.jpg").await;
     let form = |token: u64| {
         format!(
-            "--XyZ\r\nContent-Disposition: form-data; name=\"key\"\r\n\r\nuploads/${{filename}}\r\n\
+            "--XyZ\r\nContent-Disposition: form-data; name=\"key\"\r\n\r\nuploads/cat.jpg\r\n\
              --XyZ\r\nContent-Disposition: form-data; name=\"x-ignore-fencing-token\"\r\n\r\n{token}\r\n\
              --XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"cat.jpg\"\r\n\r\nJPEGDATA\r\n--XyZ--\r\n"
         )
@@ -353,6 +356,30 @@ async fn post_object_is_fenced_by_the_key_in_its_form() {
     let no_key = form(g.token).replace("name=\"key\"", "name=\"nokey\"");
     assert_eq!(http.send(Method::POST, &url, &ct, no_key).await.status, StatusCode::BAD_REQUEST);
     assert_eq!(http.send(Method::POST, &url, &[], "not a form").await.status, StatusCode::BAD_REQUEST);
+    // AWS replaces ${filename}, s3s does not: the key written is unknown.
+    let by_name = form(g.token).replace("uploads/cat.jpg", "uploads/${filename}");
+    assert_eq!(http.send(Method::POST, &url, &ct, by_name).await.status, StatusCode::BAD_REQUEST);
+    // Any form POST is a PostObject, whatever its query: fenced by its key.
+    for q in ["?x", "?delete", "?select&select-type=2"] {
+        let r = http.send(Method::POST, &gw.proxy_url(&format!("/bkt{q}")), &ct, form(stale)).await;
+        assert_eq!((r.status, xml_code(&r.body)), (StatusCode::CONFLICT, "StaleFencingToken".to_string()), "{q}");
+    }
+    // A second key field, a filename hiding `name=file`, two dispositions,
+    // bare-LF header ends: refused, never forwarded.
+    let key_part = |k: &str| format!("--XyZ\r\nContent-Disposition: form-data; name=\"key\"\r\n\r\n{k}\r\n");
+    for tricked in [
+        form(g.token).replacen("--XyZ", &format!("{}--XyZ", key_part("victim")), 2).replacen(
+            &key_part("victim"),
+            "",
+            1,
+        ),
+        form(g.token).replace("name=\"x-ignore-fencing-token\"", "name=\"x\"; filename=\"a;name=file;\""),
+        form(g.token).replace("name=\"key\"\r\n", "name=\"key\"\r\nContent-Disposition: form-data; name=\"k2\"\r\n"),
+        form(g.token).replace("name=\"key\"\r\n\r\n", "name=\"key\"\n\n"),
+    ] {
+        let r = http.send(Method::POST, &url, &ct, tricked.clone()).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{tricked:?}");
+    }
     assert_eq!(echo.count(), 0);
     let r = http.send(Method::POST, &url, &ct, form(g.token)).await;
     assert_eq!(r.status, StatusCode::OK, "{}", gw.log_text());
@@ -574,11 +601,13 @@ async fn an_aws_chunked_delete_objects_is_judged_by_its_keys_and_forwarded_as_se
     let api = gw.api_url("");
     let (g, stale) = live_and_stale(&http, &api, "bkt/k1").await;
     let xml = delete_body(&["k1"]);
-    let framed = format!("{:x};chunk-signature=aa\r\n{xml}\r\n0;chunk-signature=bb\r\n\r\n", xml.len());
+    let (sa, sb) = ("a".repeat(64), "b".repeat(64));
+    let framed = format!("{:x};chunk-signature={sa}\r\n{xml}\r\n0;chunk-signature={sb}\r\n\r\n", xml.len());
     let url = gw.proxy_url("/bkt?delete");
     let headers = |t: u64| {
         vec![
             ("content-encoding".to_string(), "aws-chunked".to_string()),
+            ("x-amz-content-sha256".to_string(), "STREAMING-AWS4-HMAC-SHA256-PAYLOAD".to_string()),
             ("x-amz-decoded-content-length".to_string(), xml.len().to_string()),
             ("x-fencing-token".to_string(), t.to_string()),
         ]
@@ -593,6 +622,34 @@ async fn an_aws_chunked_delete_objects_is_judged_by_its_keys_and_forwarded_as_se
     let r = http.send(Method::POST, &url, &live_h, framed.clone()).await;
     assert_eq!(r.status, StatusCode::OK);
     assert!(echo.last().ends_with(framed.as_bytes()), "forwarded with its framing, unchanged");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_delete_objects_whose_framing_the_server_may_read_otherwise_is_refused() {
+    let (_d, gw, echo, http) = setup("").await;
+    let api = gw.api_url("");
+    let g = acquire(&http, &api, "bkt/mine", 60_000, 0).await.unwrap();
+    let t = g.token.to_string();
+    let url = gw.proxy_url("/bkt?delete");
+    // A server that decides by x-amz-content-sha256 reads these bytes raw
+    // and finds `victim`; read through the framing they name `mine` only.
+    let hidden = "29\r\n<Delete><Object><Key>mine</Key></Object>\r\n9;a=<Object><Key>victim</Key></Object>\r\n</Delete>\r\n0\r\n\r\n";
+    let cases: [(&[(&str, &str)], &str); 3] = [
+        (&[("content-encoding", "aws-chunked"), ("x-amz-content-sha256", "UNSIGNED-PAYLOAD")], hidden),
+        (
+            &[("content-encoding", "aws-chunked"), ("x-amz-content-sha256", "STREAMING-UNSIGNED-PAYLOAD-TRAILER")],
+            hidden,
+        ),
+        (&[("x-amz-content-sha256", "STREAMING-UNSIGNED-PAYLOAD-TRAILER")], hidden),
+    ];
+    for (extra, body) in cases {
+        let mut h = vec![("x-fencing-token", t.as_str())];
+        h.extend_from_slice(extra);
+        let r = http.send(Method::POST, &url, &h, body.to_string()).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{extra:?}");
+        assert_eq!(xml_code(&r.body), "BadRequest", "{extra:?}");
+    }
+    assert_eq!(echo.count(), 0, "nothing forwarded");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -618,4 +675,135 @@ async fn over_h2c_the_authority_is_the_host_forwarded_and_the_target_is_untouche
     assert!(raw.to_ascii_lowercase().contains("\r\nhost: s3.test.internal:9443\r\n"), "{raw}");
     assert!(raw.ends_with("over h2"), "{raw}");
     conn.abort();
+}
+
+/// An upstream that answers `200` at once, sends whitespace while it
+/// "runs" the operation for `apply_after`, then applies it (records the
+/// instant) and ends the body — as S3 answers CompleteMultipartUpload,
+/// CopyObject and UploadPartCopy.
+async fn slow_complete_upstream(apply_after: Duration) -> (std::net::SocketAddr, Arc<Mutex<Vec<std::time::Instant>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let applied: Arc<Mutex<Vec<std::time::Instant>>> = Arc::default();
+    let seen = applied.clone();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let seen = seen.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let head_end = loop {
+                    if let Some(i) = find(&buf, b"\r\n\r\n") {
+                        break i + 4;
+                    }
+                    let mut chunk = [0u8; 8192];
+                    match stream.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                };
+                let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+                let len = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:").map(|v| v.trim().parse::<usize>().unwrap()))
+                    .unwrap_or(0);
+                while buf.len() < head_end + len {
+                    let mut chunk = [0u8; 8192];
+                    match stream.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\n \r\n").await;
+                let steps = 10u32;
+                for _ in 0..steps {
+                    tokio::time::sleep(apply_after / steps).await;
+                    if stream.write_all(b"1\r\n \r\n").await.is_err() {
+                        return;
+                    }
+                }
+                seen.lock().unwrap().push(std::time::Instant::now());
+                let done = "<CompleteMultipartUploadResult/>";
+                let _ = stream.write_all(format!("{:x}\r\n{done}\r\n0\r\n\r\n", done.len()).as_bytes()).await;
+            });
+        }
+    });
+    (addr, applied)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_write_answered_at_once_but_applied_at_the_end_of_its_body_holds_a_new_grant_until_then() {
+    let (addr, applied) = slow_complete_upstream(Duration::from_millis(1500)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = s3_config(&format!("http://{addr}"), "upstream_timeout_ms = 10000");
+    let gw = Gateway::start(&dir.path().join("data"), Opts { config: Some(config), ..Opts::default() });
+    let http = Http::default();
+    let api = gw.api_url("");
+    let old = acquire(&http, &api, "bkt/obj", 10_000, 0).await.unwrap();
+    let client = Client::builder(TokioExecutor::new()).build_http();
+    let req = Request::post(gw.proxy_url("/bkt/obj?uploadId=u1"))
+        .header("x-fencing-token", old.token.to_string())
+        .body(http_body_util::Full::new(Bytes::from_static(b"<CompleteMultipartUpload/>")))
+        .unwrap();
+    // The head arrives at once; the body is read on as a client does.
+    let resp = client.request(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert!(applied.lock().unwrap().is_empty(), "not applied yet when the head arrives");
+    let reading = tokio::spawn(http_body_util::BodyExt::collect(resp.into_body()));
+    release(&http, &api, &old).await;
+    let new = acquire(&http, &api, "bkt/obj", 10_000, 5_000).await.unwrap();
+    let granted = std::time::Instant::now();
+    assert!(new.token > old.token);
+    let applied_at = *applied.lock().unwrap().first().expect("the old write was applied before the new grant");
+    assert!(applied_at <= granted, "the new grant came before the old write was applied");
+    let body = reading.await.unwrap().unwrap().to_bytes();
+    assert!(body.ends_with(b"<CompleteMultipartUploadResult/>"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_response_body_that_never_ends_holds_a_grant_no_longer_than_the_upstream_timeout() {
+    let (addr, _applied) = slow_complete_upstream(Duration::from_secs(60)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = s3_config(&format!("http://{addr}"), "upstream_timeout_ms = 1000");
+    let gw = Gateway::start(&dir.path().join("data"), Opts { config: Some(config), ..Opts::default() });
+    let http = Http::default();
+    let api = gw.api_url("");
+    let old = acquire(&http, &api, "bkt/obj", 10_000, 0).await.unwrap();
+    let client = Client::builder(TokioExecutor::new()).build_http();
+    let req = Request::put(gw.proxy_url("/bkt/obj"))
+        .header("x-fencing-token", old.token.to_string())
+        .header("x-amz-copy-source", "/bkt/src")
+        .body(http_body_util::Full::new(Bytes::new()))
+        .unwrap();
+    let resp = client.request(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    // The client stops reading (drops the body) at once.
+    drop(resp);
+    release(&http, &api, &old).await;
+    let started = std::time::Instant::now();
+    let new = acquire(&http, &api, "bkt/obj", 10_000, 20_000).await.unwrap();
+    assert!(new.token > old.token);
+    let waited = started.elapsed();
+    assert!(waited >= Duration::from_millis(500), "the grant must wait for the body ({waited:?})");
+    assert!(waited < Duration::from_secs(5), "the upstream timeout bounds the wait ({waited:?})");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_encoded_bucket_selects_the_route_of_the_bucket_it_names() {
+    let echo = Echo::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let u = echo.url();
+    let config = format!(
+        "[[routes]]\nname = \"bkt\"\nkind = \"s3\"\nmatch = \"/bkt/{{*path}}\"\nupstream = \"{u}\"\n\n\
+         [[routes]]\nname = \"rest\"\nkind = \"s3\"\nmatch = \"/{{*path}}\"\nenforce = false\nupstream = \"{u}\"\n"
+    );
+    let gw = Gateway::start(&dir.path().join("data"), Opts { config: Some(config), ..Opts::default() });
+    let http = Http::default();
+    // S3 reads `/bk%74/victim` as bucket `bkt`: the enforcing route takes it.
+    for target in ["/bk%74/victim", "/%62kt/victim", "/bkt/vict%69m"] {
+        let r = http.send(Method::PUT, &gw.proxy_url(target), &[], "x").await;
+        assert_eq!(xml_code(&r.body), "FencingTokenRequired", "{target}");
+    }
+    assert_eq!(echo.count(), 0);
+    let r = http.send(Method::PUT, &gw.proxy_url("/other/k"), &[], "x").await;
+    assert_eq!(r.status, StatusCode::OK, "the other route still takes other buckets");
 }

@@ -22,6 +22,7 @@ pub mod fast;
 pub mod fenced_body;
 pub mod filestore;
 pub mod headers;
+pub mod held_body;
 pub mod path;
 pub mod pool;
 pub mod s3;
@@ -365,11 +366,13 @@ impl Proxy {
 
     /// The first route that takes a request path, first match wins: HTTP
     /// routes match the checked path (`None`: it failed the path rule, so
-    /// no HTTP route takes it), S3 routes the raw path (S3 keys are not
-    /// held to the path rule; the S3 kind checks its own).
+    /// no HTTP route takes it), S3 routes the path percent-decoded once, as
+    /// S3 reads bucket and key (`/bk%74/k` is bucket `bkt`), or the raw
+    /// path if it does not decode (the S3 kind then refuses it). S3 keys
+    /// are not held to the path rule; the S3 kind checks its own.
     fn select<'s, 'c>(&'s self, raw: &str, checked: Option<&'c path::CheckedPath>) -> Option<Selected<'s, 'c>> {
         let segments = checked.map(path::CheckedPath::segments);
-        let mut raw_segments: Option<Vec<&str>> = None;
+        let mut s3_path: Option<Cow<'_, str>> = None;
         for r in &self.routes {
             match &r.kind {
                 Kind::Http { resource } => {
@@ -389,15 +392,10 @@ impl Proxy {
                     }
                 }
                 Kind::S3(s3) => {
-                    let segs = raw_segments.get_or_insert_with(|| {
-                        let rest = raw.strip_prefix('/').unwrap_or(raw);
-                        if rest.is_empty() {
-                            Vec::new()
-                        } else {
-                            rest.split('/').collect()
-                        }
-                    });
-                    if r.matcher.is_match(segs) {
+                    let path = s3_path.get_or_insert_with(|| s3::match_path(raw));
+                    let rest = path.strip_prefix('/').unwrap_or(path);
+                    let segs: Vec<&str> = if rest.is_empty() { Vec::new() } else { rest.split('/').collect() };
+                    if r.matcher.is_match(&segs) {
                         return Some(Selected::S3(r, s3));
                     }
                 }
@@ -713,11 +711,23 @@ impl Proxy {
             // or failed — also when the client hangs up meanwhile and this
             // future is dropped: activation must still wait for a write the
             // upstream may yet apply.
+            //    On an S3 route the registration ends only with the response
+            //    body (or the route's upstream timeout): S3 answers some
+            //    writes `200` at once and applies them at the body's end.
             let (upstream, object, timeout) = (route.upstream.clone(), object.to_string(), route.upstream_timeout);
+            let hold_body = route.is_s3();
             let exchange = tokio::spawn(async move {
+                let deadline = tokio::time::Instant::now() + timeout;
                 let sent = upstream.send(up, &object, token, timeout).await;
-                drop(guards);
-                sent
+                match sent {
+                    Ok(resp) if hold_body => {
+                        Ok(resp.map(|b| BoxBody::new(held_body::HeldBody::new(b, guards, deadline))))
+                    }
+                    sent => {
+                        drop(guards);
+                        sent
+                    }
+                }
             });
             match exchange.await {
                 Ok(sent) => sent,

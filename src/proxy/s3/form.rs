@@ -2,42 +2,74 @@
 //! `POST /bucket`), read up to the start of the file's content.
 //!
 //! S3 takes every field before the `file` part and ignores what follows
-//! it; the object key is the `key` field with `${filename}` replaced by the
-//! file part's filename. Field names are compared case-insensitively, as
-//! S3 does. The scan reads only a bounded prefix of the body; the caller
-//! forwards that prefix and the rest of the body unchanged.
+//! it; the object key is the `key` field. Multipart parsers differ at the
+//! edges (which of two `key` fields counts, a `;` inside a quoted
+//! filename, two `Content-Disposition` headers, bare-LF line ends), and a
+//! server that read the form otherwise than this scan would write another
+//! key than the one fenced. So the scan is strict and refuses whatever
+//! another parser might read differently: the body must begin with the
+//! boundary line; part headers end in CRLF only (no bare CR or LF, no
+//! folded lines, no header twice); each part has exactly one
+//! `Content-Disposition: form-data` with only `name` and `filename`
+//! parameters, each at most once, a quoted value without backslashes;
+//! field names (compared case-insensitively, as S3 does) appear once; a
+//! `filename` only on the part named exactly `file`; and a key with
+//! `${filename}` is refused (AWS substitutes the file's name, s3s does
+//! not: the key the server writes cannot be known here). The scan reads
+//! only a bounded prefix of the body; the caller forwards that prefix and
+//! the rest of the body unchanged.
 
 /// What the scan of a body prefix found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Scan {
     /// The file part has not begun yet: read more.
     NeedMore,
-    /// Every field before the file part, and the file's name.
-    Fields { fields: Vec<(String, String)>, filename: String },
+    /// Every field before the file part (names lower-case).
+    Fields { fields: Vec<(String, String)> },
 }
 
 /// The boundary of a `multipart/form-data` content type.
 pub fn boundary(content_type: &str) -> Option<String> {
     let mut parts = content_type.split(';');
-    if !parts.next()?.trim().eq_ignore_ascii_case("multipart/form-data") {
+    if !is_form_data(parts.next()?) {
         return None;
     }
-    parts
-        .find_map(|p| {
-            let (n, v) = p.trim().split_once('=')?;
-            n.trim().eq_ignore_ascii_case("boundary").then(|| v.trim().trim_matches('"').to_string())
-        })
-        .filter(|b| !b.is_empty() && b.len() <= 70)
+    let mut found = None;
+    for p in parts {
+        let (n, v) = p.trim().split_once('=')?;
+        if n.trim().eq_ignore_ascii_case("boundary") {
+            if found.is_some() {
+                return None;
+            }
+            let v = v.trim();
+            // A quoted boundary is quoted whole (a `;` inside quotes would
+            // have split it above).
+            let v = match v.strip_prefix('"') {
+                Some(q) => q.strip_suffix('"')?,
+                None => v,
+            };
+            found = Some(v.to_string());
+        }
+    }
+    found.filter(|b| !b.is_empty() && b.len() <= 70 && !b.contains(['"', '\\', '\r', '\n']))
+}
+
+/// Whether a media type (without parameters) is `multipart/form-data`.
+pub fn is_form_data(essence: &str) -> bool {
+    essence.trim().eq_ignore_ascii_case("multipart/form-data")
 }
 
 /// Scans `buf` (a prefix of the body) for the fields before the file part.
 pub fn scan(buf: &[u8], boundary: &str) -> Result<Scan, String> {
     let delim = format!("--{boundary}");
-    let Some(first) = find(buf, delim.as_bytes()) else {
-        return Ok(Scan::NeedMore);
-    };
-    let mut at = first + delim.len();
-    let mut fields = Vec::new();
+    if buf.len() < delim.len() {
+        return if delim.as_bytes().starts_with(buf) { Ok(Scan::NeedMore) } else { Err(not_first()) };
+    }
+    if !buf.starts_with(delim.as_bytes()) {
+        return Err(not_first());
+    }
+    let mut at = delim.len();
+    let mut fields: Vec<(String, String)> = Vec::new();
     loop {
         let rest = &buf[at..];
         if rest.len() < 2 {
@@ -49,13 +81,28 @@ pub fn scan(buf: &[u8], boundary: &str) -> Result<Scan, String> {
         let Some(rest) = rest.strip_prefix(b"\r\n") else {
             return Err("malformed multipart boundary line".into());
         };
-        let Some(head_end) = find(rest, b"\r\n\r\n") else {
+        let head_end = find(rest, b"\r\n\r\n");
+        // Bare CR or LF in the part's headers: another parser may end
+        // them elsewhere.
+        let head_region = &rest[..head_end.unwrap_or(rest.len())];
+        check_crlf(head_region)?;
+        let Some(head_end) = head_end else {
             return Ok(Scan::NeedMore);
         };
         let head = std::str::from_utf8(&rest[..head_end]).map_err(|_| "part headers are not UTF-8")?;
-        let (name, filename) = disposition(head)?;
-        if name.eq_ignore_ascii_case("file") {
-            return Ok(Scan::Fields { fields, filename: filename.unwrap_or_default() });
+        let (name, filename) = part_head(head)?;
+        let lower = name.to_ascii_lowercase();
+        if lower == "file" && name != "file" {
+            return Err(format!("a part named {name:?}: the file part is named \"file\""));
+        }
+        if fields.iter().any(|(n, _)| *n == lower) {
+            return Err(format!("the field {name:?} appears twice"));
+        }
+        if name == "file" {
+            return Ok(Scan::Fields { fields });
+        }
+        if filename.is_some() {
+            return Err(format!("the part {name:?} has a filename but is not the file part"));
         }
         let body_start = head_end + 4;
         let close = format!("\r\n{delim}");
@@ -63,44 +110,129 @@ pub fn scan(buf: &[u8], boundary: &str) -> Result<Scan, String> {
             return Ok(Scan::NeedMore);
         };
         let value = std::str::from_utf8(&rest[body_start..body_start + len]).map_err(|_| "a field is not UTF-8")?;
-        fields.push((name.to_ascii_lowercase(), value.to_string()));
+        fields.push((lower, value.to_string()));
         at = buf.len() - rest.len() + body_start + len + close.len();
     }
 }
 
-/// The `name` and `filename` of a part's `Content-Disposition: form-data`.
-fn disposition(head: &str) -> Result<(String, Option<String>), String> {
-    let line = head
-        .split("\r\n")
-        .find_map(|l| {
-            let (n, v) = l.split_once(':')?;
-            n.trim().eq_ignore_ascii_case("content-disposition").then_some(v)
-        })
-        .ok_or("a part without Content-Disposition")?;
-    let mut name = None;
-    let mut filename = None;
-    for p in line.split(';').skip(1) {
-        let Some((n, v)) = p.trim().split_once('=') else { continue };
-        let v = v.trim();
-        let v = v.strip_prefix('"').and_then(|v| v.strip_suffix('"')).unwrap_or(v).to_string();
-        match n.trim().to_ascii_lowercase().as_str() {
-            "name" => name = Some(v),
-            "filename" => filename = Some(v),
-            _ => {}
+fn not_first() -> String {
+    "the form must begin with its boundary line".into()
+}
+
+/// Every CR is followed by LF and every LF preceded by CR.
+fn check_crlf(region: &[u8]) -> Result<(), String> {
+    for (i, b) in region.iter().enumerate() {
+        let ok = match b {
+            b'\r' => region.get(i + 1).is_none_or(|n| *n == b'\n'),
+            b'\n' => i > 0 && region[i - 1] == b'\r',
+            _ => true,
+        };
+        if !ok {
+            return Err("a part header line not ended by CRLF".into());
         }
     }
-    Ok((name.ok_or("a part without a name")?, filename))
+    Ok(())
+}
+
+/// The `name` and `filename` of a part, from its headers: exactly one
+/// well-formed `Content-Disposition: form-data`, no header twice, no
+/// folded line.
+fn part_head(head: &str) -> Result<(String, Option<String>), String> {
+    let mut seen: Vec<String> = Vec::new();
+    let mut disposition = None;
+    for line in head.split("\r\n") {
+        if line.starts_with([' ', '\t']) {
+            return Err("a folded part header line".into());
+        }
+        let (n, v) = line.split_once(':').ok_or("a part header line without a colon")?;
+        if n.is_empty() || !n.bytes().all(is_token_byte) {
+            return Err(format!("a malformed part header name {:?}", n.chars().take(40).collect::<String>()));
+        }
+        let n = n.to_ascii_lowercase();
+        if seen.contains(&n) {
+            return Err(format!("the part header {n:?} appears twice"));
+        }
+        if n == "content-disposition" {
+            disposition = Some(v);
+        }
+        seen.push(n);
+    }
+    disposition_params(disposition.ok_or("a part without Content-Disposition")?)
+}
+
+fn is_token_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+}
+
+/// `form-data; name="…"[; filename="…"]`, quoted-string aware.
+fn disposition_params(value: &str) -> Result<(String, Option<String>), String> {
+    let bad = |m: &str| format!("Content-Disposition: {m}");
+    let v = value.trim_matches([' ', '\t']);
+    let (kind, mut rest) = v.split_once(';').ok_or_else(|| bad("no parameters"))?;
+    if !kind.trim_matches([' ', '\t']).eq_ignore_ascii_case("form-data") {
+        return Err(bad("not form-data"));
+    }
+    let mut name = None;
+    let mut filename = None;
+    loop {
+        rest = rest.trim_start_matches([' ', '\t']);
+        let (pname, after) = rest.split_once('=').ok_or_else(|| bad("a parameter without a value"))?;
+        let pname = pname.trim_end_matches([' ', '\t']);
+        if pname.is_empty() || !pname.bytes().all(is_token_byte) {
+            return Err(bad("a malformed parameter name"));
+        }
+        let after = after.trim_start_matches([' ', '\t']);
+        let (pvalue, tail) = if let Some(q) = after.strip_prefix('"') {
+            let end = q.find('"').ok_or_else(|| bad("an unterminated quoted value"))?;
+            let inner = &q[..end];
+            if inner.contains(['\\', '\r', '\n']) {
+                return Err(bad("a quoted value with a backslash or a line break"));
+            }
+            (inner.to_string(), &q[end + 1..])
+        } else {
+            let end = after.find([';', ' ', '\t']).unwrap_or(after.len());
+            let token = &after[..end];
+            if token.is_empty() || !token.bytes().all(is_token_byte) {
+                return Err(bad("a malformed parameter value"));
+            }
+            (token.to_string(), &after[end..])
+        };
+        let slot = match pname.to_ascii_lowercase().as_str() {
+            "name" => &mut name,
+            "filename" => &mut filename,
+            _ => return Err(bad("a parameter other than name and filename")),
+        };
+        if slot.replace(pvalue).is_some() {
+            return Err(bad("a parameter given twice"));
+        }
+        let tail = tail.trim_start_matches([' ', '\t']);
+        if tail.is_empty() {
+            break;
+        }
+        rest = tail.strip_prefix(';').ok_or_else(|| bad("text after a parameter value"))?;
+        if rest.trim_matches([' ', '\t']).is_empty() {
+            return Err(bad("a trailing \";\""));
+        }
+    }
+    Ok((name.ok_or_else(|| bad("no name"))?, filename))
 }
 
 fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
     hay.windows(needle.len()).position(|w| w == needle)
 }
 
-/// The object key of a scanned form: the `key` field, `${filename}`
-/// replaced.
-pub fn object_key(fields: &[(String, String)], filename: &str) -> Option<String> {
-    let key = fields.iter().find(|(n, _)| n == "key")?.1.replace("${filename}", filename);
-    (!key.is_empty()).then_some(key)
+/// The object key of a scanned form: its one `key` field. A key naming
+/// `${filename}` is refused (AWS replaces it with the file's name, s3s
+/// does not).
+pub fn object_key(fields: &[(String, String)]) -> Result<String, String> {
+    let key = &fields.iter().find(|(n, _)| n == "key").ok_or("the form has no key field")?.1;
+    if key.is_empty() {
+        return Err("the key field is empty".into());
+    }
+    if key.contains("${filename}") {
+        return Err("a key with ${filename}: whether the server replaces it cannot be known".into());
+    }
+    Ok(key.clone())
 }
 
 /// The form field that may carry the token (S3 ignores `x-ignore-` fields,
@@ -111,7 +243,7 @@ pub const TOKEN_FIELD: &str = "x-ignore-fencing-token";
 mod tests {
     use super::*;
 
-    const FORM: &str = "--XyZ\r\nContent-Disposition: form-data; name=\"key\"\r\n\r\nuploads/${filename}\r\n\
+    const FORM: &str = "--XyZ\r\nContent-Disposition: form-data; name=\"key\"\r\n\r\nuploads/cat.jpg\r\n\
         --XyZ\r\nContent-Disposition: form-data; name=\"X-Ignore-Fencing-Token\"\r\n\r\n42\r\n\
         --XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"cat.jpg\"\r\nContent-Type: image/jpeg\r\n\r\nJPEGDATA\r\n--XyZ--\r\n";
 
@@ -120,9 +252,11 @@ mod tests {
         assert_eq!(boundary("multipart/form-data; boundary=XyZ").as_deref(), Some("XyZ"));
         assert_eq!(boundary("multipart/form-data; boundary=\"a b\"").as_deref(), Some("a b"));
         assert_eq!(boundary("text/plain"), None);
-        let Scan::Fields { fields, filename } = scan(FORM.as_bytes(), "XyZ").unwrap() else { panic!() };
-        assert_eq!(filename, "cat.jpg");
-        assert_eq!(object_key(&fields, &filename).as_deref(), Some("uploads/cat.jpg"));
+        assert_eq!(boundary("multipart/form-data; boundary=a; boundary=b"), None);
+        assert_eq!(boundary("multipart/form-data; boundary=\"a;b\""), None);
+        assert_eq!(boundary("multipart/form-data; boundary=\"ab"), None);
+        let Scan::Fields { fields } = scan(FORM.as_bytes(), "XyZ").unwrap() else { panic!() };
+        assert_eq!(object_key(&fields).as_deref(), Ok("uploads/cat.jpg"));
         assert_eq!(fields.iter().find(|(n, _)| n == TOKEN_FIELD).map(|(_, v)| v.as_str()), Some("42"));
     }
 
@@ -136,6 +270,9 @@ mod tests {
             "--XyZ",
             "--XyZ\r\n\r\n\r\n",
             "--XyZ\r\nContent-Disposition: form-data\r\n\r\n",
+            "--XyZ\r\nContent-Disposition: form-data; name=\"\r\n\r\n",
+            "--XyZ\r\nContent-Disposition: form-data; =\r\n\r\n",
+            "--XyZ\r\nContent-Disposition: ;;;\r\n\r\n",
             "--XyZ--",
             "\u{e9}--XyZ\r\n",
         ] {
@@ -153,6 +290,65 @@ mod tests {
         assert!(matches!(scan(&FORM.as_bytes()[..end], "XyZ").unwrap(), Scan::Fields { .. }));
         let no_file = "--b\r\nContent-Disposition: form-data; name=\"key\"\r\n\r\nk\r\n--b--\r\n";
         assert!(scan(no_file.as_bytes(), "b").is_err());
-        assert_eq!(object_key(&[], "x"), None);
+        assert!(object_key(&[]).is_err());
+    }
+
+    fn part(head: &str, value: &str) -> String {
+        format!("--b\r\n{head}\r\n\r\n{value}\r\n")
+    }
+
+    const FILE: &str = "--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"f\"\r\n\r\nDATA\r\n--b--\r\n";
+
+    #[test]
+    fn forms_another_parser_may_read_otherwise_are_refused() {
+        let key = |k: &str| part("Content-Disposition: form-data; name=\"key\"", k);
+        let refused = [
+            // (a) two key fields (any case): which one counts differs.
+            format!("{}{}{FILE}", key("mine"), key("victim")),
+            format!("{}{}{FILE}", key("mine"), part("Content-Disposition: form-data; name=\"KEY\"", "victim")),
+            // (b) a `;` inside a quoted filename is not a parameter.
+            format!(
+                "{}{}{FILE}",
+                key("mine"),
+                part("Content-Disposition: form-data; name=\"x\"; filename=\"a;name=file;\"", "v")
+            ),
+            // (c) two Content-Disposition headers in one part.
+            format!(
+                "{}{FILE}",
+                part(
+                    "Content-Disposition: form-data; name=\"key\"\r\nContent-Disposition: form-data; name=\"x\"",
+                    "victim"
+                )
+            ),
+            // (d) part headers ended by a bare LF.
+            format!("{}--b\r\nContent-Disposition: form-data; name=\"key\"\n\nvictim\r\n{FILE}", key("mine")),
+            format!("{}--b\r\nContent-Disposition: form-data; name=\"key\"\r\n\nvictim\r\n{FILE}", key("mine")),
+            // Other ambiguities.
+            format!("preamble\r\n{}{FILE}", key("mine")),
+            format!("{}{FILE}", part("Content-Disposition: form-data; name=\"key\"; name=\"x\"", "k")),
+            format!("{}{FILE}", part("Content-Disposition: form-data; name=\"k\\\"ey\"", "k")),
+            format!("{}{FILE}", part("Content-Disposition: form-data; name*=UTF-8''key", "k")),
+            format!("{}{FILE}", part("Content-Disposition: form-data; name=\"key\";", "k")),
+            format!("{}{FILE}", part("Content-Disposition: attachment; name=\"key\"", "k")),
+            format!("{}{FILE}", part("Content-Disposition: form-data; name=\"key\"\r\n folded", "k")),
+            format!("{}{}", key("k"), FILE.replace("name=\"file\"", "name=\"File\"")),
+            format!("{}{}", key("k"), FILE.replace("name=\"file\"", "name=\"file\"; name=\"key\"")),
+        ];
+        for form in refused {
+            assert!(scan(form.as_bytes(), "b").is_err(), "{form:?}");
+        }
+        let fine = format!("{}{FILE}", key("mine"));
+        let Scan::Fields { fields } = scan(fine.as_bytes(), "b").unwrap() else { panic!() };
+        assert_eq!(object_key(&fields).as_deref(), Ok("mine"));
+        let unquoted = format!("{}{FILE}", part("content-disposition:form-data;name=key", "k2"));
+        let Scan::Fields { fields } = scan(unquoted.as_bytes(), "b").unwrap() else { panic!() };
+        assert_eq!(object_key(&fields).as_deref(), Ok("k2"));
+    }
+
+    #[test]
+    fn a_key_naming_the_filename_is_refused() {
+        let form = format!("{}{FILE}", part("Content-Disposition: form-data; name=\"key\"", "up/${filename}"));
+        let Scan::Fields { fields } = scan(form.as_bytes(), "b").unwrap() else { panic!() };
+        assert!(object_key(&fields).is_err());
     }
 }

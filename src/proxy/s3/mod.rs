@@ -94,6 +94,15 @@ fn percent_decode(raw: &str) -> Result<String, String> {
     String::from_utf8(out).map_err(|_| "not valid UTF-8 once decoded".to_string())
 }
 
+/// The path an S3 route's `match` is judged on: percent-decoded once, as
+/// S3 decodes bucket and key, or `raw` when it does not decode.
+pub fn match_path(raw: &str) -> std::borrow::Cow<'_, str> {
+    if !raw.contains('%') {
+        return std::borrow::Cow::Borrowed(raw);
+    }
+    percent_decode(raw).map_or(std::borrow::Cow::Borrowed(raw), std::borrow::Cow::Owned)
+}
+
 /// The S3 key rule of this gateway: a key with a `.` or `..` segment or an
 /// empty segment other than a trailing one is refused, since
 /// filesystem-backed S3 servers fold such keys into other keys (an alias
@@ -126,6 +135,22 @@ fn subresources(query: Option<&str>) -> Vec<String> {
             percent_decode(name).unwrap_or_else(|_| name.to_string())
         })
         .collect()
+}
+
+/// Whether a request's body is a form (`multipart/…`), by its one
+/// `Content-Type`; more than one `Content-Type` is refused.
+fn is_form_post(headers: &HeaderMap) -> Result<bool, Error> {
+    let mut all = headers.get_all(header::CONTENT_TYPE).iter();
+    let (Some(ct), None) = (all.next(), all.next()) else {
+        return if headers.contains_key(header::CONTENT_TYPE) {
+            Err(Error::BadRequest("S3 request refused: more than one Content-Type".into()))
+        } else {
+            Ok(false)
+        };
+    };
+    // Anything that mentions multipart is read as a form (and refused
+    // unless it is a well-formed multipart/form-data one).
+    Ok(String::from_utf8_lossy(ct.as_bytes()).to_ascii_lowercase().contains("multipart"))
 }
 
 /// Object subresources whose POST reads and changes nothing.
@@ -231,6 +256,59 @@ impl S3Kind {
         })
     }
 
+    /// On a route with `base_domains`, the `Host` of a mutation must be
+    /// one whose bucket is beyond doubt: an IP literal, exactly a base
+    /// domain (path style), or exactly `bucket.base` in lower case. S3
+    /// servers take any other domain name for a bucket of its own (CNAME
+    /// style) and match base domains case-sensitively, so `Host: victim`
+    /// or `Host: b.S3.TEST` would write another bucket than the one fenced.
+    fn check_host(&self, headers: &HeaderMap, uri: &Uri) -> Result<(), Error> {
+        if self.base_domains.is_empty() {
+            return Ok(());
+        }
+        let bad = |m: String| Error::BadRequest(format!("S3 request refused: {m}"));
+        let mut hosts = headers.get_all(header::HOST).iter();
+        let host = match (hosts.next(), hosts.next()) {
+            (Some(h), None) => h.to_str().map_err(|_| bad("Host is not text".into()))?.to_string(),
+            (None, _) => uri.authority().map(|a| a.as_str().to_string()).ok_or_else(|| bad("no Host".into()))?,
+            (Some(_), Some(_)) => return Err(bad("more than one Host".into())),
+        };
+        let name = if let Some(v6) = host.strip_prefix('[') {
+            let (addr, port) = v6.split_once(']').ok_or_else(|| bad(format!("Host {host:?} is malformed")))?;
+            let port_ok = port.is_empty()
+                || port.strip_prefix(':').is_some_and(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
+            if addr.parse::<std::net::Ipv6Addr>().is_ok() && port_ok {
+                return Ok(());
+            }
+            return Err(bad(format!("Host {host:?} is malformed")));
+        } else {
+            match host.split_once(':') {
+                Some((h, p)) if !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) => h,
+                Some(_) => return Err(bad(format!("Host {host:?} is malformed"))),
+                None => host.as_str(),
+            }
+        };
+        if name.parse::<std::net::Ipv4Addr>().is_ok() {
+            return Ok(());
+        }
+        let exact = self.base_domains.iter().any(|d| {
+            name == d
+                || name.strip_suffix(d.as_str()).and_then(|b| b.strip_suffix('.')).is_some_and(|b| {
+                    !b.is_empty()
+                        && !b.starts_with('.')
+                        && !b.contains("..")
+                        && b.bytes().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'.' || c == b'-')
+                })
+        });
+        if exact {
+            return Ok(());
+        }
+        Err(bad(format!(
+            "Host {name:?} is neither an IP address, a base domain, nor a lower-case bucket.base-domain (an S3 \
+             server would take it for another bucket)"
+        )))
+    }
+
     /// The bucket and decoded key of a request (`None`: no bucket, a
     /// service-level request such as `ListBuckets`; key `""`: bucket-level).
     pub fn locate(&self, uri: &Uri, headers: &HeaderMap) -> Result<Option<(String, String)>, Error> {
@@ -266,6 +344,21 @@ impl S3Kind {
     pub fn classify(&self, method: &Method, uri: &Uri, headers: &HeaderMap) -> Result<S3Plan, Error> {
         let read = matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS);
         let subs = subresources(uri.query());
+        if !read {
+            self.check_host(headers, uri)?;
+        }
+        if *method == Method::POST && is_form_post(headers)? {
+            // A server takes any form POST to a bucket for PostObject,
+            // whatever its query (`?delete`, `?select`, `?x`): so does
+            // this gateway; one that names a key as well is refused.
+            return match self.locate(uri, headers)? {
+                Some((bucket, key)) if key.is_empty() => Ok(S3Plan::PostObject { bucket }),
+                _ => Err(Error::BadRequest(
+                    "S3 request refused: a multipart/form-data POST goes to a bucket (PostObject), never to a key"
+                        .into(),
+                )),
+            };
+        }
         let Some((bucket, key)) = self.locate(uri, headers)? else {
             if read {
                 return Ok(S3Plan::Head { primary: String::new(), mutated: Vec::new() });
@@ -419,6 +512,25 @@ mod tests {
     }
 
     #[test]
+    fn every_form_post_to_a_bucket_is_a_post_object_whatever_its_query() {
+        let k = kind("");
+        let form = [("content-type", "multipart/form-data; boundary=b")];
+        for target in ["/b", "/b?x", "/b?delete", "/b?select&select-type=2", "/b?uploads", "/b/"] {
+            assert_eq!(plan(&k, "POST", target, &form).unwrap(), S3Plan::PostObject { bucket: "b".into() }, "{target}");
+        }
+        let odd = [("content-type", "Multipart/Form-Data;boundary=b")];
+        assert_eq!(plan(&k, "POST", "/b?delete", &odd).unwrap(), S3Plan::PostObject { bucket: "b".into() });
+        assert!(plan(&k, "POST", "/b/k?select&select-type=2", &form).is_err(), "a form POST to a key");
+        assert!(plan(&k, "POST", "/", &form).is_err());
+        let two = [("content-type", "text/xml"), ("content-type", "multipart/form-data; boundary=b")];
+        assert!(plan(&k, "POST", "/b?delete", &two).is_err());
+        assert_eq!(
+            plan(&k, "POST", "/b?delete", &[("content-type", "text/xml")]).unwrap(),
+            S3Plan::DeleteObjects { bucket: "b".into() }
+        );
+    }
+
+    #[test]
     fn keys_are_decoded_once_as_s3_decodes_them() {
         let k = kind("");
         assert_eq!(plan(&k, "PUT", "/b/a%2Fb+c%25", &[]).unwrap(), head("b/a/b+c%", &["b/a/b+c%"]));
@@ -435,13 +547,57 @@ mod tests {
         let h = [("host", "photos.s3.example.internal:8080")];
         assert_eq!(plan(&k, "PUT", "/a/b.jpg", &h).unwrap(), head("photos/a/b.jpg", &["photos/a/b.jpg"]));
         assert_eq!(plan(&k, "PUT", "/", &h).unwrap(), head("photos", &["photos"]));
-        let h = [("host", "My.Bucket.S3.example.internal")];
+        let h = [("host", "my.bucket.s3.example.internal")];
         assert_eq!(plan(&k, "DELETE", "/k", &h).unwrap(), head("my.bucket/k", &["my.bucket/k"]));
+        // A read is located the same way whatever the case.
+        let h = [("host", "My.Bucket.S3.example.internal")];
+        assert_eq!(plan(&k, "GET", "/k", &h).unwrap(), head("my.bucket/k", &[]));
         // Any other host: path style.
         let h = [("host", "127.0.0.1:8080")];
         assert_eq!(plan(&k, "PUT", "/b/k", &h).unwrap(), head("b/k", &["b/k"]));
         let h = [("host", "s3.example.internal")];
         assert_eq!(plan(&k, "PUT", "/b/k", &h).unwrap(), head("b/k", &["b/k"]));
+        let h = [("host", "[::1]:9000")];
+        assert_eq!(plan(&k, "PUT", "/b/k", &h).unwrap(), head("b/k", &["b/k"]));
+    }
+
+    #[test]
+    fn a_mutation_whose_host_an_s3_server_may_read_as_another_bucket_is_refused() {
+        let k = kind("base_domains = [\"s3.test\"]");
+        for host in [
+            "victimbkt",
+            "victimbkt:9000",
+            "localhost",
+            "mine.S3.TEST",
+            "S3.TEST",
+            "mine.s3.test.",
+            "Mine.s3.test",
+            "other.domain",
+            ".s3.test",
+            "a..b.s3.test",
+            "127.0.0.1:x",
+            "[::1",
+        ] {
+            for m in ["PUT", "DELETE", "POST"] {
+                assert!(plan(&k, m, "/bkt/k", &[("host", host)]).is_err(), "{m} {host}");
+            }
+            assert!(plan(&k, "GET", "/bkt/k", &[("host", host)]).is_ok(), "reads are not judged by Host: {host}");
+        }
+        assert!(plan(&k, "PUT", "/bkt/k", &[("host", "127.0.0.1"), ("host", "127.0.0.1")]).is_err());
+        for host in ["127.0.0.1:9000", "s3.test", "s3.test:80", "mine.s3.test", "my.bucket-1.s3.test:9000", "[::1]"] {
+            assert!(plan(&k, "PUT", "/bkt/k", &[("host", host)]).is_ok(), "{host}");
+        }
+        // Without base_domains nothing is judged by Host (docs/s3.md: the
+        // upstream must then be path-style only).
+        assert!(plan(&kind(""), "PUT", "/bkt/k", &[("host", "victimbkt")]).is_ok());
+    }
+
+    #[test]
+    fn routes_match_the_decoded_path() {
+        assert_eq!(match_path("/bk%74/victim"), "/bkt/victim");
+        assert_eq!(match_path("/bkt/a%2Fb"), "/bkt/a/b");
+        assert_eq!(match_path("/bkt/%zz"), "/bkt/%zz");
+        assert_eq!(match_path("/bkt/k"), "/bkt/k");
     }
 
     #[test]

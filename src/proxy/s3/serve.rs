@@ -51,9 +51,8 @@ impl Proxy {
                 let (req, body) = read_whole(req, s3.max_scanned_body_bytes).await?;
                 // The bytes forwarded stay the original ones; only the
                 // reading here looks through an aws-chunked framing.
-                let aws_chunked = req.headers().get_all(header::CONTENT_ENCODING).iter().any(|v| {
-                    v.to_str().is_ok_and(|v| v.split(',').any(|e| e.trim().eq_ignore_ascii_case("aws-chunked")))
-                });
+                let aws_chunked =
+                    aws_chunked(req.headers()).map_err(|e| Error::BadRequest(format!("DeleteObjects refused: {e}")))?;
                 let decoded;
                 let body = if aws_chunked {
                     decoded = xml::aws_unchunk(&body)
@@ -76,9 +75,14 @@ impl Proxy {
                 (req, resource, mutated)
             }
             S3Plan::PostObject { bucket } => {
-                let (req, fields, filename) = read_form(req, s3.max_scanned_body_bytes).await?;
-                let key = form::object_key(&fields, &filename)
-                    .ok_or_else(|| Error::BadRequest("PostObject refused: the form has no key field".into()))?;
+                // A browser form is never aws-chunked; a server that would
+                // read it through that framing sees other fields.
+                if aws_chunked(req.headers()).map_err(|e| Error::BadRequest(format!("PostObject refused: {e}")))? {
+                    return Err(Error::BadRequest("PostObject refused: an aws-chunked form".into()).into());
+                }
+                let (req, fields) = read_form(req, s3.max_scanned_body_bytes).await?;
+                let key =
+                    form::object_key(&fields).map_err(|e| Error::BadRequest(format!("PostObject refused: {e}")))?;
                 super::check_key(&key).map_err(|e| Error::BadRequest(format!("PostObject refused: key: {e}")))?;
                 if let Some((_, t)) = fields.iter().find(|(n, _)| n == form::TOKEN_FIELD) {
                     tokens.default_from_field(t);
@@ -202,6 +206,42 @@ impl Proxy {
     }
 }
 
+/// Whether a body is aws-chunked. A server may decide it from
+/// `Content-Encoding: aws-chunked` or from `x-amz-content-sha256:
+/// STREAMING-…` (s3s reads the latter): the two must agree, and each may
+/// appear once, or the request is refused — a body read one way here and
+/// another way upstream could name other keys.
+fn aws_chunked(headers: &http::HeaderMap) -> Result<bool, String> {
+    let mut encodings = headers.get_all(header::CONTENT_ENCODING).iter();
+    let encoded = match (encodings.next(), encodings.next()) {
+        (None, _) => false,
+        (Some(v), None) => {
+            let v = v.to_str().map_err(|_| "Content-Encoding is not text")?;
+            v.split(',').any(|e| e.trim().eq_ignore_ascii_case("aws-chunked"))
+        }
+        (Some(_), Some(_)) => return Err("more than one Content-Encoding".into()),
+    };
+    let mut hashes = headers.get_all("x-amz-content-sha256").iter();
+    let streaming = match (hashes.next(), hashes.next()) {
+        (None, _) => false,
+        (Some(v), None) => {
+            let v = v.to_str().map_err(|_| "x-amz-content-sha256 is not text")?.trim();
+            let prefix = v.get(..10);
+            // Servers compare it case-sensitively, or may not: any other
+            // spelling is refused.
+            if prefix.is_some_and(|p| p.eq_ignore_ascii_case("STREAMING-") && p != "STREAMING-") {
+                return Err("x-amz-content-sha256: STREAMING- in another case".into());
+            }
+            prefix == Some("STREAMING-")
+        }
+        (Some(_), Some(_)) => return Err("more than one x-amz-content-sha256".into()),
+    };
+    if encoded != streaming {
+        return Err("Content-Encoding: aws-chunked and x-amz-content-sha256: STREAMING-… must come together".into());
+    }
+    Ok(encoded)
+}
+
 /// Reads a whole body of at most `limit` bytes (413 above it) and gives
 /// back the request with the very same bytes as its body.
 async fn read_whole(req: Request<BoxBody>, limit: u64) -> Result<(Request<BoxBody>, Bytes), Refused> {
@@ -236,10 +276,7 @@ async fn read_whole(req: Request<BoxBody>, limit: u64) -> Result<(Request<BoxBod
 /// Reads a `PostObject` form up to its file part (at most `limit` bytes)
 /// and gives back the request whose body is the bytes read followed by
 /// the rest of the original body, unchanged.
-async fn read_form(
-    req: Request<BoxBody>,
-    limit: u64,
-) -> Result<(Request<BoxBody>, Vec<(String, String)>, String), Refused> {
+async fn read_form(req: Request<BoxBody>, limit: u64) -> Result<(Request<BoxBody>, Vec<(String, String)>), Refused> {
     let bad = |m: String| -> Refused { Error::BadRequest(format!("PostObject refused: {m}")).into() };
     let content_type = req.headers().get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
     let Some(boundary) = form::boundary(content_type) else {
@@ -250,7 +287,7 @@ async fn read_form(
     let read = async {
         loop {
             match form::scan(&buf, &boundary) {
-                Ok(Scan::Fields { fields, filename }) => return Ok((fields, filename)),
+                Ok(Scan::Fields { fields }) => return Ok(fields),
                 Ok(Scan::NeedMore) => {}
                 Err(e) => return Err(bad(e)),
             }
@@ -268,12 +305,12 @@ async fn read_form(
             }
         }
     };
-    let (fields, filename) = match tokio::time::timeout(SCAN_TIMEOUT, read).await {
+    let fields = match tokio::time::timeout(SCAN_TIMEOUT, read).await {
         Ok(r) => r?,
         Err(_) => return Err(Error::BodyTimeout { timeout_ms: 30_000 }.into()),
     };
     let body = crate::body::prefixed(buf.freeze(), body);
-    Ok((Request::from_parts(parts, body), fields, filename))
+    Ok((Request::from_parts(parts, body), fields))
 }
 
 #[cfg(test)]
@@ -289,5 +326,31 @@ mod tests {
         assert_eq!(again, bytes);
         let big = Request::builder().body(crate::body::full(vec![b'x'; 101])).unwrap();
         assert!(read_whole(big, 100).await.is_err());
+    }
+
+    fn headers(pairs: &[(&str, &str)]) -> http::HeaderMap {
+        let mut h = http::HeaderMap::new();
+        for (n, v) in pairs {
+            h.append(http::HeaderName::from_bytes(n.as_bytes()).unwrap(), v.parse().unwrap());
+        }
+        h
+    }
+
+    #[test]
+    fn aws_chunked_only_when_both_headers_say_so() {
+        let sha = "x-amz-content-sha256";
+        assert_eq!(aws_chunked(&headers(&[])), Ok(false));
+        assert_eq!(aws_chunked(&headers(&[(sha, "UNSIGNED-PAYLOAD")])), Ok(false));
+        let both = [("content-encoding", "aws-chunked"), (sha, "STREAMING-UNSIGNED-PAYLOAD-TRAILER")];
+        assert_eq!(aws_chunked(&headers(&both)), Ok(true));
+        // One without the other: the gateway and the server would disagree.
+        assert!(aws_chunked(&headers(&[("content-encoding", "aws-chunked"), (sha, "UNSIGNED-PAYLOAD")])).is_err());
+        assert!(aws_chunked(&headers(&[("content-encoding", "aws-chunked")])).is_err());
+        assert!(aws_chunked(&headers(&[(sha, "STREAMING-AWS4-HMAC-SHA256-PAYLOAD")])).is_err());
+        let twice = [("content-encoding", "aws-chunked"), ("content-encoding", "gzip"), (sha, "STREAMING-X")];
+        assert!(aws_chunked(&headers(&twice)).is_err());
+        let lower = [("content-encoding", "aws-chunked"), (sha, "streaming-UNSIGNED-PAYLOAD-TRAILER")];
+        assert!(aws_chunked(&headers(&lower)).is_err());
+        assert!(aws_chunked(&headers(&[(sha, "Streaming-x")])).is_err());
     }
 }

@@ -82,7 +82,18 @@ pub fn aws_unchunk(body: &[u8]) -> Result<Vec<u8>, String> {
     loop {
         let line_end = rest.windows(2).position(|w| w == b"\r\n").ok_or("a chunk header without CRLF")?;
         let header = std::str::from_utf8(&rest[..line_end]).map_err(|_| "a chunk header is not text")?;
-        let size_text = header.split(';').next().unwrap_or("").trim();
+        let (size_text, ext) = header.split_once(';').map_or((header, None), |(s, e)| (s, Some(e)));
+        // 1 to 8 hex digits, nothing else (s3s reads at most 8).
+        if size_text.is_empty() || size_text.len() > 8 || !size_text.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(format!("bad chunk size {:?}", size_text.chars().take(20).collect::<String>()));
+        }
+        // The one extension S3 defines, exactly; any other is refused.
+        if let Some(ext) = ext {
+            let sig = ext.strip_prefix("chunk-signature=").ok_or("a chunk extension other than chunk-signature")?;
+            if sig.len() != 64 || !sig.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return Err("a malformed chunk-signature".into());
+            }
+        }
         let size = usize::from_str_radix(size_text, 16).map_err(|_| format!("bad chunk size {size_text:?}"))?;
         rest = &rest[line_end + 2..];
         if size == 0 {
@@ -256,13 +267,14 @@ mod tests {
     #[test]
     fn aws_chunked_bodies_are_read_through_their_framing() {
         let body = b"<Delete><Object><Key>a</Key></Object></Delete>";
+        let sig = "ab".repeat(32);
         let framed = [
-            format!("{:x};chunk-signature=abc\r\n", 10).into_bytes(),
+            format!("{:x};chunk-signature={sig}\r\n", 10).into_bytes(),
             body[..10].to_vec(),
             b"\r\n".to_vec(),
-            format!("{:x};chunk-signature=def\r\n", body.len() - 10).into_bytes(),
+            format!("{:x};chunk-signature={sig}\r\n", body.len() - 10).into_bytes(),
             body[10..].to_vec(),
-            b"\r\n0;chunk-signature=0\r\nx-amz-checksum-crc32:AAAA\r\n\r\n".to_vec(),
+            format!("\r\n0;chunk-signature={sig}\r\nx-amz-checksum-crc32:AAAA\r\n\r\n").into_bytes(),
         ]
         .concat();
         assert_eq!(aws_unchunk(&framed).unwrap(), body.to_vec());
@@ -270,6 +282,27 @@ mod tests {
         for bad in [&b"zz\r\n"[..], b"5\r\nab", b"2\r\nabc\r\n0\r\n", b"", b"1\r\n"] {
             assert!(aws_unchunk(bad).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn chunk_sizes_and_extensions_are_read_strictly() {
+        // The reviewer's body: an extension hiding an element from this
+        // reader that a server reading the raw bytes would see.
+        let hidden =
+            b"29\r\n<Delete><Object><Key>mine</Key></Object>\r\n9;a=<Object><Key>victim</Key></Object>\r\n</Delete>\r\n0\r\n\r\n";
+        assert!(aws_unchunk(hidden).is_err());
+        for bad in [
+            &b"+1\r\na\r\n0\r\n\r\n"[..],
+            b" 1\r\na\r\n0\r\n\r\n",
+            b"1 \r\na\r\n0\r\n\r\n",
+            b"000000001\r\na\r\n0\r\n\r\n",
+            b"1;chunk-signature=abc\r\na\r\n0\r\n\r\n",
+            b"1;chunk-signature\r\na\r\n0\r\n\r\n",
+            b";\r\n",
+        ] {
+            assert!(aws_unchunk(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(aws_unchunk(b"00000001\r\na\r\n0\r\n\r\n").unwrap(), b"a".to_vec());
     }
 
     #[test]
