@@ -11,11 +11,11 @@ bash scripts/setup-s3.sh           # s3s-fs, and boto3/awscli in .venv
 
 started=$(date +%s)
 # One profile for everything, so RocksDB's C++ is compiled once per run.
-cargo build --locked --all-targets
+cargo build --locked --workspace --all-targets
 echo "build: $(( $(date +%s) - started )) s"
 cargo fmt --all -- --check
 cargo clippy --locked --workspace --all-targets --no-deps -- -D warnings
-cargo test --locked --lib --bins --tests --examples -- --test-threads="${FENCEGATE_TEST_THREADS:-4}"
+cargo test --locked --workspace --lib --bins --tests --examples -- --test-threads="${FENCEGATE_TEST_THREADS:-4}"
 # Criterion benches, once each in test mode (cargo test passes no --bench).
 cargo test --locked --benches
 # The nemesis: real processes under pauses, kill -9, dying upstreams and a
