@@ -38,12 +38,12 @@ fn hot_paths(c: &mut Criterion) {
     table.set_live("orders/777", 5, true);
     let policy = CheckPolicy::embedded(true);
     c.bench_function("fence_check_and_register", |b| {
-        b.iter(|| match table.check("orders/777", 5, policy) {
+        b.iter(|| match table.admit("orders/777", 5, policy) {
             Ok(Admission::Admitted(guard)) => drop(guard),
             _ => panic!("must be admitted"),
         })
     });
-    c.bench_function("fence_check_stale", |b| b.iter(|| table.check("orders/777", 4, policy).is_err()));
+    c.bench_function("fence_check_stale", |b| b.iter(|| table.admit("orders/777", 4, policy).is_err()));
 
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let metrics = Arc::new(Metrics::new().unwrap());

@@ -71,9 +71,9 @@ async fn admit(table: &Arc<FenceTable>, store: &Store, key: &str, token: u64, se
     let policy = CheckPolicy::embedded(true);
     for i in 0..n {
         let admission = if sequenced {
-            table.check_sequenced(key, token, from + i, policy, store)
+            table.admit_sequenced(key, token, from + i, policy, store)
         } else {
-            table.check(key, token, policy)
+            table.admit(key, token, policy)
         };
         match admission {
             Ok(Admission::Admitted(guard)) => drop(guard),

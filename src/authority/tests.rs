@@ -234,7 +234,7 @@ async fn grant_waits_for_older_inflight_mutation() {
     let r = rig();
     let a = r.auth.acquire(acq("k", 1000, 0)).await.unwrap();
     let policy = CheckPolicy::embedded(true);
-    let Ok(Admission::Admitted(inflight)) = r.auth.fences().check("k", a.fencing_token, policy) else {
+    let Ok(Admission::Admitted(inflight)) = r.auth.fences().admit("k", a.fencing_token, policy) else {
         panic!("current token must be admitted")
     };
     sleep(Duration::from_millis(1001)).await; // a's lease expires mid-write
@@ -245,7 +245,7 @@ async fn grant_waits_for_older_inflight_mutation() {
     sleep(Duration::from_millis(300)).await;
     assert!(!b.is_finished(), "grant must wait for the older in-flight write");
     // The fence already moved: a's later writes are refused.
-    assert!(r.auth.fences().check("k", a.fencing_token, policy).is_err());
+    assert!(r.auth.fences().admit("k", a.fencing_token, policy).is_err());
     drop(inflight);
     let b = b.await.unwrap().unwrap();
     assert_eq!(b.fencing_token, 2);

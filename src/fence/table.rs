@@ -3,7 +3,7 @@
 //!
 //! Every operation takes the key's shard lock for a few instructions and
 //! never across an `.await`. The compare and the registration of a request
-//! as in flight are one step under that lock ([`FenceTable::check`]), so no
+//! as in flight are one step under that lock ([`FenceTable::admit`]), so no
 //! grant can slip between a request's check and its registration: either
 //! the request is registered before the fence moves (and the grant's
 //! activation barrier waits for it), or it sees the new fence and is
@@ -81,7 +81,7 @@ impl Refusal {
     }
 }
 
-/// What [`FenceTable::check`] decided for an admissible token.
+/// What [`FenceTable::admit`] decided for an admissible token.
 #[derive(Debug)]
 pub enum Admission {
     /// Registered as in flight; forward it while holding the guard.
@@ -488,7 +488,7 @@ impl FenceTable {
 
     /// The fence check of docs/proxy.md and, when it passes, the registration of
     /// the request as in flight — one atomic step per key.
-    pub fn check(self: &Arc<Self>, key: &str, token: u64, policy: CheckPolicy) -> Result<Admission, Refusal> {
+    pub fn admit(self: &Arc<Self>, key: &str, token: u64, policy: CheckPolicy) -> Result<Admission, Refusal> {
         self.currency.check()?;
         let Some(mut slot) = self.slots.get_mut(key) else {
             // Never fenced: fence 0. Nothing was ever issued for this key.
@@ -535,7 +535,7 @@ impl FenceTable {
 
     /// All-or-nothing admission of a request that changes several keys
     /// (`DeleteObjects`, `RenameObject`): each `(key, token)` is checked
-    /// and registered as in flight as by [`FenceTable::check`] — one atomic
+    /// and registered as in flight as by [`FenceTable::admit`] — one atomic
     /// step per key — in sorted key order (duplicates once). If any key is
     /// refused, every registration already made is dropped before this
     /// returns and the refusal is returned with that key's index: the
@@ -545,7 +545,7 @@ impl FenceTable {
     ///
     /// External routes: a key whose token must first advance the fence is
     /// returned as [`Admission::MustAdvance`] for the caller to advance.
-    pub fn check_all(
+    pub fn admit_all(
         self: &Arc<Self>,
         keys: &[(&str, u64)],
         policy: CheckPolicy,
@@ -556,7 +556,7 @@ impl FenceTable {
         let mut admitted = Vec::with_capacity(order.len());
         for i in order {
             let (key, token) = keys[i];
-            match self.check(key, token, policy) {
+            match self.admit(key, token, policy) {
                 Ok(a) => admitted.push((i, a)),
                 // `admitted` drops here: every registration is undone.
                 Err(refusal) => return Err((i, refusal)),
@@ -565,7 +565,7 @@ impl FenceTable {
         Ok(admitted)
     }
 
-    /// [`FenceTable::check`] for a mutation that carries `X-Fencing-Sequence:
+    /// [`FenceTable::admit`] for a mutation that carries `X-Fencing-Sequence:
     /// sequence`: admissible only if the sequence is above the highest one
     /// forwarded under the current token, which it then becomes — in memory
     /// at once (so a later request with a lower sequence is refused even
@@ -574,7 +574,7 @@ impl FenceTable {
     /// the store has fsynced it. A request whose token must first advance
     /// the fence (external routes) gets [`Admission::MustAdvance`] and
     /// passes its sequence to [`FenceTable::advance`].
-    pub fn check_sequenced(
+    pub fn admit_sequenced(
         self: &Arc<Self>,
         key: &str,
         token: u64,
@@ -583,7 +583,7 @@ impl FenceTable {
         store: &Store,
     ) -> Result<Admission, Refusal> {
         // The token rules first, exactly as for an unsequenced request.
-        let guard = match self.check(key, token, policy)? {
+        let guard = match self.admit(key, token, policy)? {
             Admission::Admitted(guard) => guard,
             other => return Ok(other),
         };
@@ -842,17 +842,17 @@ mod tests {
         let t = table_with("a", 5, true);
         t.load("b", 7);
         t.set_live("b", 7, true);
-        let Ok(all) = t.check_all(&[("b", 7), ("a", 5), ("b", 7)], STRICT) else { panic!() };
+        let Ok(all) = t.admit_all(&[("b", 7), ("a", 5), ("b", 7)], STRICT) else { panic!() };
         assert_eq!(all.len(), 2, "a key named twice is registered once");
         assert_eq!((t.inflight("a"), t.inflight("b")), (1, 1));
         drop(all);
         // One stale key among several: none stays registered.
-        match t.check_all(&[("a", 5), ("b", 6)], STRICT) {
+        match t.admit_all(&[("a", 5), ("b", 6)], STRICT) {
             Err((1, Refusal::Stale { token: 6, fence: 7, .. })) => {}
             other => panic!("{other:?}"),
         }
         assert_eq!((t.inflight("a"), t.inflight("b")), (0, 0));
-        assert!(matches!(t.check_all(&[("a", 5), ("c", 5)], STRICT), Err((1, Refusal::Unissued { .. }))));
+        assert!(matches!(t.admit_all(&[("a", 5), ("c", 5)], STRICT), Err((1, Refusal::Unissued { .. }))));
         assert_eq!(t.inflight_total(), 0);
     }
 
@@ -861,23 +861,23 @@ mod tests {
         let t = table_with("k", 5, true);
         assert!(t.is_current(), "single-node mode is always current");
         t.gate_on_currency();
-        assert!(matches!(t.check("k", 5, STRICT), Err(Refusal::NotCurrent { .. })));
+        assert!(matches!(t.admit("k", 5, STRICT), Err(Refusal::NotCurrent { .. })));
         t.set_current_until(Instant::now() + Duration::from_secs(60));
-        assert!(matches!(t.check("k", 5, STRICT), Ok(Admission::Admitted(_))));
+        assert!(matches!(t.admit("k", 5, STRICT), Ok(Admission::Admitted(_))));
         t.set_not_current("watch broken");
-        match t.check("k", 5, STRICT) {
+        match t.admit("k", 5, STRICT) {
             Err(Refusal::NotCurrent { why }) => assert_eq!(why, "watch broken"),
             other => panic!("{other:?}"),
         }
         // A deadline in the past is not current either.
         t.set_current_until(Instant::now());
-        assert!(matches!(t.check("k", 5, STRICT), Err(Refusal::NotCurrent { .. })));
+        assert!(matches!(t.admit("k", 5, STRICT), Err(Refusal::NotCurrent { .. })));
     }
 
     #[test]
     fn losing_currency_aborts_uploads_still_streaming() {
         let t = table_with("k", 5, true);
-        let Ok(Admission::Admitted(g)) = t.check("k", 5, STRICT) else { panic!() };
+        let Ok(Admission::Admitted(g)) = t.admit("k", 5, STRICT) else { panic!() };
         t.gate_on_currency();
         t.set_not_current("lapsed");
         assert!(g.ctl().is_aborted());
@@ -888,22 +888,22 @@ mod tests {
         let t = FenceTable::new();
         t.install("k", 10, true).unwrap();
         assert_eq!((t.fence("k"), t.durable_fence("k")), (10, 10));
-        assert!(matches!(t.check("k", 10, STRICT), Ok(Admission::Admitted(_))));
-        let Ok(Admission::Admitted(old)) = t.check("k", 10, STRICT) else { panic!() };
+        assert!(matches!(t.admit("k", 10, STRICT), Ok(Admission::Admitted(_))));
+        let Ok(Admission::Admitted(old)) = t.admit("k", 10, STRICT) else { panic!() };
         t.install("k", 7, true).unwrap();
         assert_eq!(t.fence("k"), 10, "a restored lower fence is ignored");
         t.install("k", 12, false).unwrap();
         assert!(old.ctl().is_aborted(), "a newer fence aborts older uploads");
-        assert!(matches!(t.check("k", 12, STRICT), Err(Refusal::LeaseExpired { .. })));
+        assert!(matches!(t.admit("k", 12, STRICT), Err(Refusal::LeaseExpired { .. })));
         t.install("k", 12, true).unwrap();
-        assert!(matches!(t.check("k", 12, STRICT), Ok(Admission::Admitted(_))));
-        assert!(matches!(t.check("k", 10, STRICT), Err(Refusal::Stale { .. })));
+        assert!(matches!(t.admit("k", 12, STRICT), Ok(Admission::Admitted(_))));
+        assert!(matches!(t.admit("k", 10, STRICT), Err(Refusal::Stale { .. })));
     }
 
     #[test]
     fn stale_token_is_refused_with_fence() {
         let t = table_with("k", 34, true);
-        match t.check("k", 33, STRICT) {
+        match t.admit("k", 33, STRICT) {
             Err(Refusal::Stale { token: 33, fence: 34, .. }) => {}
             other => panic!("{other:?}"),
         }
@@ -912,22 +912,22 @@ mod tests {
     #[test]
     fn token_above_fence_is_unissued_on_embedded_routes() {
         let t = table_with("k", 34, true);
-        assert!(matches!(t.check("k", 35, STRICT), Err(Refusal::Unissued { token: 35, fence: 34 })));
-        assert!(matches!(t.check("fresh", 1, STRICT), Err(Refusal::Unissued { fence: 0, .. })));
-        assert!(matches!(t.check("fresh", 0, LAX), Err(Refusal::Unissued { fence: 0, .. })));
+        assert!(matches!(t.admit("k", 35, STRICT), Err(Refusal::Unissued { token: 35, fence: 34 })));
+        assert!(matches!(t.admit("fresh", 1, STRICT), Err(Refusal::Unissued { fence: 0, .. })));
+        assert!(matches!(t.admit("fresh", 0, LAX), Err(Refusal::Unissued { fence: 0, .. })));
     }
 
     #[test]
     fn ended_grant_is_refused_only_when_strict() {
         let t = table_with("k", 5, false);
-        assert!(matches!(t.check("k", 5, STRICT), Err(Refusal::LeaseExpired { token: 5 })));
-        assert!(matches!(t.check("k", 5, LAX), Ok(Admission::Admitted(_))));
+        assert!(matches!(t.admit("k", 5, STRICT), Err(Refusal::LeaseExpired { token: 5 })));
+        assert!(matches!(t.admit("k", 5, LAX), Ok(Admission::Admitted(_))));
     }
 
     #[test]
     fn live_current_token_is_admitted_and_registered() {
         let t = table_with("k", 5, true);
-        let Ok(Admission::Admitted(g)) = t.check("k", 5, STRICT) else { panic!() };
+        let Ok(Admission::Admitted(g)) = t.admit("k", 5, STRICT) else { panic!() };
         assert_eq!(t.inflight("k"), 1);
         drop(g);
         assert_eq!(t.inflight("k"), 0);
@@ -937,15 +937,15 @@ mod tests {
     fn external_higher_token_must_advance() {
         let t = table_with("k", 5, false);
         let ext = EXT;
-        assert!(matches!(t.check("k", 9, ext), Ok(Admission::MustAdvance)));
-        assert!(matches!(t.check("new", 1, ext), Ok(Admission::MustAdvance)));
-        assert!(matches!(t.check("k", 5, ext), Ok(Admission::Admitted(_))));
+        assert!(matches!(t.admit("k", 9, ext), Ok(Admission::MustAdvance)));
+        assert!(matches!(t.admit("new", 1, ext), Ok(Admission::MustAdvance)));
+        assert!(matches!(t.admit("k", 5, ext), Ok(Admission::Admitted(_))));
     }
 
     #[tokio::test(start_paused = true)]
     async fn barrier_waits_for_older_inflight_only() {
         let t = table_with("k", 5, true);
-        let Ok(Admission::Admitted(old)) = t.check("k", 5, STRICT) else { panic!() };
+        let Ok(Admission::Admitted(old)) = t.admit("k", 5, STRICT) else { panic!() };
         // A newer fence: the barrier for 6 must wait for the token-5 mutation.
         t.slots.get_mut("k").unwrap().raise(6, true);
         let t2 = t.clone();
@@ -961,7 +961,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn barrier_gives_up_at_timeout() {
         let t = table_with("k", 5, true);
-        let Ok(Admission::Admitted(_old)) = t.check("k", 5, STRICT) else { panic!() };
+        let Ok(Admission::Admitted(_old)) = t.admit("k", 5, STRICT) else { panic!() };
         let outcome = t.barrier("k", 6, Duration::from_secs(1)).await;
         assert!(outcome.overrun);
     }
@@ -969,8 +969,8 @@ mod tests {
     #[test]
     fn raising_the_fence_aborts_streaming_uploads_but_not_finished_ones() {
         let t = table_with("k", 5, true);
-        let Ok(Admission::Admitted(streaming)) = t.check("k", 5, STRICT) else { panic!() };
-        let Ok(Admission::Admitted(sent)) = t.check("k", 5, STRICT) else { panic!() };
+        let Ok(Admission::Admitted(streaming)) = t.admit("k", 5, STRICT) else { panic!() };
+        let Ok(Admission::Admitted(sent)) = t.admit("k", 5, STRICT) else { panic!() };
         sent.ctl().mark_body_done();
         t.slots.get_mut("k").unwrap().raise(6, true);
         assert!(streaming.ctl().is_aborted());
@@ -989,17 +989,17 @@ mod tests {
         assert_eq!(t.durable_fence("k"), 5);
         // A second request with the same token must wait for durability
         // too, not pass on the barrier alone.
-        assert!(matches!(t.check("k", 9, EXT), Ok(Admission::MustAdvance)));
+        assert!(matches!(t.admit("k", 9, EXT), Ok(Admission::MustAdvance)));
         let (_second, rx2) = t.advance("k", 9, None, EXT, &store).unwrap();
         let mut rx2 = rx2.expect("the second request waits for its own fsync");
         assert!(rx2.try_recv().is_err());
         // Older tokens stay refused meanwhile.
-        assert!(matches!(t.check("k", 8, EXT), Err(Refusal::Stale { fence: 9, .. })));
+        assert!(matches!(t.admit("k", 8, EXT), Err(Refusal::Stale { fence: 9, .. })));
         store.release_acks(Ok(()));
         assert!(matches!(rx2.await, Ok(Ok(()))));
         t.mark_durable("k", 9);
         assert_eq!(t.durable_fence("k"), 9);
-        assert!(matches!(t.check("k", 9, EXT), Ok(Admission::Admitted(_))));
+        assert!(matches!(t.admit("k", 9, EXT), Ok(Admission::Admitted(_))));
     }
 
     #[test]
@@ -1010,18 +1010,18 @@ mod tests {
         let (token, _rx) = t.issue("k", &store, |k, token| vec![Op::Fence { key: k.clone(), token }]).unwrap();
         assert_eq!(token, 6, "above every loaded fence");
         // Not fsynced yet: nobody was told 6, and a crash would re-issue it.
-        assert!(matches!(t.check("k", 6, LAX), Err(Refusal::Unissued { token: 6, fence: 5 })));
+        assert!(matches!(t.admit("k", 6, LAX), Err(Refusal::Unissued { token: 6, fence: 5 })));
         t.mark_durable("k", 6);
-        assert!(matches!(t.check("k", 6, LAX), Ok(Admission::Admitted(_))));
+        assert!(matches!(t.admit("k", 6, LAX), Ok(Admission::Admitted(_))));
     }
 
     #[test]
     fn external_tokens_beyond_the_step_are_refused() {
         let store = Store::memory();
         let t = table_with("k", 5, false);
-        assert!(matches!(t.check("k", u64::MAX, EXT), Err(Refusal::TooFar { fence: 5, max_step: 1000, .. })));
-        assert!(matches!(t.check("fresh", 1001, EXT), Err(Refusal::TooFar { fence: 0, .. })));
-        assert!(matches!(t.check("fresh", 1000, EXT), Ok(Admission::MustAdvance)));
+        assert!(matches!(t.admit("k", u64::MAX, EXT), Err(Refusal::TooFar { fence: 5, max_step: 1000, .. })));
+        assert!(matches!(t.admit("fresh", 1001, EXT), Err(Refusal::TooFar { fence: 0, .. })));
+        assert!(matches!(t.admit("fresh", 1000, EXT), Ok(Admission::MustAdvance)));
         assert!(matches!(t.advance("k", 1006, None, EXT, &store), Err(Refusal::TooFar { .. })));
         assert_eq!(t.fence("k"), 5);
         assert!(t.advance("k", 1005, None, EXT, &store).is_ok());
@@ -1032,8 +1032,8 @@ mod tests {
         let t = table_with("a", 5, true);
         t.load("b", 7);
         t.set_live("b", 7, true);
-        let Ok(Admission::Admitted(ga)) = t.check("a", 5, STRICT) else { panic!() };
-        let Ok(Admission::Admitted(gb)) = t.check("b", 7, STRICT) else { panic!() };
+        let Ok(Admission::Admitted(ga)) = t.admit("a", 5, STRICT) else { panic!() };
+        let Ok(Admission::Admitted(gb)) = t.admit("b", 7, STRICT) else { panic!() };
         assert_eq!(t.inflight_total(), 2);
         assert!(!t.wait_idle(Duration::from_secs(1)).await, "cut short while two are in flight");
         let t2 = t.clone();
@@ -1084,7 +1084,7 @@ mod tests {
         }
         for (key, _) in &tokens {
             for (other, token) in &tokens {
-                let admitted = matches!(t.check(key, *token, STRICT), Ok(Admission::Admitted(_)));
+                let admitted = matches!(t.admit(key, *token, STRICT), Ok(Admission::Admitted(_)));
                 assert_eq!(admitted, key == other, "token of {other} on {key}");
             }
         }
@@ -1116,18 +1116,18 @@ mod tests {
     async fn a_sequence_not_above_the_last_forwarded_one_is_refused() {
         let store = Store::memory();
         let t = table_with("k", 5, true);
-        let admit = |seq: u64| t.check_sequenced("k", 5, seq, STRICT, &store);
+        let admit = |seq: u64| t.admit_sequenced("k", 5, seq, STRICT, &store);
         let Ok(Admission::AdmittedAfter(_g, rx)) = admit(3) else { panic!() };
         assert!(matches!(rx.await, Ok(Ok(()))));
         assert!(matches!(admit(3), Err(Refusal::StaleSequence { sequence: 3, last_sequence: 3, .. })));
         assert!(matches!(admit(2), Err(Refusal::StaleSequence { sequence: 2, last_sequence: 3, .. })));
         assert!(matches!(admit(10), Ok(Admission::AdmittedAfter(..))));
         // A stale token is refused as stale, whatever its sequence.
-        assert!(matches!(t.check_sequenced("k", 4, 99, STRICT, &store), Err(Refusal::Stale { .. })));
+        assert!(matches!(t.admit_sequenced("k", 4, 99, STRICT, &store), Err(Refusal::Stale { .. })));
         // A new token starts a new sequence.
         t.slots.get_mut("k").unwrap().raise(6, true);
         t.mark_durable("k", 6);
-        assert!(matches!(t.check_sequenced("k", 6, 0, STRICT, &store), Ok(Admission::AdmittedAfter(..))));
+        assert!(matches!(t.admit_sequenced("k", 6, 0, STRICT, &store), Ok(Admission::AdmittedAfter(..))));
     }
 
     #[test]
@@ -1137,10 +1137,10 @@ mod tests {
         t.set_live("k", 5, true);
         let store = Store::memory();
         assert!(matches!(
-            t.check_sequenced("k", 5, 7, STRICT, &store),
+            t.admit_sequenced("k", 5, 7, STRICT, &store),
             Err(Refusal::StaleSequence { last_sequence: 7, .. })
         ));
-        assert!(matches!(t.check_sequenced("k", 5, 8, STRICT, &store), Ok(Admission::AdmittedAfter(..))));
+        assert!(matches!(t.admit_sequenced("k", 5, 8, STRICT, &store), Ok(Admission::AdmittedAfter(..))));
     }
 
     #[tokio::test]
@@ -1163,7 +1163,7 @@ mod tests {
         let issue = |key: &str| t.issue(key, &store, |k, token| vec![Op::Fence { key: k.clone(), token }]).unwrap().0;
         assert_eq!(issue("b"), 4, "the sequence moved past the external token");
         // No grant of this gateway behind token 3 on "e": embedded routes refuse it.
-        assert!(matches!(t.check("e", 3, STRICT), Err(Refusal::Unissued { token: 3, .. })));
+        assert!(matches!(t.admit("e", 3, STRICT), Err(Refusal::Unissued { token: 3, .. })));
     }
 
     #[test]
@@ -1184,9 +1184,9 @@ mod tests {
     fn the_highest_sequence_is_taken_once_even_at_u64_max() {
         let store = Store::memory();
         let t = table_with("k", 5, true);
-        assert!(matches!(t.check_sequenced("k", 5, u64::MAX, STRICT, &store), Ok(Admission::AdmittedAfter(..))));
+        assert!(matches!(t.admit_sequenced("k", 5, u64::MAX, STRICT, &store), Ok(Admission::AdmittedAfter(..))));
         assert!(matches!(
-            t.check_sequenced("k", 5, u64::MAX, STRICT, &store),
+            t.admit_sequenced("k", 5, u64::MAX, STRICT, &store),
             Err(Refusal::StaleSequence { last_sequence: u64::MAX, .. })
         ));
     }
@@ -1209,10 +1209,10 @@ mod tests {
     async fn a_higher_sequence_waits_for_the_lower_ones_in_flight_and_aborts_their_uploads() {
         let store = Store::memory();
         let t = table_with("k", 5, true);
-        let Ok(Admission::AdmittedAfter(sent, _)) = t.check_sequenced("k", 5, 1, STRICT, &store) else { panic!() };
+        let Ok(Admission::AdmittedAfter(sent, _)) = t.admit_sequenced("k", 5, 1, STRICT, &store) else { panic!() };
         sent.ctl().mark_body_done();
-        let Ok(Admission::AdmittedAfter(streaming, _)) = t.check_sequenced("k", 5, 2, STRICT, &store) else { panic!() };
-        let Ok(Admission::AdmittedAfter(third, _)) = t.check_sequenced("k", 5, 3, STRICT, &store) else { panic!() };
+        let Ok(Admission::AdmittedAfter(streaming, _)) = t.admit_sequenced("k", 5, 2, STRICT, &store) else { panic!() };
+        let Ok(Admission::AdmittedAfter(third, _)) = t.admit_sequenced("k", 5, 3, STRICT, &store) else { panic!() };
         assert!(streaming.ctl().is_aborted(), "2 was still streaming when 3 came");
         assert!(!sent.ctl().is_aborted(), "1 was sent whole: waited for, not aborted");
         let t2 = t.clone();
@@ -1225,7 +1225,7 @@ mod tests {
         assert!(!waiter.await.unwrap().overrun);
         drop(third);
         // Unsequenced writes of the same token are not waited for.
-        let Ok(Admission::Admitted(_plain)) = t.check("k", 5, STRICT) else { panic!() };
+        let Ok(Admission::Admitted(_plain)) = t.admit("k", 5, STRICT) else { panic!() };
         assert!(!t.barrier_for("k", 5, Some(4), Duration::from_secs(1)).await.overrun);
     }
 
@@ -1235,8 +1235,8 @@ mod tests {
         let t = FenceTable::new();
         let (_g, _rx) = t.advance("mx", 5, None, EXT, &store).unwrap();
         t.mark_durable("mx", 5);
-        assert!(matches!(t.check("mx", 5, LAX), Err(Refusal::Unissued { token: 5, .. })));
-        assert!(matches!(t.check("mx", 5, EXT), Ok(Admission::Admitted(_))));
+        assert!(matches!(t.admit("mx", 5, LAX), Err(Refusal::Unissued { token: 5, .. })));
+        assert!(matches!(t.admit("mx", 5, EXT), Ok(Admission::Admitted(_))));
         // As a restart reads it back.
         let mut records = Vec::new();
         store.for_each_fence(|k, r| records.push((k.to_string(), r))).unwrap();
@@ -1244,10 +1244,10 @@ mod tests {
         for (k, r) in records {
             restarted.load_record(&k, r);
         }
-        assert!(matches!(restarted.check("mx", 5, LAX), Err(Refusal::Unissued { .. })));
+        assert!(matches!(restarted.admit("mx", 5, LAX), Err(Refusal::Unissued { .. })));
         // A grant of this gateway on the key makes it embedded again.
         let (token, _rx) = restarted.issue("mx", &store, |k, token| vec![Op::Fence { key: k.clone(), token }]).unwrap();
         restarted.mark_durable("mx", token);
-        assert!(matches!(restarted.check("mx", token, LAX), Ok(Admission::Admitted(_))));
+        assert!(matches!(restarted.admit("mx", token, LAX), Ok(Admission::Admitted(_))));
     }
 }

@@ -8,7 +8,7 @@
 //! route that uses the embedded authority, needs no principal and forwards to
 //! a plain `http://` upstream, and a request the fence check admits. The
 //! check is the general path's own ([`Proxy::admit`], around
-//! [`FenceTable::check`](crate::fence::FenceTable::check), the one atomic
+//! [`FenceTable::admit`](crate::fence::FenceTable::admit), the one atomic
 //! compare-and-register), made before a byte goes upstream.
 //!
 //! The phases, in order: the head (within the header read timeout), the
@@ -210,7 +210,7 @@ async fn serve_one(
         failed => {
             let error = forward_failure(proxy, route, &key, token, failed.map(|r| r.err()));
             let seen = Seen { client, method: &method, route, key: &key, started, log };
-            return refuse(proxy, &seen, mutation, error, stream, client_close).await;
+            return reply_error(proxy, &seen, mutation, error, stream, client_close).await;
         }
     };
     if mutation {
@@ -596,7 +596,7 @@ impl Access {
 }
 
 /// Answers a forwarding failure with the general path's error and metrics.
-async fn refuse(
+async fn reply_error(
     proxy: &Proxy,
     seen: &Seen<'_>,
     mutation: bool,

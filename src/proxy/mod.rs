@@ -8,7 +8,7 @@
 //!    on an S3 route ([`s3`]) the keys come from bucket, key, subresource
 //!    and headers instead — for `DeleteObjects`/`PostObject` from a bounded
 //!    copy of the body — and a request that changes several keys is
-//!    admitted for all of them or none ([`FenceTable::check_all`]);
+//!    admitted for all of them or none ([`FenceTable::admit_all`]);
 //! 2. `admit`   — the token is parsed and compared with the key's fence;
 //!    an admissible mutation is registered as in flight in the same atomic
 //!    step (external routes first advance the fence durably and wait for
@@ -53,8 +53,8 @@ use upstream::{SendError, Upstream, UpstreamUrl};
 
 /// How a route turns a request into the keys it touches: the route kind
 /// seam. The kind classifies; the one admission decision
-/// ([`Proxy::admit`] / [`FenceTable::check`], or
-/// [`FenceTable::check_all`] for several keys) and the one forwarding path
+/// ([`Proxy::admit`] / [`FenceTable::admit`], or
+/// [`FenceTable::admit_all`] for several keys) and the one forwarding path
 /// stay the proxy's.
 #[derive(Debug)]
 enum Kind {
@@ -206,22 +206,22 @@ enum Admit {
     /// A mutation's token refused by the fence check: refused on an
     /// enforcing route, forwarded unregistered in shadow mode (and audited
     /// either way).
-    Refused(u64, Refusal),
-    /// A token absent (mutations) or malformed: as [`Admit::Refused`].
-    NoToken(Refused),
+    Fenced(u64, Refusal),
+    /// A token absent (mutations) or malformed: as [`Admit::Fenced`].
+    NoToken(ErrorReply),
     /// Refused in every mode.
-    Reject(Refused),
+    Reject(ErrorReply),
 }
 
 /// A refused or failed request: the error and the mutation outcome word.
-struct Refused {
+struct ErrorReply {
     error: Error,
     outcome: Option<&'static str>,
 }
 
-impl From<Error> for Refused {
-    fn from(error: Error) -> Refused {
-        Refused { error, outcome: None }
+impl From<Error> for ErrorReply {
+    fn from(error: Error) -> ErrorReply {
+        ErrorReply { error, outcome: None }
     }
 }
 
@@ -419,7 +419,7 @@ impl Proxy {
         req: Request<BoxBody>,
         client: &Peer,
         seen: &mut Seen<'a>,
-    ) -> Result<Response<BoxBody>, Refused> {
+    ) -> Result<Response<BoxBody>, ErrorReply> {
         // 0. A `Connection` that names a fencing header would strip it
         //    after the check below: refused before anything else.
         if headers::connection_names_fencing_header(req.headers()) {
@@ -461,7 +461,7 @@ impl Proxy {
     /// HTTP/1.1, which forwards only on [`Admit::Forward`] and hands every
     /// other outcome to the general path). An admissible mutation is
     /// registered as in flight in the same atomic step
-    /// ([`FenceTable::check`]).
+    /// ([`FenceTable::admit`]).
     fn admit(
         &self,
         route: &Route,
@@ -473,13 +473,15 @@ impl Proxy {
         let (token, sequence) = match (token, sequence) {
             (Ok(t), Ok(s)) => (t, s),
             (Err(TokenError::Malformed(m)), _) => {
-                let refused =
-                    Refused { error: Error::MalformedFencingToken(m), outcome: mutation.then_some("malformed_token") };
+                let refused = ErrorReply {
+                    error: Error::MalformedFencingToken(m),
+                    outcome: mutation.then_some("malformed_token"),
+                };
                 return Admit::NoToken(refused);
             }
             (_, Err(TokenError::Malformed(m))) => {
                 let error = Error::MalformedFencingToken(format!("X-Fencing-Sequence: {m}"));
-                return Admit::NoToken(Refused { error, outcome: mutation.then_some("malformed_token") });
+                return Admit::NoToken(ErrorReply { error, outcome: mutation.then_some("malformed_token") });
             }
         };
         if !mutation {
@@ -488,28 +490,30 @@ impl Proxy {
                 let fence = self.fences.fence(key);
                 if t < fence && route.enforce {
                     let error = Error::StaleFencingToken { key: key.to_string(), token: t, fence };
-                    return Admit::Reject(Refused { error, outcome: None });
+                    return Admit::Reject(ErrorReply { error, outcome: None });
                 }
             }
             return Admit::Forward(None);
         }
         if let Err(error) = validate_key(key) {
-            return Admit::Reject(Refused { error, outcome: None });
+            return Admit::Reject(ErrorReply { error, outcome: None });
         }
         let Some(token) = token else {
-            let refused =
-                Refused { error: Error::FencingTokenRequired { key: key.to_string() }, outcome: Some("missing_token") };
+            let refused = ErrorReply {
+                error: Error::FencingTokenRequired { key: key.to_string() },
+                outcome: Some("missing_token"),
+            };
             return Admit::NoToken(refused);
         };
         let admission = match sequence {
-            None => self.fences.check(key, token, route.policy),
-            Some(seq) => self.fences.check_sequenced(key, token, seq, route.policy, &self.store),
+            None => self.fences.admit(key, token, route.policy),
+            Some(seq) => self.fences.admit_sequenced(key, token, seq, route.policy, &self.store),
         };
         match admission {
             Ok(Admission::Admitted(guard)) => Admit::Forward(Some(guard)),
             Ok(Admission::AdmittedAfter(guard, durable)) => Admit::ForwardAfter(guard, durable),
             Ok(Admission::MustAdvance) => Admit::Advance(token, sequence),
-            Err(refusal) => Admit::Refused(token, refusal),
+            Err(refusal) => Admit::Fenced(token, refusal),
         }
     }
 
@@ -523,7 +527,7 @@ impl Proxy {
         parsed: Result<Option<u64>, TokenError>,
         req: Request<BoxBody>,
         client: &Peer,
-    ) -> Result<Response<BoxBody>, Refused> {
+    ) -> Result<Response<BoxBody>, ErrorReply> {
         // 2. admit
         let token = parsed.as_ref().ok().copied().flatten();
         let sequence = parse_token_header(req.headers().get_all(&X_FENCING_SEQUENCE));
@@ -555,12 +559,12 @@ impl Proxy {
                         let guard = Box::pin(self.activate(route, key, token, guard, durable)).await?;
                         self.still_current(route, key, guard, client)?
                     }
-                    Err(refusal) => self.refusal(route, key, token, refusal, client)?,
+                    Err(refusal) => self.refuse_fenced(route, key, token, refusal, client)?,
                 }
             }
             Admit::Reject(refused) => return Err(refused),
             // Enforcing: refused here. Shadow: forwarded unregistered.
-            Admit::Refused(token, refusal) => self.refusal(route, key, token, refusal, client)?,
+            Admit::Fenced(token, refusal) => self.refuse_fenced(route, key, token, refusal, client)?,
             Admit::NoToken(refused) => {
                 self.refuse_or_shadow(route, key, None, refused, client)?;
                 None
@@ -581,7 +585,7 @@ impl Proxy {
         token: u64,
         guard: InflightGuard,
         durable: Option<tokio::sync::oneshot::Receiver<Result<(), Error>>>,
-    ) -> Result<InflightGuard, Refused> {
+    ) -> Result<InflightGuard, ErrorReply> {
         if let Some(rx) = durable {
             if let Err(e) = wait_durable(rx).await {
                 // The fence stays raised in memory (older tokens are still
@@ -611,35 +615,35 @@ impl Proxy {
         key: &str,
         guard: InflightGuard,
         client: &Peer,
-    ) -> Result<Option<InflightGuard>, Refused> {
+    ) -> Result<Option<InflightGuard>, ErrorReply> {
         let fence = self.fences.fence(key);
         let token = guard.token();
         if !self.fences.is_current() {
             // Cluster mode: the view went stale while this request waited.
             drop(guard);
             let why = "the gateway's view may have gone stale while the request waited";
-            return self.refusal(route, key, token, Refusal::NotCurrent { why }, client);
+            return self.refuse_fenced(route, key, token, Refusal::NotCurrent { why }, client);
         }
         if fence <= token {
             return Ok(Some(guard));
         }
         drop(guard);
-        self.refusal(route, key, token, Refusal::Stale { token, fence, superseded_for: Duration::ZERO }, client)
+        self.refuse_fenced(route, key, token, Refusal::Stale { token, fence, superseded_for: Duration::ZERO }, client)
     }
 
-    fn refusal(
+    fn refuse_fenced(
         &self,
         route: &Route,
         key: &str,
         token: u64,
         refusal: Refusal,
         client: &Peer,
-    ) -> Result<Option<InflightGuard>, Refused> {
+    ) -> Result<Option<InflightGuard>, ErrorReply> {
         if let Refusal::Stale { superseded_for, .. } = &refusal {
             self.metrics.stale_write_age.with_label_values(&[&route.name]).observe(superseded_for.as_secs_f64());
         }
         let outcome = outcome_of(&refusal);
-        let refused = Refused { error: refusal.into_error(key), outcome: Some(outcome) };
+        let refused = ErrorReply { error: refusal.into_error(key), outcome: Some(outcome) };
         self.refuse_or_shadow(route, key, Some(token), refused, client).map(|()| None)
     }
 
@@ -650,9 +654,9 @@ impl Proxy {
         route: &Route,
         key: &str,
         token: Option<u64>,
-        refused: Refused,
+        refused: ErrorReply,
         client: &Peer,
-    ) -> Result<(), Refused> {
+    ) -> Result<(), ErrorReply> {
         let fence = self.fences.fence(key);
         let holder = self.authority.holder_of(key);
         tracing::warn!(
@@ -687,7 +691,7 @@ impl Proxy {
         client: &Peer,
         guards: Vec<InflightGuard>,
         token: Option<u64>,
-    ) -> Result<Response<BoxBody>, Refused> {
+    ) -> Result<Response<BoxBody>, ErrorReply> {
         let outcome_word = |w: &'static str| mutation.then_some(w);
         let declared = content_length(req.headers());
         if declared.is_some_and(|len| len > route.max_body_bytes) {
@@ -735,22 +739,22 @@ impl Proxy {
             }
         };
         route.upstream_duration.observe(started.elapsed().as_secs_f64());
-        let cut_short = |fallback: Error| -> Refused {
+        let cut_short = |fallback: Error| -> ErrorReply {
             if body_outcome.aborted() {
                 self.metrics.aborted_uploads.with_label_values(&[&route.name]).inc();
                 // The fence moved past this token while its body streamed:
                 // the upstream got a truncated request and cannot apply it.
                 let fence = self.fences.fence(key);
                 let error = Error::StaleFencingToken { key: key.to_string(), token: token.unwrap_or(0), fence };
-                return Refused { error, outcome: outcome_word("stale") };
+                return ErrorReply { error, outcome: outcome_word("stale") };
             }
             if body_outcome.too_large() {
                 return Error::PayloadTooLarge { limit_bytes: route.max_body_bytes }.into();
             }
-            Refused { error: fallback, outcome: outcome_word("upstream_error") }
+            ErrorReply { error: fallback, outcome: outcome_word("upstream_error") }
         };
         match sent {
-            Err(SendError::Timeout) => Err(Refused {
+            Err(SendError::Timeout) => Err(ErrorReply {
                 error: Error::UpstreamTimeout {
                     timeout_ms: u64::try_from(route.upstream_timeout.as_millis()).unwrap_or(u64::MAX),
                 },

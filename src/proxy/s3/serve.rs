@@ -6,7 +6,7 @@
 //! request that changes at most one resource goes through
 //! [`Proxy::admit_and_forward`] exactly as on an HTTP route, and one that
 //! changes several through [`Proxy::admit_all_and_forward`]:
-//! [`FenceTable::check_all`](crate::fence::FenceTable::check_all), every key
+//! [`FenceTable::admit_all`](crate::fence::FenceTable::admit_all), every key
 //! admissible and registered or the whole request refused. Nothing here
 //! forwards by itself, and nothing changes a byte of what is forwarded.
 
@@ -26,7 +26,7 @@ use crate::fence::token::TokenError;
 use crate::fence::{Admission, InflightGuard};
 use crate::peer::Peer;
 use crate::proxy::headers::X_FENCING_SEQUENCE;
-use crate::proxy::{Proxy, Refused, Route, Seen};
+use crate::proxy::{ErrorReply, Proxy, Route, Seen};
 
 /// How long a client may take to send the part of a body read before
 /// admission (the keys of `DeleteObjects`, the fields of `PostObject`).
@@ -40,7 +40,7 @@ impl Proxy {
         req: Request<BoxBody>,
         client: &Peer,
         seen: &mut Seen<'a>,
-    ) -> Result<Response<BoxBody>, Refused> {
+    ) -> Result<Response<BoxBody>, ErrorReply> {
         let plan = s3.classify(req.method(), req.uri(), req.headers())?;
         let mut tokens = Tokens::parse(req.headers());
         let (req, primary, mutated) = match plan {
@@ -113,12 +113,18 @@ impl Proxy {
 
     /// A body-named mutation without any token is refused on its head,
     /// before its body is read (and before a `100 Continue`).
-    fn token_before_body(&self, route: &Route, resource: &str, tokens: &Tokens, client: &Peer) -> Result<(), Refused> {
+    fn token_before_body(
+        &self,
+        route: &Route,
+        resource: &str,
+        tokens: &Tokens,
+        client: &Peer,
+    ) -> Result<(), ErrorReply> {
         if tokens.any() || !route.enforce {
             return Ok(());
         }
         let error = Error::FencingTokenRequired { key: resource.to_string() };
-        self.refuse_or_shadow(route, resource, None, Refused { error, outcome: Some("missing_token") }, client)
+        self.refuse_or_shadow(route, resource, None, ErrorReply { error, outcome: Some("missing_token") }, client)
     }
 
     /// The admission of a request that changes several resources, then the
@@ -132,7 +138,7 @@ impl Proxy {
         tokens: &Tokens,
         req: Request<BoxBody>,
         client: &Peer,
-    ) -> Result<Response<BoxBody>, Refused> {
+    ) -> Result<Response<BoxBody>, ErrorReply> {
         if req.headers().contains_key(&X_FENCING_SEQUENCE) {
             return Err(Error::BadRequest(
                 "X-Fencing-Sequence orders the writes of one key: a request that changes several keys cannot carry it"
@@ -147,17 +153,23 @@ impl Proxy {
                 Ok(Some(t)) => pairs.push((key, t)),
                 Ok(None) => {
                     let error = Error::FencingTokenRequired { key: key.clone() };
-                    self.refuse_or_shadow(route, key, None, Refused { error, outcome: Some("missing_token") }, client)?;
+                    self.refuse_or_shadow(
+                        route,
+                        key,
+                        None,
+                        ErrorReply { error, outcome: Some("missing_token") },
+                        client,
+                    )?;
                 }
                 Err(TokenError::Malformed(m)) => {
                     let error = Error::MalformedFencingToken(m);
-                    let refused = Refused { error, outcome: Some("malformed_token") };
+                    let refused = ErrorReply { error, outcome: Some("malformed_token") };
                     self.refuse_or_shadow(route, key, None, refused, client)?;
                 }
             }
         }
         let mut guards: Vec<InflightGuard> = Vec::with_capacity(pairs.len());
-        match self.fences.check_all(&pairs, route.policy) {
+        match self.fences.admit_all(&pairs, route.policy) {
             Ok(admitted) => {
                 for (i, admission) in admitted {
                     let (key, token) = pairs[i];
@@ -173,7 +185,7 @@ impl Proxy {
                                 Err(refusal) => {
                                     // Every other registration ends here.
                                     guards.clear();
-                                    self.refusal(route, key, token, refusal, client)?;
+                                    self.refuse_fenced(route, key, token, refusal, client)?;
                                     break;
                                 }
                             }
@@ -184,7 +196,7 @@ impl Proxy {
             Err((i, refusal)) => {
                 let (key, token) = pairs[i];
                 // Enforcing: refused here. Shadow: forwarded unregistered.
-                self.refusal(route, key, token, refusal, client)?;
+                self.refuse_fenced(route, key, token, refusal, client)?;
             }
         }
         if route.policy.external && !guards.is_empty() {
@@ -244,7 +256,7 @@ fn aws_chunked(headers: &http::HeaderMap) -> Result<bool, String> {
 
 /// Reads a whole body of at most `limit` bytes (413 above it) and gives
 /// back the request with the very same bytes as its body.
-async fn read_whole(req: Request<BoxBody>, limit: u64) -> Result<(Request<BoxBody>, Bytes), Refused> {
+async fn read_whole(req: Request<BoxBody>, limit: u64) -> Result<(Request<BoxBody>, Bytes), ErrorReply> {
     let (parts, mut body) = req.into_parts();
     if parts.headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok())
         > Some(limit)
@@ -276,8 +288,8 @@ async fn read_whole(req: Request<BoxBody>, limit: u64) -> Result<(Request<BoxBod
 /// Reads a `PostObject` form up to its file part (at most `limit` bytes)
 /// and gives back the request whose body is the bytes read followed by
 /// the rest of the original body, unchanged.
-async fn read_form(req: Request<BoxBody>, limit: u64) -> Result<(Request<BoxBody>, Vec<(String, String)>), Refused> {
-    let bad = |m: String| -> Refused { Error::BadRequest(format!("PostObject refused: {m}")).into() };
+async fn read_form(req: Request<BoxBody>, limit: u64) -> Result<(Request<BoxBody>, Vec<(String, String)>), ErrorReply> {
+    let bad = |m: String| -> ErrorReply { Error::BadRequest(format!("PostObject refused: {m}")).into() };
     let content_type = req.headers().get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
     let Some(boundary) = form::boundary(content_type) else {
         return Err(bad("a POST to a bucket must be a multipart/form-data upload".into()));
