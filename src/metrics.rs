@@ -242,22 +242,17 @@ impl Metrics {
 
     /// Pre-creates the series of one route so dashboards see zeros.
     pub fn register_route(&self, route: &str) {
-        for outcome in [
-            "forwarded",
-            "stale",
-            "unissued",
-            "lease_expired",
-            "stale_sequence",
-            "quota_exceeded",
-            "not_current",
-            "missing_token",
-            "malformed_token",
-            "upstream_error",
-        ] {
-            self.mutations.with_label_values(&[route, outcome]);
+        for outcome in Outcome::ALL {
+            self.mutations.with_label_values(&[route, outcome.label()]);
         }
         self.aborted_uploads.with_label_values(&[route]);
         self.stale_write_age.with_label_values(&[route]);
+    }
+
+    /// One route's mutation counters, one per [`Outcome`], resolved once at
+    /// start so that counting a request looks nothing up.
+    pub fn mutation_counters(&self, route: &str) -> MutationCounters {
+        MutationCounters(Outcome::ALL.map(|o| self.mutations.with_label_values(&[route, o.label()])))
     }
 
     /// The Prometheus text exposition of every metric.
@@ -268,9 +263,83 @@ impl Metrics {
     }
 }
 
+/// What became of a mutation: the `outcome` label of
+/// `fencegate_mutations_total` (docs/metrics.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Forwarded,
+    Stale,
+    Unissued,
+    LeaseExpired,
+    StaleSequence,
+    QuotaExceeded,
+    NotCurrent,
+    MissingToken,
+    MalformedToken,
+    UpstreamError,
+}
+
+impl Outcome {
+    /// Every outcome, in the order of [`MutationCounters`].
+    pub const ALL: [Outcome; 10] = [
+        Outcome::Forwarded,
+        Outcome::Stale,
+        Outcome::Unissued,
+        Outcome::LeaseExpired,
+        Outcome::StaleSequence,
+        Outcome::QuotaExceeded,
+        Outcome::NotCurrent,
+        Outcome::MissingToken,
+        Outcome::MalformedToken,
+        Outcome::UpstreamError,
+    ];
+
+    /// The label value, exactly as docs/metrics.md names it.
+    pub fn label(self) -> &'static str {
+        match self {
+            Outcome::Forwarded => "forwarded",
+            Outcome::Stale => "stale",
+            Outcome::Unissued => "unissued",
+            Outcome::LeaseExpired => "lease_expired",
+            Outcome::StaleSequence => "stale_sequence",
+            Outcome::QuotaExceeded => "quota_exceeded",
+            Outcome::NotCurrent => "not_current",
+            Outcome::MissingToken => "missing_token",
+            Outcome::MalformedToken => "malformed_token",
+            Outcome::UpstreamError => "upstream_error",
+        }
+    }
+}
+
+/// One route's `fencegate_mutations_total` counters, one per [`Outcome`].
+#[derive(Debug, Clone)]
+pub struct MutationCounters([IntCounter; 10]);
+
+impl MutationCounters {
+    /// Counts one mutation with this outcome.
+    pub fn inc(&self, outcome: Outcome) {
+        // `ALL` lists the variants in declaration order, so the
+        // discriminant is the index.
+        self.0[outcome as usize].inc();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn outcome_counters_are_indexed_by_declaration_order() {
+        for (i, o) in Outcome::ALL.into_iter().enumerate() {
+            assert_eq!(o as usize, i, "{o:?}");
+        }
+        let m = Metrics::new().unwrap();
+        m.register_route("r");
+        let counters = m.mutation_counters("r");
+        counters.inc(Outcome::Stale);
+        let text = m.render().unwrap();
+        assert!(text.contains("fencegate_mutations_total{outcome=\"stale\",route=\"r\"} 1"), "{text}");
+    }
 
     #[test]
     fn spec_metric_names_are_exported() {

@@ -41,6 +41,7 @@ use crate::http1::wire::{
     digits, parse_head, parse_response, push_decimal, push_header, push_list, reserve, ChunkScanner, Framing, Head,
     Parsed, RespHead, RespParsed, READ_RESERVE,
 };
+use crate::metrics::Outcome;
 use crate::peer::Peer;
 use crate::shutdown::Shutdown;
 
@@ -210,11 +211,11 @@ async fn serve_one(
         failed => {
             let error = forward_failure(proxy, route, &key, token, failed.map(|r| r.err()));
             let seen = Seen { client, method: &method, route, key: &key, started, log };
-            return reply_error(proxy, &seen, mutation, error, stream, client_close).await;
+            return reply_error(&seen, mutation, error, stream, client_close).await;
         }
     };
     if mutation {
-        route.forwarded.inc();
+        route.mutations.inc(Outcome::Forwarded);
     }
     route.request_duration.observe(elapsed);
     if let Some(access) = &log {
@@ -341,24 +342,24 @@ fn forward_failure(
     key: &str,
     token: Option<u64>,
     failed: Option<Option<Failure>>,
-) -> (Error, &'static str) {
+) -> (Error, Outcome) {
     match failed {
         Some(Some(Failure::Connect(e))) => {
             tracing::warn!(route = %route.name, error = %e, "upstream connect failed");
-            (Error::UpstreamUnavailable("could not connect to the upstream".into()), "upstream_error")
+            (Error::UpstreamUnavailable("could not connect to the upstream".into()), Outcome::UpstreamError)
         }
         Some(Some(Failure::Exchange(e))) => {
             tracing::warn!(route = %route.name, error = %e, "upstream exchange failed");
-            (Error::UpstreamUnavailable("the upstream exchange failed".into()), "upstream_error")
+            (Error::UpstreamUnavailable("the upstream exchange failed".into()), Outcome::UpstreamError)
         }
         Some(Some(Failure::Aborted)) => {
             proxy.metrics.aborted_uploads.with_label_values(&[&route.name]).inc();
             let fence = proxy.fences.fence(key);
-            (Error::StaleFencingToken { key: key.to_string(), token: token.unwrap_or(0), fence }, "stale")
+            (Error::StaleFencingToken { key: key.to_string(), token: token.unwrap_or(0), fence }, Outcome::Stale)
         }
         Some(None) | None => {
             let timeout_ms = u64::try_from(route.upstream_timeout.as_millis()).unwrap_or(u64::MAX);
-            (Error::UpstreamTimeout { timeout_ms }, "upstream_error")
+            (Error::UpstreamTimeout { timeout_ms }, Outcome::UpstreamError)
         }
     }
 }
@@ -597,16 +598,15 @@ impl Access {
 
 /// Answers a forwarding failure with the general path's error and metrics.
 async fn reply_error(
-    proxy: &Proxy,
     seen: &Seen<'_>,
     mutation: bool,
-    (error, outcome): (Error, &'static str),
+    (error, outcome): (Error, Outcome),
     stream: &mut TcpStream,
     close: bool,
 ) -> Next {
     let route = seen.route;
     if mutation {
-        proxy.metrics.mutations.with_label_values(&[&route.name, outcome]).inc();
+        route.mutations.inc(outcome);
     }
     route.request_duration.observe(seen.started.elapsed().as_secs_f64());
     if let Some(access) = &seen.log {

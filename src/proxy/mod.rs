@@ -42,7 +42,7 @@ use crate::config::{Config, FenceAuthority, HostHeader, RouteKindName, TrailingS
 use crate::error::Error;
 use crate::fence::token::TokenError;
 use crate::fence::{parse_token_header, Admission, CheckPolicy, FenceTable, InflightGuard, Refusal};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, MutationCounters, Outcome};
 use crate::peer::Peer;
 use crate::store::{wait_durable, Store};
 use crate::template::Template;
@@ -95,7 +95,8 @@ pub struct Route {
     /// This route's series, resolved once (not per request).
     request_duration: prometheus::Histogram,
     upstream_duration: prometheus::Histogram,
-    forwarded: prometheus::IntCounter,
+    /// `fencegate_mutations_total` of this route, one counter per outcome.
+    mutations: MutationCounters,
 }
 
 impl Route {
@@ -216,7 +217,7 @@ enum Admit {
 /// A refused or failed request: the error and the mutation outcome word.
 struct ErrorReply {
     error: Error,
-    outcome: Option<&'static str>,
+    outcome: Option<Outcome>,
 }
 
 impl From<Error> for ErrorReply {
@@ -238,14 +239,14 @@ fn content_length(h: &http::HeaderMap) -> Option<u64> {
     h.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok())
 }
 
-fn outcome_of(r: &Refusal) -> &'static str {
+fn outcome_of(r: &Refusal) -> Outcome {
     match r {
-        Refusal::Stale { .. } => "stale",
-        Refusal::Unissued { .. } | Refusal::TooFar { .. } => "unissued",
-        Refusal::StaleSequence { .. } => "stale_sequence",
-        Refusal::LeaseExpired { .. } => "lease_expired",
-        Refusal::NoRoom { .. } => "quota_exceeded",
-        Refusal::NotCurrent { .. } => "not_current",
+        Refusal::Stale { .. } => Outcome::Stale,
+        Refusal::Unissued { .. } | Refusal::TooFar { .. } => Outcome::Unissued,
+        Refusal::StaleSequence { .. } => Outcome::StaleSequence,
+        Refusal::LeaseExpired { .. } => Outcome::LeaseExpired,
+        Refusal::NoRoom { .. } => Outcome::QuotaExceeded,
+        Refusal::NotCurrent { .. } => Outcome::NotCurrent,
     }
 }
 
@@ -292,7 +293,7 @@ impl Proxy {
             routes.push(Route {
                 request_duration: metrics.request_duration.with_label_values(&["proxy", &name]),
                 upstream_duration: metrics.upstream_duration.with_label_values(&[&name]),
-                forwarded: metrics.mutations.with_label_values(&[&name, "forwarded"]),
+                mutations: metrics.mutation_counters(&name),
                 name,
                 matcher,
                 kind,
@@ -331,7 +332,7 @@ impl Proxy {
             Ok(resp) => (resp, "ok"),
             Err(refused) => {
                 if let (Some(route), Some(outcome)) = (seen.route, refused.outcome) {
-                    self.metrics.mutations.with_label_values(&[&route.name, outcome]).inc();
+                    route.mutations.inc(outcome);
                 }
                 let code = refused.error.code();
                 match seen.route {
@@ -475,13 +476,13 @@ impl Proxy {
             (Err(TokenError::Malformed(m)), _) => {
                 let refused = ErrorReply {
                     error: Error::MalformedFencingToken(m),
-                    outcome: mutation.then_some("malformed_token"),
+                    outcome: mutation.then_some(Outcome::MalformedToken),
                 };
                 return Admit::NoToken(refused);
             }
             (_, Err(TokenError::Malformed(m))) => {
                 let error = Error::MalformedFencingToken(format!("X-Fencing-Sequence: {m}"));
-                return Admit::NoToken(ErrorReply { error, outcome: mutation.then_some("malformed_token") });
+                return Admit::NoToken(ErrorReply { error, outcome: mutation.then_some(Outcome::MalformedToken) });
             }
         };
         if !mutation {
@@ -501,7 +502,7 @@ impl Proxy {
         let Some(token) = token else {
             let refused = ErrorReply {
                 error: Error::FencingTokenRequired { key: key.to_string() },
-                outcome: Some("missing_token"),
+                outcome: Some(Outcome::MissingToken),
             };
             return Admit::NoToken(refused);
         };
@@ -675,7 +676,7 @@ impl Proxy {
             return Err(refused);
         }
         if let Some(outcome) = refused.outcome {
-            self.metrics.mutations.with_label_values(&[&route.name, outcome]).inc();
+            route.mutations.inc(outcome);
         }
         Ok(())
     }
@@ -692,7 +693,7 @@ impl Proxy {
         guards: Vec<InflightGuard>,
         token: Option<u64>,
     ) -> Result<Response<BoxBody>, ErrorReply> {
-        let outcome_word = |w: &'static str| mutation.then_some(w);
+        let outcome_word = |o: Outcome| mutation.then_some(o);
         let declared = content_length(req.headers());
         if declared.is_some_and(|len| len > route.max_body_bytes) {
             Box::pin(crate::body::drain(req.into_body(), crate::body::DRAIN_MAX_BYTES, Duration::from_secs(2))).await;
@@ -746,19 +747,19 @@ impl Proxy {
                 // the upstream got a truncated request and cannot apply it.
                 let fence = self.fences.fence(key);
                 let error = Error::StaleFencingToken { key: key.to_string(), token: token.unwrap_or(0), fence };
-                return ErrorReply { error, outcome: outcome_word("stale") };
+                return ErrorReply { error, outcome: outcome_word(Outcome::Stale) };
             }
             if body_outcome.too_large() {
                 return Error::PayloadTooLarge { limit_bytes: route.max_body_bytes }.into();
             }
-            ErrorReply { error: fallback, outcome: outcome_word("upstream_error") }
+            ErrorReply { error: fallback, outcome: outcome_word(Outcome::UpstreamError) }
         };
         match sent {
             Err(SendError::Timeout) => Err(ErrorReply {
                 error: Error::UpstreamTimeout {
                     timeout_ms: u64::try_from(route.upstream_timeout.as_millis()).unwrap_or(u64::MAX),
                 },
-                outcome: outcome_word("upstream_error"),
+                outcome: outcome_word(Outcome::UpstreamError),
             }),
             Err(SendError::Connect(e)) => {
                 tracing::warn!(route = %route.name, error = %e, "upstream connect failed");
@@ -770,17 +771,17 @@ impl Proxy {
             }
             Err(SendError::Refused(e)) => {
                 let mut refused = cut_short(e);
-                if refused.outcome == Some("upstream_error") && refused.error.status().is_client_error() {
+                if refused.outcome == Some(Outcome::UpstreamError) && refused.error.status().is_client_error() {
                     // The store answered the client's request (404, 412):
                     // it was forwarded, just not applied.
-                    refused.outcome = outcome_word("forwarded");
+                    refused.outcome = outcome_word(Outcome::Forwarded);
                 }
                 Err(refused)
             }
             Ok(mut resp) => {
                 headers::prepare_response(&mut resp);
                 if mutation {
-                    route.forwarded.inc();
+                    route.mutations.inc(Outcome::Forwarded);
                 }
                 Ok(resp)
             }

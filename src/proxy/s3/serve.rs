@@ -24,6 +24,7 @@ use crate::body::BoxBody;
 use crate::error::Error;
 use crate::fence::token::TokenError;
 use crate::fence::{Admission, InflightGuard};
+use crate::metrics::Outcome;
 use crate::peer::Peer;
 use crate::proxy::headers::X_FENCING_SEQUENCE;
 use crate::proxy::{ErrorReply, Proxy, Route, Seen};
@@ -124,7 +125,7 @@ impl Proxy {
             return Ok(());
         }
         let error = Error::FencingTokenRequired { key: resource.to_string() };
-        self.refuse_or_shadow(route, resource, None, ErrorReply { error, outcome: Some("missing_token") }, client)
+        self.refuse_or_shadow(route, resource, None, ErrorReply { error, outcome: Some(Outcome::MissingToken) }, client)
     }
 
     /// The admission of a request that changes several resources, then the
@@ -157,13 +158,13 @@ impl Proxy {
                         route,
                         key,
                         None,
-                        ErrorReply { error, outcome: Some("missing_token") },
+                        ErrorReply { error, outcome: Some(Outcome::MissingToken) },
                         client,
                     )?;
                 }
                 Err(TokenError::Malformed(m)) => {
                     let error = Error::MalformedFencingToken(m);
-                    let refused = ErrorReply { error, outcome: Some("malformed_token") };
+                    let refused = ErrorReply { error, outcome: Some(Outcome::MalformedToken) };
                     self.refuse_or_shadow(route, key, None, refused, client)?;
                 }
             }
