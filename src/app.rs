@@ -19,7 +19,7 @@ use crate::fence::FenceTable;
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
 use crate::server::{self, FastPath, Handler, Limits};
-use crate::shutdown::{self, Trigger};
+use crate::shutdown::{self, Shutdown, Trigger};
 use crate::store::{Store, SyncObserver, WriterOptions};
 use crate::tls::Reloadable;
 
@@ -103,94 +103,25 @@ impl Gateway {
         let proxy_listener = bind(cfg.listen).await?;
         let api_listener = bind(cfg.api_listen).await?;
         let metrics = Arc::new(Metrics::new().map_err(|e| Error::Internal(format!("metrics: {e}")))?);
-        let sync_hist = metrics.store_sync_duration.clone();
-        let observe: SyncObserver = Arc::new(move |d, _n| sync_hist.observe(d.as_secs_f64()));
-        let writer = WriterOptions {
-            group_commit: cfg.store.group_commit,
-            max_batch: cfg.store.max_batch,
-            nice: cfg.store.writer_nice,
-        };
-        let store = Store::open(&cfg.data_dir, writer, observe)?;
+        let store = open_store(&cfg, &metrics)?;
 
         let started = std::time::Instant::now();
         let fences = FenceTable::with_capacity(store.estimated_fences());
         store.for_each_fence(|key, record| fences.load_record(key, record))?;
         fences.set_max_fences(cfg.locks.max_fences);
         let (trigger, stop) = shutdown::channel();
-        let authority = match &cfg.cluster {
-            None => {
-                let authority = Authority::restore(fences.clone(), store.clone(), metrics.clone(), cfg.locks.clone())?;
-                tracing::info!(
-                    fences = fences.len(),
-                    live_grants = authority.live_grants(),
-                    boots = store.boots()?,
-                    elapsed_ms = started.elapsed().as_millis() as u64,
-                    "fence table rebuilt from the store"
-                );
-                Leases::Embedded(authority)
-            }
-            Some(cluster) => {
-                metrics.register_cluster().map_err(|e| Error::Internal(format!("metrics: {e}")))?;
-                let longest = cfg.effective_routes().iter().map(|r| r.upstream_timeout_ms).max().unwrap_or(0);
-                let start = crate::cluster::Start {
-                    cfg: cluster.clone(),
-                    gateway_id: cluster.gateway_id(cfg.listen),
-                    fences: fences.clone(),
-                    metrics: metrics.clone(),
-                    limits: cfg.locks.clone(),
-                    // A little beyond the timeout: the exchange that times
-                    // out is over just after it.
-                    quarantine: Duration::from_millis(longest + 500),
-                    data_dir: cfg.data_dir.clone(),
-                    stop: stop.clone(),
-                };
-                Leases::Cluster(crate::cluster::Cluster::start(start).await?)
-            }
-        };
+        let authority = start_authority(&cfg, &fences, &store, &metrics, &stop, started).await?;
         let auth = Arc::new(Auth::load(&cfg.auth)?);
         let proxy = Arc::new(Proxy::new(&cfg, authority.clone(), store.clone(), metrics.clone(), auth.clone())?);
 
-        let routes = cfg.effective_routes();
-        let longest = |http_only: bool| {
-            routes
-                .iter()
-                // Parsed, not matched as text: `HTTP://` is an HTTP upstream too.
-                .filter(|r| {
-                    !http_only
-                        || matches!(
-                            crate::proxy::upstream::UpstreamUrl::parse(&r.upstream),
-                            Ok(crate::proxy::upstream::UpstreamUrl::Http { .. })
-                        )
-                })
-                .map(|r| r.upstream_timeout_ms)
-                .max()
-                .unwrap_or(0)
-        };
-        let longest_upstream_timeout = Duration::from_millis(longest(false));
+        let longest_upstream_timeout = Duration::from_millis(longest_upstream_timeout_ms(&cfg, false));
         if !store.was_clean() {
-            // The previous process died: requests it forwarded to an HTTP
-            // upstream may be applied for up to that route's timeout.
-            let longest = longest(true);
-            if longest > 0 {
-                fences.set_quarantine(tokio::time::Instant::now() + Duration::from_millis(longest));
-                tracing::warn!(
-                    quarantine_ms = longest,
-                    "the previous process did not stop cleanly: new grants and fence advances wait until its \
-                     forwarded requests can no longer be applied"
-                );
-            }
+            quarantine_after_unclean_stop(&cfg, &fences);
         }
         let proxy_addr = proxy_listener.local_addr().map_err(|e| Error::Internal(e.to_string()))?;
         let api_addr = api_listener.local_addr().map_err(|e| Error::Internal(e.to_string()))?;
 
-        let limits = Limits {
-            max_connections: cfg.server.max_connections,
-            max_connections_per_address: cfg.server.max_connections_per_address,
-            max_header_bytes: cfg.server.max_header_bytes,
-            header_read_timeout: Duration::from_millis(cfg.server.header_read_timeout_ms),
-            body_read_timeout: Duration::from_millis(cfg.server.body_read_timeout_ms),
-            shutdown_grace: Duration::from_millis(cfg.server.shutdown_grace_ms),
-        };
+        let limits = listener_limits(&cfg);
         let api = Arc::new(Api {
             authority: authority.clone(),
             metrics: metrics.clone(),
@@ -297,6 +228,105 @@ impl Gateway {
         } else if let Err(e) = self.store.mark_clean().await {
             tracing::error!(error = %e, "could not record the clean stop");
         }
+    }
+}
+
+/// The store, with its fsync times observed by the metrics.
+fn open_store(cfg: &Config, metrics: &Metrics) -> Result<Store, Error> {
+    let sync_hist = metrics.store_sync_duration.clone();
+    let observe: SyncObserver = Arc::new(move |d, _n| sync_hist.observe(d.as_secs_f64()));
+    let writer = WriterOptions {
+        group_commit: cfg.store.group_commit,
+        max_batch: cfg.store.max_batch,
+        nice: cfg.store.writer_nice,
+    };
+    Store::open(&cfg.data_dir, writer, observe)
+}
+
+/// The lease service: the embedded authority restored from the store, or
+/// (cluster mode) the etcd authority after joining the cluster.
+async fn start_authority(
+    cfg: &Config,
+    fences: &Arc<FenceTable>,
+    store: &Store,
+    metrics: &Arc<Metrics>,
+    stop: &Shutdown,
+    started: std::time::Instant,
+) -> Result<Leases, Error> {
+    let authority = match &cfg.cluster {
+        None => {
+            let authority = Authority::restore(fences.clone(), store.clone(), metrics.clone(), cfg.locks.clone())?;
+            tracing::info!(
+                fences = fences.len(),
+                live_grants = authority.live_grants(),
+                boots = store.boots()?,
+                elapsed_ms = started.elapsed().as_millis() as u64,
+                "fence table rebuilt from the store"
+            );
+            Leases::Embedded(authority)
+        }
+        Some(cluster) => {
+            metrics.register_cluster().map_err(|e| Error::Internal(format!("metrics: {e}")))?;
+            let longest = longest_upstream_timeout_ms(cfg, false);
+            let start = crate::cluster::Start {
+                cfg: cluster.clone(),
+                gateway_id: cluster.gateway_id(cfg.listen),
+                fences: fences.clone(),
+                metrics: metrics.clone(),
+                limits: cfg.locks.clone(),
+                // A little beyond the timeout: the exchange that times
+                // out is over just after it.
+                quarantine: Duration::from_millis(longest + 500),
+                data_dir: cfg.data_dir.clone(),
+                stop: stop.clone(),
+            };
+            Leases::Cluster(crate::cluster::Cluster::start(start).await?)
+        }
+    };
+    Ok(authority)
+}
+
+/// The longest `upstream_timeout_ms` of any route (`http_only`: of routes
+/// to an HTTP upstream, parsed, not matched as text: `HTTP://` is one too).
+fn longest_upstream_timeout_ms(cfg: &Config, http_only: bool) -> u64 {
+    cfg.effective_routes()
+        .iter()
+        .filter(|r| {
+            !http_only
+                || matches!(
+                    crate::proxy::upstream::UpstreamUrl::parse(&r.upstream),
+                    Ok(crate::proxy::upstream::UpstreamUrl::Http { .. })
+                )
+        })
+        .map(|r| r.upstream_timeout_ms)
+        .max()
+        .unwrap_or(0)
+}
+
+/// The previous process died: requests it forwarded to an HTTP upstream
+/// may be applied for up to that route's timeout, so new grants and fence
+/// advances wait until then.
+fn quarantine_after_unclean_stop(cfg: &Config, fences: &FenceTable) {
+    let longest = longest_upstream_timeout_ms(cfg, true);
+    if longest > 0 {
+        fences.set_quarantine(tokio::time::Instant::now() + Duration::from_millis(longest));
+        tracing::warn!(
+            quarantine_ms = longest,
+            "the previous process did not stop cleanly: new grants and fence advances wait until its \
+             forwarded requests can no longer be applied"
+        );
+    }
+}
+
+/// The listeners' limits from `[server]`.
+fn listener_limits(cfg: &Config) -> Limits {
+    Limits {
+        max_connections: cfg.server.max_connections,
+        max_connections_per_address: cfg.server.max_connections_per_address,
+        max_header_bytes: cfg.server.max_header_bytes,
+        header_read_timeout: Duration::from_millis(cfg.server.header_read_timeout_ms),
+        body_read_timeout: Duration::from_millis(cfg.server.body_read_timeout_ms),
+        shutdown_grace: Duration::from_millis(cfg.server.shutdown_grace_ms),
     }
 }
 
