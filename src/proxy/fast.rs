@@ -210,7 +210,7 @@ async fn serve_one(
         Some(Ok(up)) => up,
         failed => {
             let error = forward_failure(proxy, route, &key, token, failed.map(|r| r.err()));
-            let seen = Seen { client, method: &method, route, key: &key, started, log };
+            let seen = Admitted { client, method: &method, route, key: &key, started, log };
             return reply_error(&seen, mutation, error, stream, client_close).await;
         }
     };
@@ -223,7 +223,7 @@ async fn serve_one(
             Some((_, v)) => digits(&c.rbuf[v]).unwrap_or(0),
             None => 0,
         };
-        let seen = Seen { client, method: &method, route, key: &key, started, log: None };
+        let seen = Admitted { client, method: &method, route, key: &key, started, log: None };
         access.write(&seen, c.resp.status, "ok", resp_bytes);
     }
 
@@ -568,7 +568,7 @@ struct Access {
 }
 
 /// What is known of a request once it was admitted.
-struct Seen<'a> {
+struct Admitted<'a> {
     client: &'a Peer,
     method: &'a Method,
     route: &'a Route,
@@ -579,7 +579,7 @@ struct Seen<'a> {
 
 impl Access {
     /// The general path's access line.
-    fn write(&self, seen: &Seen<'_>, status: u16, outcome: &str, resp_bytes: u64) {
+    fn write(&self, seen: &Admitted<'_>, status: u16, outcome: &str, resp_bytes: u64) {
         AccessLine {
             client: seen.client,
             method: seen.method,
@@ -598,7 +598,7 @@ impl Access {
 
 /// Answers a forwarding failure with the general path's error and metrics.
 async fn reply_error(
-    seen: &Seen<'_>,
+    seen: &Admitted<'_>,
     mutation: bool,
     (error, outcome): (Error, Outcome),
     stream: &mut TcpStream,
