@@ -14,9 +14,10 @@ use serde::Serialize;
 use tokio::time::Instant;
 
 use crate::auth::{Auth, Principal};
-use crate::authority::{AcquireRequest, Leases, ReleaseRequest, RenewRequest};
+use crate::authority::{AcquireRequest, ReleaseRequest, RenewRequest};
 use crate::body::{full, BoxBody};
 use crate::error::Error;
+use crate::leases::Leases;
 use crate::metrics::Metrics;
 use crate::peer::Peer;
 use crate::shutdown::Shutdown;

@@ -12,10 +12,11 @@ use tokio::task::JoinSet;
 
 use crate::api::Api;
 use crate::auth::Auth;
-use crate::authority::{Authority, Leases};
+use crate::authority::Authority;
 use crate::config::Config;
 use crate::error::Error;
 use crate::fence::FenceTable;
+use crate::leases::Leases;
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
 use crate::server::{self, FastPath, Handler, Limits};
@@ -71,7 +72,7 @@ pub struct Gateway {
 /// Every check a start makes before it binds a socket or opens the store
 /// (so that a bad configuration never counts a boot): the configuration's
 /// own ([`Config::validate`]), then what it names — the TLS certificates
-/// and keys, the principals file, each route's upstream URL. `check-config`
+/// and keys, the principals file, each route's upstream URL and kind. `check-config`
 /// runs exactly this.
 pub fn check(cfg: &Config) -> Result<(), Error> {
     cfg.validate().map_err(Error::Config)?;
@@ -84,6 +85,9 @@ pub fn check(cfg: &Config) -> Result<(), Error> {
     for (i, r) in cfg.routes.iter().enumerate() {
         crate::proxy::upstream::UpstreamUrl::parse(&r.upstream)
             .map_err(|e| Error::Config(format!("routes[{i}].upstream: {:?}: {e}", r.upstream)))?;
+        if r.kind == crate::config::RouteKindName::S3 {
+            crate::proxy::s3::S3Kind::from_config(r).map_err(|e| Error::Config(format!("routes[{i}].{e}")))?;
+        }
     }
     Ok(())
 }

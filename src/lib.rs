@@ -17,7 +17,8 @@
 //! | [`peer`] | who is at the other end of a connection (address, TLS, certificate name) |
 //! | [`proxy`] | routes and their kinds (http path templates, s3), path checks and key mapping, the fence check, forwarding (fast path and general), upstreams (http, file) |
 //! | [`fence`] | token parsing, the in-memory fence table, in-flight tracking, the activation barrier |
-//! | [`authority`] | the lease service ([`authority::Leases`]); the embedded authority: grants, FIFO waiters, expiry, watch |
+//! | [`leases`] | the lease service the api and the proxy hold: the embedded authority or the cluster's, behind one enum |
+//! | [`authority`] | the embedded authority: grants, FIFO waiters, expiry, watch |
 //! | [`cluster`] | cluster mode: the authority in etcd, the fence feed, membership and self-fencing |
 //! | [`store`] | RocksDB: fences, grants, counters; group commit of fsyncs |
 //! | [`auth`] | principals: bearer tokens (hashed) or client certificates, key-prefix rules |
@@ -42,6 +43,7 @@ pub mod error;
 pub mod fence;
 pub mod http1;
 pub mod inject;
+pub mod leases;
 pub mod logbuf;
 pub mod metrics;
 pub mod peer;

@@ -20,10 +20,7 @@
 //! expiry heap. No lock is held across an `.await`.
 
 mod expiry;
-mod service;
 pub mod types;
-
-pub use service::Leases;
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};

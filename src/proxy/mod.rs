@@ -36,12 +36,13 @@ use http::{header, Method, Request, Response};
 use tokio::time::Instant;
 
 use crate::auth::Auth;
-use crate::authority::{validate_key, Leases};
+use crate::authority::validate_key;
 use crate::body::BoxBody;
 use crate::config::{Config, FenceAuthority, HostHeader, RouteKindName, TrailingSlash};
 use crate::error::Error;
 use crate::fence::token::TokenError;
 use crate::fence::{parse_token_header, Admission, CheckPolicy, FenceTable, InflightGuard, Refusal};
+use crate::leases::Leases;
 use crate::metrics::{Metrics, MutationCounters, Outcome};
 use crate::peer::Peer;
 use crate::store::{wait_durable, Store};

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{AcquireRequest, Authority, GrantView, ReleaseRequest, RenewRequest, RenewView, StatusView};
+use crate::authority::{AcquireRequest, Authority, GrantView, ReleaseRequest, RenewRequest, RenewView, StatusView};
 use crate::cluster::Cluster;
 use crate::error::Error;
 use crate::fence::FenceTable;
