@@ -105,14 +105,14 @@ impl Cluster {
         let mut mine: Option<i64> = None;
         let mut applied = self.applied.subscribe();
         let mut first = true;
-        let (token, txn_rev, granted_ms) = loop {
+        let (token, txn_rev, granted_ms, etcd_lease) = loop {
             let may_try = first || self.lock_mirror().may_take(key, mine);
             first = false;
             if may_try {
                 let queued = cleanup.queue_key.as_deref().zip(mine);
                 if let Some((token, rev, ms, lease)) = self.try_grant(key, &holder, &secret, ttl_s, queued).await? {
                     cleanup.lease = Some(lease);
-                    break (token, rev, ms);
+                    break (token, rev, ms, lease);
                 }
             }
             if req.wait_ms == 0 {
@@ -148,6 +148,19 @@ impl Cluster {
         tokio::time::timeout(self.timeout, self.floor.wait_persisted(token))
             .await
             .map_err(|_| Error::Store("the token floor was not written in time".into()))??;
+        // Activation may have outlasted the grant's own lease, and another
+        // acquire may then hold the key: answer only a grant that is still
+        // this one in etcd (a consistent read; the key goes with its lease).
+        match self.own_grant(key, &lease_id).await? {
+            Some((_, l, t)) if l == etcd_lease && t == token => {}
+            _ => {
+                return Err(Error::Unavailable(
+                    "the grant's lease expired while the grant was being activated (ttl_ms shorter than the \
+                     activation); retry, with a longer ttl_ms"
+                        .into(),
+                ))
+            }
+        }
         cleanup.lease = None;
         Ok(GrantView { key: req.key, fencing_token: token, lease_id, ttl_ms: granted_ms, holder })
     }
@@ -394,6 +407,9 @@ impl Cluster {
                 // upstream: its quarantine counts too.
                 let mut until: Option<Instant> =
                     m.departed.values().filter(|d| !d.drained).map(|d| d.at + self.quarantine).max();
+                // A member that left before this gateway's last full read
+                // is unknown here: one quarantine from that read.
+                until = until.max(m.loaded_at.map(|t| t + self.quarantine));
                 for (gw, lease) in &members {
                     match m.members.get(gw) {
                         Some(e) if e.lease == *lease => {
@@ -418,7 +434,8 @@ impl Cluster {
                 if let Some(u) = quarantine_until {
                     if u > deadline {
                         return Err(Error::Unavailable(
-                            "a gateway left without draining; its quarantine outlasts activation_timeout_ms".into(),
+                            "a quarantine (a gateway left without draining, or this gateway reloaded its view of the cluster) \
+                             outlasts activation_timeout_ms; retry".into(),
                         ));
                     }
                     tokio::time::sleep_until(u).await;
