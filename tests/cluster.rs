@@ -31,6 +31,11 @@ struct Setup {
 }
 
 fn gateway_config(etcd: &EtcdCluster, id: &str, upstream: &str) -> String {
+    gateway_config_with(etcd, id, upstream, UPSTREAM_TIMEOUT_MS)
+}
+
+/// A gateway whose upstream timeout (hence quarantine) is `upstream_timeout_ms`.
+fn gateway_config_with(etcd: &EtcdCluster, id: &str, upstream: &str, upstream_timeout_ms: u64) -> String {
     format!(
         r#"
 [cluster]
@@ -45,7 +50,7 @@ activation_timeout_ms = 15000
 [[routes]]
 match = "/{{*path}}"
 upstream = "{upstream}"
-upstream_timeout_ms = {UPSTREAM_TIMEOUT_MS}
+upstream_timeout_ms = {upstream_timeout_ms}
 "#,
         eps = etcd.endpoints_toml()
     )
@@ -70,6 +75,18 @@ async fn setup(gateways: usize) -> Setup {
 }
 
 impl Setup {
+    fn dir(&self) -> &std::path::Path {
+        self._dir.path()
+    }
+
+    /// Position in the recorder's log of the write to `path` with `token`.
+    fn applied_at(&self, path: &str, token: u64) -> Option<usize> {
+        let t = token.to_string();
+        self.rec.requests().iter().position(|r| {
+            r.path == path && r.headers.get("x-fencing-token").and_then(|v| v.to_str().ok()) == Some(t.as_str())
+        })
+    }
+
     fn api(&self, i: usize) -> String {
         self.gws[i].api_url("")
     }
@@ -456,4 +473,132 @@ async fn leader_election_fails_over_across_gateways_when_the_leaders_gateway_die
         failover.as_millis(),
         UPSTREAM_TIMEOUT_MS + 500
     );
+}
+
+/// Finding F: a gateway killed with a write in flight and restarted at once
+/// under the same id must not replace its earlier incarnation's membership:
+/// peers must see that one leave and quarantine it, so the stale write lands
+/// before the next holder's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_restarted_at_once_under_its_id_does_not_skip_its_quarantine() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut s = setup(2).await;
+    let old = acquire(&s.http, &s.api(0), "fast", 10_000, 0).await.unwrap();
+    s.rec.set_delay("/fast", UPSTREAM_TIMEOUT_MS - 50);
+    s.rec.apply_even_if_abandoned("/fast");
+    let (h, url, t) = (s.http.clone(), s.gws[0].proxy_url("/fast"), old.token.to_string());
+    let stale = tokio::spawn(async move { h.try_send(Method::PUT, &url, &[("x-fencing-token", &t)], "stale").await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    s.gws.remove(0).kill9();
+    let _ = stale.await;
+    let (data, config) = (s.dir().join("gw0"), gateway_config(&s.etcd, "gw0", &s.rec.url()));
+    let restart = tokio::task::spawn_blocking(move || Gateway::start(&data, Opts { config: Some(config), ..Opts::default() }));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(release(&s.http, &s.api(0), &old).await.status.is_success());
+    let new = acquire(&s.http, &s.api(0), "fast", 10_000, 10_000).await.unwrap();
+    assert_eq!(s.put(0, "/fast", new.token).await.status, StatusCode::OK);
+    let restarted = restart.await.unwrap();
+    tokio::time::sleep(Duration::from_millis(UPSTREAM_TIMEOUT_MS)).await;
+    let (stale_at, new_at) = (s.applied_at("/fast", old.token), s.applied_at("/fast", new.token));
+    assert!(stale_at.is_some() && stale_at < new_at, "the dead gateway's write landed after the new holder's");
+    s.gws.push(restarted);
+    s.wait_current(1, Duration::from_secs(20)).await;
+}
+
+/// Finding E: a second live gateway with an id already in use fails to
+/// start, naming the id, instead of standing in for the other's acks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_live_gateway_with_the_same_id_refuses_to_start() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let s = setup(1).await;
+    let config = gateway_config(&s.etcd, "gw0", &s.rec.url());
+    let mut dup = Gateway::spawn(&s.dir().join("dup"), &Opts { config: Some(config), ..Opts::default() });
+    let log = dup.wait_ready(Duration::from_secs(30)).expect_err("a duplicate gateway_id started");
+    assert!(log.contains("gateway_id `gw0` is in use"), "{log}");
+    // The first one is unaffected.
+    s.wait_current(0, Duration::from_secs(5)).await;
+}
+
+/// Finding B: a gateway that started after a peer died without draining
+/// never saw it leave; its grants still wait one quarantine from its load.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_started_after_a_peer_died_still_waits_its_quarantine() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut s = setup(2).await;
+    // The fresh gateway's quarantine (upstream timeout 4 s) covers a write
+    // stalled 3.8 s, forwarded by gw0 just before it died.
+    let old = acquire(&s.http, &s.api(1), "fresh", 30_000, 0).await.unwrap();
+    s.rec.set_delay("/fresh", 3800);
+    s.rec.apply_even_if_abandoned("/fresh");
+    let (h, url, t) = (s.http.clone(), s.gws[0].proxy_url("/fresh"), old.token.to_string());
+    let stale = tokio::spawn(async move { h.try_send(Method::PUT, &url, &[("x-fencing-token", &t)], "stale").await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    s.gws.remove(0).kill9();
+    let _ = stale.await;
+    // gw1 sees gw0 leave within the member TTL; gw2 starts after that.
+    tokio::time::sleep(Duration::from_millis(MEMBER_TTL_MS + 200)).await;
+    let config = gateway_config_with(&s.etcd, "gw2", &s.rec.url(), 4000);
+    s.gws.push(Gateway::start(&s.dir().join("gw2"), Opts { config: Some(config), ..Opts::default() }));
+    s.wait_current(1, Duration::from_secs(20)).await;
+    assert!(release(&s.http, &s.api(1), &old).await.status.is_success());
+    let new = acquire(&s.http, &s.api(1), "fresh", 10_000, 0).await.unwrap();
+    assert_eq!(s.put(1, "/fresh", new.token).await.status, StatusCode::OK);
+    tokio::time::sleep(Duration::from_millis(4000)).await;
+    let (stale_at, new_at) = (s.applied_at("/fresh", old.token), s.applied_at("/fresh", new.token));
+    assert!(stale_at.is_some() && stale_at < new_at, "the dead gateway's write landed after the new holder's");
+}
+
+/// Finding G: a grant whose etcd lease expired while its activation waited
+/// for an in-flight write is not answered: the next waiter holds the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_whose_lease_expired_during_activation_is_refused() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = EtcdCluster::start(dir.path(), 3).await;
+    let rec = Recorder::start().await;
+    let mut gws = Vec::new();
+    for i in 0..3 {
+        let config = Some(gateway_config_with(&etcd, &format!("gw{i}"), &rec.url(), 6000));
+        gws.push(Gateway::start(&dir.path().join(format!("gw{i}")), Opts { config, ..Opts::default() }));
+    }
+    let s = Setup { etcd, gws, rec, http: Http::default(), _dir: dir };
+    for i in 0..3 {
+        s.wait_current(i, Duration::from_secs(20)).await;
+    }
+    // Past the quarantine every gateway applies after its first load.
+    tokio::time::sleep(Duration::from_millis(6500)).await;
+    let h0 = acquire(&s.http, &s.api(0), "g", 30_000, 0).await.unwrap();
+    s.rec.set_delay("/g", 4500);
+    let (h, url, t) = (s.http.clone(), s.gws[1].proxy_url("/g"), h0.token.to_string());
+    let inflight = tokio::spawn(async move { h.try_send(Method::PUT, &url, &[("x-fencing-token", &t)], "slow").await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(release(&s.http, &s.api(0), &h0).await.status.is_success());
+    // A's activation waits for gw1's in-flight write, longer than A's lease.
+    let (h, api) = (s.http.clone(), s.api(0));
+    let a = tokio::spawn(async move { acquire(&h, &api, "g", 2000, 0).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let b = acquire(&s.http, &s.api(2), "g", 30_000, 15_000).await.unwrap();
+    let a = a.await.unwrap();
+    let _ = inflight.await;
+    let err = a.expect_err("both A and B were answered as holders");
+    assert_eq!(err.status, StatusCode::SERVICE_UNAVAILABLE, "{:?}", err.body);
+    assert_eq!(s.put(2, "/g", b.token).await.status, StatusCode::OK);
+}
+
+/// Finding D: a gateway whose own member key is deleted (by hand) while its
+/// lease lives stops admitting at once, then rejoins.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_whose_member_key_is_deleted_stops_admitting_and_rejoins() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let s = setup(2).await;
+    let mut client = s.etcd.client().await;
+    let deleted = client.delete("/fencegate/m/gw0", None).await.unwrap();
+    assert_eq!(deleted.deleted(), 1, "the member key's name changed");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let r = s.put(0, "/deleted", u64::MAX).await;
+    assert_eq!(r.error_code(), "not_current", "{:?}", r.body);
+    s.wait_current(0, Duration::from_secs(20)).await;
+    let mut client = s.etcd.client().await;
+    let back = client.get("/fencegate/m/gw0", None).await.unwrap();
+    assert_eq!(back.kvs().len(), 1);
 }
