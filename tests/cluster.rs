@@ -57,13 +57,18 @@ upstream_timeout_ms = {upstream_timeout_ms}
 }
 
 async fn setup(gateways: usize) -> Setup {
+    setup_with(gateways, UPSTREAM_TIMEOUT_MS).await
+}
+
+/// Gateways with the given upstream timeout (quarantine: it + 0.5 s).
+async fn setup_with(gateways: usize, upstream_timeout_ms: u64) -> Setup {
     let dir = tempfile::tempdir().unwrap();
     let etcd = EtcdCluster::start(dir.path(), 3).await;
     let rec = Recorder::start().await;
     let mut gws = Vec::new();
     for i in 0..gateways {
         let data = dir.path().join(format!("gw{i}"));
-        let config = Some(gateway_config(&etcd, &format!("gw{i}"), &rec.url()));
+        let config = Some(gateway_config_with(&etcd, &format!("gw{i}"), &rec.url(), upstream_timeout_ms));
         gws.push(Gateway::start(&data, Opts { config, ..Opts::default() }));
     }
     let http = Http::default();
@@ -77,6 +82,18 @@ async fn setup(gateways: usize) -> Setup {
 impl Setup {
     fn dir(&self) -> &std::path::Path {
         self._dir.path()
+    }
+
+    /// Waits (up to 20 s) until the write to `path` with `stale` is applied,
+    /// then asserts it was applied before the one with `new`.
+    async fn assert_applied_before(&self, path: &str, stale: u64, new: u64) {
+        let started = Instant::now();
+        while self.applied_at(path, stale).is_none() {
+            assert!(started.elapsed() < Duration::from_secs(20), "the stalled write never landed");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let (stale_at, new_at) = (self.applied_at(path, stale), self.applied_at(path, new));
+        assert!(new_at.is_some() && stale_at < new_at, "the dead gateway's write landed after the new holder's");
     }
 
     /// Position in the recorder's log of the write to `path` with `token`.
@@ -450,7 +467,9 @@ async fn leader_election_fails_over_across_gateways_when_the_leaders_gateway_die
     // Campaign = acquire with a long wait; term = token.
     let leader = acquire(&s.http, &s.api(0), "election", 2000, 0).await.unwrap();
     let (h, a) = (s.http.clone(), s.api(1));
-    let candidate = tokio::spawn(async move { acquire(&h, &a, "election", 2000, 20_000).await });
+    // The candidate's lease outlives its activation (the dead gateway's
+    // quarantine): a grant whose lease expired meanwhile is refused.
+    let candidate = tokio::spawn(async move { acquire(&h, &a, "election", 10_000, 20_000).await });
     tokio::time::sleep(Duration::from_millis(300)).await;
     // The leader's gateway dies mid-term (and the leader with it: no renewal).
     let died = Instant::now();
@@ -482,27 +501,29 @@ async fn leader_election_fails_over_across_gateways_when_the_leaders_gateway_die
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_restarted_at_once_under_its_id_does_not_skip_its_quarantine() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let mut s = setup(2).await;
-    let old = acquire(&s.http, &s.api(0), "fast", 10_000, 0).await.unwrap();
-    s.rec.set_delay("/fast", UPSTREAM_TIMEOUT_MS - 50);
+    // Quarantine 8.5 s; the write gw0 forwards just before dying lands 7 s later.
+    let mut s = setup_with(2, 8000).await;
+    let old = acquire(&s.http, &s.api(0), "fast", 30_000, 0).await.unwrap();
+    s.rec.set_delay("/fast", 7000);
     s.rec.apply_even_if_abandoned("/fast");
     let (h, url, t) = (s.http.clone(), s.gws[0].proxy_url("/fast"), old.token.to_string());
     let stale = tokio::spawn(async move { h.try_send(Method::PUT, &url, &[("x-fencing-token", &t)], "stale").await });
     tokio::time::sleep(Duration::from_millis(100)).await;
     s.gws.remove(0).kill9();
     let _ = stale.await;
-    let (data, config) = (s.dir().join("gw0"), gateway_config(&s.etcd, "gw0", &s.rec.url()));
-    let restart = tokio::task::spawn_blocking(move || Gateway::start(&data, Opts { config: Some(config), ..Opts::default() }));
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(release(&s.http, &s.api(0), &old).await.status.is_success());
-    let new = acquire(&s.http, &s.api(0), "fast", 10_000, 10_000).await.unwrap();
-    assert_eq!(s.put(0, "/fast", new.token).await.status, StatusCode::OK);
-    let restarted = restart.await.unwrap();
-    tokio::time::sleep(Duration::from_millis(UPSTREAM_TIMEOUT_MS)).await;
-    let (stale_at, new_at) = (s.applied_at("/fast", old.token), s.applied_at("/fast", new.token));
-    assert!(stale_at.is_some() && stale_at < new_at, "the dead gateway's write landed after the new holder's");
-    s.gws.push(restarted);
+    // Later writes are applied at once (the delay is read on receipt).
+    s.rec.set_delay("/fast", 0);
+    // Restarted at once, same id and data dir; the next holder is granted
+    // once the new incarnation is current.
+    let (data, config) = (s.dir().join("gw0"), gateway_config_with(&s.etcd, "gw0", &s.rec.url(), 8000));
+    let restarted =
+        tokio::task::spawn_blocking(move || Gateway::start(&data, Opts { config: Some(config), ..Opts::default() }));
+    s.gws.push(restarted.await.unwrap());
     s.wait_current(1, Duration::from_secs(20)).await;
+    assert!(release(&s.http, &s.api(0), &old).await.status.is_success());
+    let new = acquire(&s.http, &s.api(0), "fast", 30_000, 0).await.unwrap();
+    assert_eq!(s.put(0, "/fast", new.token).await.status, StatusCode::OK);
+    s.assert_applied_before("/fast", old.token, new.token).await;
 }
 
 /// Finding E: a second live gateway with an id already in use fails to
@@ -525,27 +546,29 @@ async fn a_second_live_gateway_with_the_same_id_refuses_to_start() {
 async fn a_gateway_started_after_a_peer_died_still_waits_its_quarantine() {
     let _one = ONE_AT_A_TIME.lock().await;
     let mut s = setup(2).await;
-    // The fresh gateway's quarantine (upstream timeout 4 s) covers a write
-    // stalled 3.8 s, forwarded by gw0 just before it died.
+    // The fresh gateway's quarantine (upstream timeout 8 s) covers a write
+    // stalled 7 s, forwarded by gw0 just before it died.
     let old = acquire(&s.http, &s.api(1), "fresh", 30_000, 0).await.unwrap();
-    s.rec.set_delay("/fresh", 3800);
+    s.rec.set_delay("/fresh", 7000);
     s.rec.apply_even_if_abandoned("/fresh");
     let (h, url, t) = (s.http.clone(), s.gws[0].proxy_url("/fresh"), old.token.to_string());
     let stale = tokio::spawn(async move { h.try_send(Method::PUT, &url, &[("x-fencing-token", &t)], "stale").await });
     tokio::time::sleep(Duration::from_millis(100)).await;
     s.gws.remove(0).kill9();
     let _ = stale.await;
+    // Later writes are applied at once (the delay is read on receipt).
+    s.rec.set_delay("/fresh", 0);
     // gw1 sees gw0 leave within the member TTL; gw2 starts after that.
     tokio::time::sleep(Duration::from_millis(MEMBER_TTL_MS + 200)).await;
-    let config = gateway_config_with(&s.etcd, "gw2", &s.rec.url(), 4000);
-    s.gws.push(Gateway::start(&s.dir().join("gw2"), Opts { config: Some(config), ..Opts::default() }));
+    let (data, config) = (s.dir().join("gw2"), gateway_config_with(&s.etcd, "gw2", &s.rec.url(), 8000));
+    let started =
+        tokio::task::spawn_blocking(move || Gateway::start(&data, Opts { config: Some(config), ..Opts::default() }));
+    s.gws.push(started.await.unwrap());
     s.wait_current(1, Duration::from_secs(20)).await;
     assert!(release(&s.http, &s.api(1), &old).await.status.is_success());
-    let new = acquire(&s.http, &s.api(1), "fresh", 10_000, 0).await.unwrap();
+    let new = acquire(&s.http, &s.api(1), "fresh", 30_000, 0).await.unwrap();
     assert_eq!(s.put(1, "/fresh", new.token).await.status, StatusCode::OK);
-    tokio::time::sleep(Duration::from_millis(4000)).await;
-    let (stale_at, new_at) = (s.applied_at("/fresh", old.token), s.applied_at("/fresh", new.token));
-    assert!(stale_at.is_some() && stale_at < new_at, "the dead gateway's write landed after the new holder's");
+    s.assert_applied_before("/fresh", old.token, new.token).await;
 }
 
 /// Finding G: a grant whose etcd lease expired while its activation waited
