@@ -467,9 +467,7 @@ async fn leader_election_fails_over_across_gateways_when_the_leaders_gateway_die
     // Campaign = acquire with a long wait; term = token.
     let leader = acquire(&s.http, &s.api(0), "election", 2000, 0).await.unwrap();
     let (h, a) = (s.http.clone(), s.api(1));
-    // The candidate's lease outlives its activation (the dead gateway's
-    // quarantine): a grant whose lease expired meanwhile is refused.
-    let candidate = tokio::spawn(async move { acquire(&h, &a, "election", 10_000, 20_000).await });
+    let candidate = tokio::spawn(async move { acquire(&h, &a, "election", 2000, 20_000).await });
     tokio::time::sleep(Duration::from_millis(300)).await;
     // The leader's gateway dies mid-term (and the leader with it: no renewal).
     let died = Instant::now();
@@ -571,10 +569,13 @@ async fn a_gateway_started_after_a_peer_died_still_waits_its_quarantine() {
     s.assert_applied_before("/fresh", old.token, new.token).await;
 }
 
-/// Finding G: a grant whose etcd lease expired while its activation waited
-/// for an in-flight write is not answered: the next waiter holds the key.
+/// Finding G: while A's activation waits for an in-flight write longer than
+/// A's lease TTL, A and the next waiter B are never both answered as
+/// holders of the same time: A's lease is kept alive until A is answered
+/// (and a grant whose lease ended anyway is refused), so B is granted only
+/// once A's TTL, counted from A's answer, has run out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_grant_whose_lease_expired_during_activation_is_refused() {
+async fn a_grant_is_not_answered_to_two_holders_when_activation_outlasts_its_ttl() {
     let _one = ONE_AT_A_TIME.lock().await;
     let dir = tempfile::tempdir().unwrap();
     let etcd = EtcdCluster::start(dir.path(), 3).await;
@@ -598,13 +599,23 @@ async fn a_grant_whose_lease_expired_during_activation_is_refused() {
     assert!(release(&s.http, &s.api(0), &h0).await.status.is_success());
     // A's activation waits for gw1's in-flight write, longer than A's lease.
     let (h, api) = (s.http.clone(), s.api(0));
-    let a = tokio::spawn(async move { acquire(&h, &api, "g", 2000, 0).await });
+    let a = tokio::spawn(async move {
+        let r = acquire(&h, &api, "g", 2000, 0).await;
+        (r, Instant::now())
+    });
     tokio::time::sleep(Duration::from_millis(300)).await;
     let b = acquire(&s.http, &s.api(2), "g", 30_000, 15_000).await.unwrap();
-    let a = a.await.unwrap();
+    let b_answered = Instant::now();
+    let (a, a_answered) = a.await.unwrap();
     let _ = inflight.await;
-    let err = a.expect_err("both A and B were answered as holders");
-    assert_eq!(err.status, StatusCode::SERVICE_UNAVAILABLE, "{:?}", err.body);
+    match a {
+        Err(err) => assert_eq!(err.status, StatusCode::SERVICE_UNAVAILABLE, "{:?}", err.body),
+        Ok(a) => {
+            assert!(b.token > a.token);
+            let apart = b_answered.saturating_duration_since(a_answered);
+            assert!(apart >= Duration::from_millis(1500), "B was answered {apart:?} after A, within A's TTL");
+        }
+    }
     assert_eq!(s.put(2, "/g", b.token).await.status, StatusCode::OK);
 }
 

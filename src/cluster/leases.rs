@@ -73,6 +73,15 @@ impl Drop for Cleanup {
     }
 }
 
+/// Aborts its task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 impl Cluster {
     /// `POST /v1/locks/acquire` in cluster mode.
     pub async fn acquire(self: &Arc<Self>, req: AcquireRequest) -> Result<GrantView, Error> {
@@ -139,6 +148,9 @@ impl Cluster {
         };
         // The grant exists; it is this acquire's to lose until answered.
         cleanup.queue_key = None;
+        // The client's TTL counts from the answer: the gateway keeps the
+        // grant's lease alive while activation waits (ended on any return).
+        let _keeper = self.keep_alive_while_activating(etcd_lease, granted_ms);
         let activation = Instant::now();
         let waited = self.activate(txn_rev).await;
         self.metrics.activation_wait.observe(activation.elapsed().as_secs_f64());
@@ -155,14 +167,32 @@ impl Cluster {
             Some((_, l, t)) if l == etcd_lease && t == token => {}
             _ => {
                 return Err(Error::Unavailable(
-                    "the grant's lease expired while the grant was being activated (ttl_ms shorter than the \
-                     activation); retry, with a longer ttl_ms"
-                        .into(),
+                    "the grant's lease ended while the grant was being activated (its keepalive failed); retry".into(),
                 ))
             }
         }
+        // One last keepalive: the full TTL from now.
+        let mut leases = self.client.lease_client();
+        let _ = bounded(self.timeout, "renewing the new grant", leases.keep_alive(etcd_lease)).await;
         cleanup.lease = None;
         Ok(GrantView { key: req.key, fencing_token: token, lease_id, ttl_ms: granted_ms, holder })
+    }
+
+    /// Keeps `lease` alive every third of its TTL until the returned guard
+    /// is dropped.
+    fn keep_alive_while_activating(&self, lease: i64, granted_ms: u64) -> AbortOnDrop {
+        let client = self.client.clone();
+        let period = Duration::from_millis((granted_ms / 3).max(300));
+        AbortOnDrop(tokio::spawn(async move {
+            let mut leases = client.lease_client();
+            let Ok((mut keeper, mut stream)) = leases.keep_alive(lease).await else { return };
+            loop {
+                tokio::time::sleep(period).await;
+                if keeper.keep_alive().await.is_err() || !matches!(stream.message().await, Ok(Some(_))) {
+                    return;
+                }
+            }
+        }))
     }
 
     fn locked(&self, key: &str) -> Error {
