@@ -31,6 +31,11 @@ struct Setup {
 }
 
 fn gateway_config(etcd: &EtcdCluster, id: &str, upstream: &str) -> String {
+    gateway_config_with(etcd, id, upstream, UPSTREAM_TIMEOUT_MS)
+}
+
+/// A gateway whose upstream timeout (hence quarantine) is `upstream_timeout_ms`.
+fn gateway_config_with(etcd: &EtcdCluster, id: &str, upstream: &str, upstream_timeout_ms: u64) -> String {
     format!(
         r#"
 [cluster]
@@ -45,20 +50,25 @@ activation_timeout_ms = 15000
 [[routes]]
 match = "/{{*path}}"
 upstream = "{upstream}"
-upstream_timeout_ms = {UPSTREAM_TIMEOUT_MS}
+upstream_timeout_ms = {upstream_timeout_ms}
 "#,
         eps = etcd.endpoints_toml()
     )
 }
 
 async fn setup(gateways: usize) -> Setup {
+    setup_with(gateways, UPSTREAM_TIMEOUT_MS).await
+}
+
+/// Gateways with the given upstream timeout (quarantine: it + 0.5 s).
+async fn setup_with(gateways: usize, upstream_timeout_ms: u64) -> Setup {
     let dir = tempfile::tempdir().unwrap();
     let etcd = EtcdCluster::start(dir.path(), 3).await;
     let rec = Recorder::start().await;
     let mut gws = Vec::new();
     for i in 0..gateways {
         let data = dir.path().join(format!("gw{i}"));
-        let config = Some(gateway_config(&etcd, &format!("gw{i}"), &rec.url()));
+        let config = Some(gateway_config_with(&etcd, &format!("gw{i}"), &rec.url(), upstream_timeout_ms));
         gws.push(Gateway::start(&data, Opts { config, ..Opts::default() }));
     }
     let http = Http::default();
@@ -70,6 +80,30 @@ async fn setup(gateways: usize) -> Setup {
 }
 
 impl Setup {
+    fn dir(&self) -> &std::path::Path {
+        self._dir.path()
+    }
+
+    /// Waits (up to 20 s) until the write to `path` with `stale` is applied,
+    /// then asserts it was applied before the one with `new`.
+    async fn assert_applied_before(&self, path: &str, stale: u64, new: u64) {
+        let started = Instant::now();
+        while self.applied_at(path, stale).is_none() {
+            assert!(started.elapsed() < Duration::from_secs(20), "the stalled write never landed");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let (stale_at, new_at) = (self.applied_at(path, stale), self.applied_at(path, new));
+        assert!(new_at.is_some() && stale_at < new_at, "the dead gateway's write landed after the new holder's");
+    }
+
+    /// Position in the recorder's log of the write to `path` with `token`.
+    fn applied_at(&self, path: &str, token: u64) -> Option<usize> {
+        let t = token.to_string();
+        self.rec.requests().iter().position(|r| {
+            r.path == path && r.headers.get("x-fencing-token").and_then(|v| v.to_str().ok()) == Some(t.as_str())
+        })
+    }
+
     fn api(&self, i: usize) -> String {
         self.gws[i].api_url("")
     }
@@ -456,4 +490,149 @@ async fn leader_election_fails_over_across_gateways_when_the_leaders_gateway_die
         failover.as_millis(),
         UPSTREAM_TIMEOUT_MS + 500
     );
+}
+
+/// Finding F: a gateway killed with a write in flight and restarted at once
+/// under the same id must not replace its earlier incarnation's membership:
+/// peers must see that one leave and quarantine it, so the stale write lands
+/// before the next holder's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_restarted_at_once_under_its_id_does_not_skip_its_quarantine() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    // Quarantine 8.5 s; the write gw0 forwards just before dying lands 7 s later.
+    let mut s = setup_with(2, 8000).await;
+    let old = acquire(&s.http, &s.api(0), "fast", 30_000, 0).await.unwrap();
+    s.rec.set_delay("/fast", 7000);
+    s.rec.apply_even_if_abandoned("/fast");
+    let (h, url, t) = (s.http.clone(), s.gws[0].proxy_url("/fast"), old.token.to_string());
+    let stale = tokio::spawn(async move { h.try_send(Method::PUT, &url, &[("x-fencing-token", &t)], "stale").await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    s.gws.remove(0).kill9();
+    let _ = stale.await;
+    // Later writes are applied at once (the delay is read on receipt).
+    s.rec.set_delay("/fast", 0);
+    // Restarted at once, same id and data dir; the next holder is granted
+    // once the new incarnation is current.
+    let (data, config) = (s.dir().join("gw0"), gateway_config_with(&s.etcd, "gw0", &s.rec.url(), 8000));
+    let restarted =
+        tokio::task::spawn_blocking(move || Gateway::start(&data, Opts { config: Some(config), ..Opts::default() }));
+    s.gws.push(restarted.await.unwrap());
+    s.wait_current(1, Duration::from_secs(20)).await;
+    assert!(release(&s.http, &s.api(0), &old).await.status.is_success());
+    let new = acquire(&s.http, &s.api(0), "fast", 30_000, 0).await.unwrap();
+    assert_eq!(s.put(0, "/fast", new.token).await.status, StatusCode::OK);
+    s.assert_applied_before("/fast", old.token, new.token).await;
+}
+
+/// Finding E: a second live gateway with an id already in use fails to
+/// start, naming the id, instead of standing in for the other's acks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_live_gateway_with_the_same_id_refuses_to_start() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let s = setup(1).await;
+    let config = gateway_config(&s.etcd, "gw0", &s.rec.url());
+    let mut dup = Gateway::spawn(&s.dir().join("dup"), &Opts { config: Some(config), ..Opts::default() });
+    let log = dup.wait_ready(Duration::from_secs(30)).expect_err("a duplicate gateway_id started");
+    assert!(log.contains("gateway_id `gw0` is in use"), "{log}");
+    // The first one is unaffected.
+    s.wait_current(0, Duration::from_secs(5)).await;
+}
+
+/// Finding B: a gateway that started after a peer died without draining
+/// never saw it leave; its grants still wait one quarantine from its load.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_started_after_a_peer_died_still_waits_its_quarantine() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut s = setup(2).await;
+    // The fresh gateway's quarantine (upstream timeout 8 s) covers a write
+    // stalled 7 s, forwarded by gw0 just before it died.
+    let old = acquire(&s.http, &s.api(1), "fresh", 30_000, 0).await.unwrap();
+    s.rec.set_delay("/fresh", 7000);
+    s.rec.apply_even_if_abandoned("/fresh");
+    let (h, url, t) = (s.http.clone(), s.gws[0].proxy_url("/fresh"), old.token.to_string());
+    let stale = tokio::spawn(async move { h.try_send(Method::PUT, &url, &[("x-fencing-token", &t)], "stale").await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    s.gws.remove(0).kill9();
+    let _ = stale.await;
+    // Later writes are applied at once (the delay is read on receipt).
+    s.rec.set_delay("/fresh", 0);
+    // gw1 sees gw0 leave within the member TTL; gw2 starts after that.
+    tokio::time::sleep(Duration::from_millis(MEMBER_TTL_MS + 200)).await;
+    let (data, config) = (s.dir().join("gw2"), gateway_config_with(&s.etcd, "gw2", &s.rec.url(), 8000));
+    let started =
+        tokio::task::spawn_blocking(move || Gateway::start(&data, Opts { config: Some(config), ..Opts::default() }));
+    s.gws.push(started.await.unwrap());
+    s.wait_current(1, Duration::from_secs(20)).await;
+    assert!(release(&s.http, &s.api(1), &old).await.status.is_success());
+    let new = acquire(&s.http, &s.api(1), "fresh", 30_000, 0).await.unwrap();
+    assert_eq!(s.put(1, "/fresh", new.token).await.status, StatusCode::OK);
+    s.assert_applied_before("/fresh", old.token, new.token).await;
+}
+
+/// Finding G: while A's activation waits for an in-flight write longer than
+/// A's lease TTL, A and the next waiter B are never both answered as
+/// holders of the same time: A's lease is kept alive until A is answered
+/// (and a grant whose lease ended anyway is refused), so B is granted only
+/// once A's TTL, counted from A's answer, has run out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_is_not_answered_to_two_holders_when_activation_outlasts_its_ttl() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = EtcdCluster::start(dir.path(), 3).await;
+    let rec = Recorder::start().await;
+    let mut gws = Vec::new();
+    for i in 0..3 {
+        let config = Some(gateway_config_with(&etcd, &format!("gw{i}"), &rec.url(), 6000));
+        gws.push(Gateway::start(&dir.path().join(format!("gw{i}")), Opts { config, ..Opts::default() }));
+    }
+    let s = Setup { etcd, gws, rec, http: Http::default(), _dir: dir };
+    for i in 0..3 {
+        s.wait_current(i, Duration::from_secs(20)).await;
+    }
+    // Past the quarantine every gateway applies after its first load.
+    tokio::time::sleep(Duration::from_millis(6500)).await;
+    let h0 = acquire(&s.http, &s.api(0), "g", 30_000, 0).await.unwrap();
+    s.rec.set_delay("/g", 4500);
+    let (h, url, t) = (s.http.clone(), s.gws[1].proxy_url("/g"), h0.token.to_string());
+    let inflight = tokio::spawn(async move { h.try_send(Method::PUT, &url, &[("x-fencing-token", &t)], "slow").await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(release(&s.http, &s.api(0), &h0).await.status.is_success());
+    // A's activation waits for gw1's in-flight write, longer than A's lease.
+    let (h, api) = (s.http.clone(), s.api(0));
+    let a = tokio::spawn(async move {
+        let r = acquire(&h, &api, "g", 2000, 0).await;
+        (r, Instant::now())
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let b = acquire(&s.http, &s.api(2), "g", 30_000, 15_000).await.unwrap();
+    let b_answered = Instant::now();
+    let (a, a_answered) = a.await.unwrap();
+    let _ = inflight.await;
+    match a {
+        Err(err) => assert_eq!(err.status, StatusCode::SERVICE_UNAVAILABLE, "{:?}", err.body),
+        Ok(a) => {
+            assert!(b.token > a.token);
+            let apart = b_answered.saturating_duration_since(a_answered);
+            assert!(apart >= Duration::from_millis(1500), "B was answered {apart:?} after A, within A's TTL");
+        }
+    }
+    assert_eq!(s.put(2, "/g", b.token).await.status, StatusCode::OK);
+}
+
+/// Finding D: a gateway whose own member key is deleted (by hand) while its
+/// lease lives stops admitting at once, then rejoins.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_whose_member_key_is_deleted_stops_admitting_and_rejoins() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let s = setup(2).await;
+    let mut client = s.etcd.client().await;
+    let deleted = client.delete("/fencegate/m/gw0", None).await.unwrap();
+    assert_eq!(deleted.deleted(), 1, "the member key's name changed");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let r = s.put(0, "/deleted", u64::MAX).await;
+    assert_eq!(r.error_code(), "not_current", "{:?}", r.body);
+    s.wait_current(0, Duration::from_secs(20)).await;
+    let mut client = s.etcd.client().await;
+    let back = client.get("/fencegate/m/gw0", None).await.unwrap();
+    assert_eq!(back.kvs().len(), 1);
 }

@@ -61,7 +61,10 @@ impl Cluster {
         let old_grants: Vec<(String, u64)> = {
             let mut m = self.lock_mirror();
             let old = m.grants.iter().map(|(k, g)| (k.clone(), g.token)).collect();
-            *m = super::mirror::Mirror::default();
+            // Departures already seen keep their quarantine; the load
+            // itself starts one for whoever left unseen.
+            let departed = std::mem::take(&mut m.departed);
+            *m = super::mirror::Mirror { departed, loaded_at: Some(tokio::time::Instant::now()), ..Default::default() };
             old
         };
         for (key, token) in old_grants {
@@ -156,9 +159,21 @@ impl Cluster {
             }
             Kind::Queue(_) => self.lock_mirror().remove_waiter(raw),
             Kind::Member(gw) => {
-                let mut m = self.lock_mirror();
-                m.remove_member(gw);
-                self.metrics.cluster_members.set(i64::try_from(m.members.len()).unwrap_or(i64::MAX));
+                let removed = {
+                    let mut m = self.lock_mirror();
+                    let removed = m.remove_member(gw);
+                    self.metrics.cluster_members.set(i64::try_from(m.members.len()).unwrap_or(i64::MAX));
+                    removed
+                };
+                // This gateway's own key went while its lease lives (deleted
+                // by hand): peers count it departed, so it stops admitting
+                // at once (aborting uploads) and rejoins.
+                if gw == self.gateway_id && removed.is_some() && removed == self.member_lease() {
+                    self.fences.set_not_current("this gateway's membership key was deleted from etcd; rejoining");
+                    self.metrics.cluster_current.set(0);
+                    self.member_lost.store(removed.unwrap_or(0), Ordering::Release);
+                    self.member_lost_kick.notify_one();
+                }
             }
             Kind::Ack(gw) => {
                 self.lock_mirror().acks.remove(gw);

@@ -73,6 +73,15 @@ impl Drop for Cleanup {
     }
 }
 
+/// Aborts its task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 impl Cluster {
     /// `POST /v1/locks/acquire` in cluster mode.
     pub async fn acquire(self: &Arc<Self>, req: AcquireRequest) -> Result<GrantView, Error> {
@@ -105,14 +114,14 @@ impl Cluster {
         let mut mine: Option<i64> = None;
         let mut applied = self.applied.subscribe();
         let mut first = true;
-        let (token, txn_rev, granted_ms) = loop {
+        let (token, txn_rev, granted_ms, etcd_lease) = loop {
             let may_try = first || self.lock_mirror().may_take(key, mine);
             first = false;
             if may_try {
                 let queued = cleanup.queue_key.as_deref().zip(mine);
                 if let Some((token, rev, ms, lease)) = self.try_grant(key, &holder, &secret, ttl_s, queued).await? {
                     cleanup.lease = Some(lease);
-                    break (token, rev, ms);
+                    break (token, rev, ms, lease);
                 }
             }
             if req.wait_ms == 0 {
@@ -139,6 +148,9 @@ impl Cluster {
         };
         // The grant exists; it is this acquire's to lose until answered.
         cleanup.queue_key = None;
+        // The client's TTL counts from the answer: the gateway keeps the
+        // grant's lease alive while activation waits (ended on any return).
+        let _keeper = self.keep_alive_while_activating(etcd_lease, granted_ms);
         let activation = Instant::now();
         let waited = self.activate(txn_rev).await;
         self.metrics.activation_wait.observe(activation.elapsed().as_secs_f64());
@@ -148,8 +160,39 @@ impl Cluster {
         tokio::time::timeout(self.timeout, self.floor.wait_persisted(token))
             .await
             .map_err(|_| Error::Store("the token floor was not written in time".into()))??;
+        // Activation may have outlasted the grant's own lease, and another
+        // acquire may then hold the key: answer only a grant that is still
+        // this one in etcd (a consistent read; the key goes with its lease).
+        match self.own_grant(key, &lease_id).await? {
+            Some((_, l, t)) if l == etcd_lease && t == token => {}
+            _ => {
+                return Err(Error::Unavailable(
+                    "the grant's lease ended while the grant was being activated (its keepalive failed); retry".into(),
+                ))
+            }
+        }
+        // One last keepalive: the full TTL from now.
+        let mut leases = self.client.lease_client();
+        let _ = bounded(self.timeout, "renewing the new grant", leases.keep_alive(etcd_lease)).await;
         cleanup.lease = None;
         Ok(GrantView { key: req.key, fencing_token: token, lease_id, ttl_ms: granted_ms, holder })
+    }
+
+    /// Keeps `lease` alive every third of its TTL until the returned guard
+    /// is dropped.
+    fn keep_alive_while_activating(&self, lease: i64, granted_ms: u64) -> AbortOnDrop {
+        let client = self.client.clone();
+        let period = Duration::from_millis((granted_ms / 3).max(300));
+        AbortOnDrop(tokio::spawn(async move {
+            let mut leases = client.lease_client();
+            let Ok((mut keeper, mut stream)) = leases.keep_alive(lease).await else { return };
+            loop {
+                tokio::time::sleep(period).await;
+                if keeper.keep_alive().await.is_err() || !matches!(stream.message().await, Ok(Some(_))) {
+                    return;
+                }
+            }
+        }))
     }
 
     fn locked(&self, key: &str) -> Error {
@@ -394,6 +437,9 @@ impl Cluster {
                 // upstream: its quarantine counts too.
                 let mut until: Option<Instant> =
                     m.departed.values().filter(|d| !d.drained).map(|d| d.at + self.quarantine).max();
+                // A member that left before this gateway's last full read
+                // is unknown here: one quarantine from that read.
+                until = until.max(m.loaded_at.map(|t| t + self.quarantine));
                 for (gw, lease) in &members {
                     match m.members.get(gw) {
                         Some(e) if e.lease == *lease => {
@@ -418,7 +464,8 @@ impl Cluster {
                 if let Some(u) = quarantine_until {
                     if u > deadline {
                         return Err(Error::Unavailable(
-                            "a gateway left without draining; its quarantine outlasts activation_timeout_ms".into(),
+                            "a quarantine (a gateway left without draining, or this gateway reloaded its view of the cluster) \
+                             outlasts activation_timeout_ms; retry".into(),
                         ));
                     }
                     tokio::time::sleep_until(u).await;

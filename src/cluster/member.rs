@@ -16,7 +16,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use etcd_client::PutOptions;
+use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp};
 use tokio::time::Instant;
 
 use super::{unavailable, Cluster};
@@ -81,14 +81,20 @@ impl Cluster {
         let mut next_deadline = Some(deadline);
         loop {
             if let Some(d) = next_deadline.take() {
-                if self.prove_current(d).await {
+                if self.prove_current(d).await && self.member_lost.load(std::sync::atomic::Ordering::Acquire) != lease {
                     deadline = d;
                     self.fences.set_current_until(d);
                     self.metrics.cluster_current.set(1);
                 }
             }
             let wake = (Instant::now() + interval).min(deadline);
-            tokio::time::sleep_until(wake).await;
+            tokio::select! {
+                () = tokio::time::sleep_until(wake) => {}
+                () = self.member_lost_kick.notified() => {}
+            }
+            if self.member_lost.load(std::sync::atomic::Ordering::Acquire) == lease {
+                return "this gateway's membership key was deleted from etcd";
+            }
             if Instant::now() >= deadline {
                 return "the gateway's membership lease may have lapsed (no keepalive acknowledged in time)";
             }
@@ -122,7 +128,10 @@ impl Cluster {
         }
     }
 
-    /// Grants the membership lease and puts `m/GW` on it.
+    /// Grants the membership lease and creates `m/GW` on it, only if no
+    /// incarnation of this id holds it: an earlier incarnation (crashed and
+    /// restarted before its lease expired) must be seen to leave by every
+    /// peer, which then quarantines it, before this one joins.
     async fn join(&self, ttl_s: i64) -> Result<(i64, Duration), Error> {
         let mut leases = self.client.lease_client();
         let grant = match tokio::time::timeout(self.timeout, leases.grant(ttl_s, None)).await {
@@ -132,15 +141,63 @@ impl Cluster {
         let lease = grant.id();
         let granted = Duration::from_secs(u64::try_from(grant.ttl()).unwrap_or(0));
         let mut kv = self.client.kv_client();
-        let put = kv.put(self.keys.member(&self.gateway_id), "up", Some(PutOptions::new().with_lease(lease)));
-        match tokio::time::timeout(self.timeout, put).await {
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => return Err(unavailable("joining", e)),
-            Err(_) => return Err(Error::Unavailable("etcd: joining: timed out".into())),
+        let key = self.keys.member(&self.gateway_id);
+        let txn = Txn::new()
+            .when(vec![Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+            .and_then(vec![TxnOp::put(key, "up", Some(PutOptions::new().with_lease(lease)))]);
+        let created = match tokio::time::timeout(self.timeout, kv.txn(txn)).await {
+            Ok(Ok(r)) => r.succeeded(),
+            Ok(Err(e)) => {
+                let _ = tokio::time::timeout(self.timeout, leases.revoke(lease)).await;
+                return Err(unavailable("joining", e));
+            }
+            Err(_) => {
+                let _ = tokio::time::timeout(self.timeout, leases.revoke(lease)).await;
+                return Err(Error::Unavailable("etcd: joining: timed out".into()));
+            }
+        };
+        if !created {
+            let _ = tokio::time::timeout(self.timeout, leases.revoke(lease)).await;
+            return Err(Error::Unavailable(format!(
+                "etcd: joining: `m/{}` is still held by an earlier incarnation (or another gateway with this id)",
+                self.gateway_id
+            )));
         }
         self.set_member_lease(Some(lease));
         tracing::info!(gateway = %self.gateway_id, lease, ttl_ms = granted.as_millis() as u64, "joined the cluster");
         Ok((lease, granted))
+    }
+
+    /// At start: waits for an earlier incarnation's member key to go (its
+    /// lease expires within the member TTL; peers then quarantine it). A key
+    /// still renewed after twice the member TTL is another live gateway
+    /// with the same id: the start fails.
+    pub(super) async fn wait_for_id_free(&self) -> Result<(), Error> {
+        let limit = Instant::now() + self.member_ttl * 2 + self.timeout;
+        let mut logged = false;
+        loop {
+            let mut kv = self.client.kv_client();
+            let get = kv.get(self.keys.member(&self.gateway_id), Some(GetOptions::new().with_keys_only()));
+            let resp = match tokio::time::timeout(self.timeout, get).await {
+                Ok(r) => r.map_err(|e| unavailable("reading the member key", e))?,
+                Err(_) => return Err(Error::Unavailable("etcd: reading the member key: timed out".into())),
+            };
+            if resp.kvs().is_empty() {
+                return Ok(());
+            }
+            if Instant::now() >= limit {
+                return Err(Error::Config(format!(
+                    "gateway_id `{}` is in use by another live gateway of this cluster (its membership key is still \
+                     renewed after twice the member TTL): every gateway needs its own gateway_id",
+                    self.gateway_id
+                )));
+            }
+            if !logged {
+                tracing::warn!(gateway = %self.gateway_id, "an earlier incarnation of this gateway_id is still a member; waiting for it to expire");
+                logged = true;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
     }
 
     /// Puts this gateway's acknowledgement and waits (until `deadline`) to

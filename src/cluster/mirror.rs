@@ -60,6 +60,10 @@ pub(crate) struct Mirror {
     pub members: HashMap<String, MemberEntry>,
     pub departed: HashMap<String, Departure>,
     pub acks: HashMap<String, i64>,
+    /// When this view was (re)loaded by a full read: a member that left
+    /// just before it is not among `departed`, so every grant answered
+    /// here waits one quarantine from this moment.
+    pub loaded_at: Option<Instant>,
 }
 
 impl Mirror {
@@ -95,11 +99,14 @@ impl Mirror {
     }
 
     /// A member key went away (lease expired or revoked).
-    pub fn remove_member(&mut self, gw: &str) {
-        if let Some(m) = self.members.remove(gw) {
+    /// Returns the lease it was on.
+    pub fn remove_member(&mut self, gw: &str) -> Option<i64> {
+        let lease = self.members.remove(gw).map(|m| {
             self.departed.insert(gw.to_string(), Departure { lease: m.lease, at: Instant::now(), drained: m.drained });
-        }
+            m.lease
+        });
         self.acks.remove(gw);
+        lease
     }
 }
 

@@ -191,6 +191,10 @@ pub struct Cluster {
     feed_ok: AtomicBool,
     ack_lock: tokio::sync::Mutex<i64>,
     floor: Arc<floor::Floor>,
+    /// The membership lease whose `m/GW` key was deleted under it (by
+    /// hand): that membership is over; wakes the membership loop.
+    member_lost: std::sync::atomic::AtomicI64,
+    member_lost_kick: tokio::sync::Notify,
     stop: Shutdown,
 }
 
@@ -241,10 +245,13 @@ impl Cluster {
             feed_ok: AtomicBool::new(false),
             ack_lock: tokio::sync::Mutex::new(0),
             floor,
+            member_lost: std::sync::atomic::AtomicI64::new(0),
+            member_lost_kick: tokio::sync::Notify::new(),
             stop: s.stop,
         });
         // The first load is part of the start: an unreachable etcd fails it
         // loudly instead of serving nothing.
+        cluster.wait_for_id_free().await?;
         let watch_from = cluster.load().await?;
         tokio::spawn(cluster.clone().run_feed(watch_from));
         tokio::spawn(cluster.clone().run_member());

@@ -64,7 +64,7 @@ impl Gateway {
         }
     }
 
-    fn spawn(data_dir: &Path, opts: &Opts) -> Gateway {
+    pub fn spawn(data_dir: &Path, opts: &Opts) -> Gateway {
         let proxy: SocketAddr = format!("127.0.0.1:{}", opts.proxy_port.unwrap_or_else(free_port)).parse().unwrap();
         // Two free ports drawn one after the other can be the same one.
         let api_port = opts.api_port.unwrap_or_else(|| loop {
@@ -109,7 +109,7 @@ impl Gateway {
     /// requests made meanwhile wait in the backlog), so accepting alone does
     /// not mean the data dir is open. The log when the child exited or the
     /// limit passed.
-    fn wait_ready(&mut self, limit: Duration) -> Result<(), String> {
+    pub fn wait_ready(&mut self, limit: Duration) -> Result<(), String> {
         let started = Instant::now();
         loop {
             if let Ok(Some(status)) = self.child.try_wait() {
