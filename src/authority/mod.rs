@@ -37,7 +37,7 @@ use crate::fence::FenceTable;
 use crate::metrics::Metrics;
 use crate::store::{wait_durable, GrantRecord, Op, Store};
 
-use types::{new_lease_id, secret_eq, validate_holder, validate_ttl, validate_wait};
+use types::{new_lease_id, secret_eq, validate_ttl};
 pub use types::{validate_key, AcquireRequest, GrantView, ReleaseRequest, RenewRequest, RenewView, StatusView};
 
 /// One live grant.
@@ -220,11 +220,7 @@ impl Authority {
     }
 
     async fn acquire_inner(self: &Arc<Self>, req: AcquireRequest) -> Result<GrantView, Error> {
-        validate_key(&req.key)?;
-        validate_ttl(req.ttl_ms, &self.limits)?;
-        validate_wait(req.wait_ms, &self.limits)?;
-        let holder = req.holder.unwrap_or_default();
-        validate_holder(&holder, &self.limits)?;
+        let holder = req.validate(&self.limits)?;
         let started = Instant::now();
         let ttl = Duration::from_millis(req.ttl_ms);
         let lease_id = new_lease_id()?;

@@ -21,6 +21,20 @@ pub struct AcquireRequest {
     pub holder: Option<String>,
 }
 
+impl AcquireRequest {
+    /// The checks every authority makes of an acquire before anything
+    /// else: key, TTL, wait and holder within the configured bounds. The
+    /// holder label, empty when none was given.
+    pub fn validate(&self, limits: &LocksConfig) -> Result<String, Error> {
+        validate_key(&self.key)?;
+        validate_ttl(self.ttl_ms, limits)?;
+        validate_wait(self.wait_ms, limits)?;
+        let holder = self.holder.clone().unwrap_or_default();
+        validate_holder(&holder, limits)?;
+        Ok(holder)
+    }
+}
+
 /// `POST /v1/locks/renew`.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -20,7 +20,7 @@ use tokio::time::Instant;
 
 use super::mirror::GrantValue;
 use super::{rev_u64, unavailable, Cluster};
-use crate::authority::types::{new_lease_id, secret_eq, validate_holder, validate_ttl, validate_wait};
+use crate::authority::types::{new_lease_id, secret_eq, validate_ttl};
 use crate::authority::{validate_key, AcquireRequest, GrantView, ReleaseRequest, RenewRequest, RenewView, StatusView};
 use crate::error::Error;
 
@@ -99,11 +99,7 @@ impl Cluster {
     }
 
     async fn acquire_inner(self: &Arc<Self>, req: AcquireRequest) -> Result<GrantView, Error> {
-        validate_key(&req.key)?;
-        validate_ttl(req.ttl_ms, &self.limits)?;
-        validate_wait(req.wait_ms, &self.limits)?;
-        let holder = req.holder.clone().unwrap_or_default();
-        validate_holder(&holder, &self.limits)?;
+        let holder = req.validate(&self.limits)?;
         let started = Instant::now();
         let wait_until = started + Duration::from_millis(req.wait_ms);
         let lease_id = new_lease_id()?;
