@@ -12,14 +12,15 @@ gateways. Faults, one at a time:
   etcd-leader-stop    SIGSTOP the etcd leader 2-4 s (> the 1 s election
                       timeout), then SIGCONT
   etcd-follower-kill  kill -9 one etcd follower, restart it 2-5 s later
-  gateway-stop        SIGSTOP a gateway while requests it forwarded sit in a
-                      stalled upstream, longer than its member TTL: a holder
-                      sends a write into the stopped gateway, releases, a
-                      successor is granted through another gateway and
-                      writes; then SIGCONT (the queued write must be refused)
-  gateway-kill        kill -9 a gateway while requests it forwarded sit in a
-                      stalled upstream, restart it; a key granted through it
-                      just before is taken over through another gateway
+  gateway-stop        SIGSTOP a gateway with a holder's write in flight (the
+                      upstream holds it), longer than its member TTL: the
+                      holder's next write waits in the stopped gateway, the
+                      holder releases, a successor is granted through another
+                      gateway and writes; then SIGCONT (the waiting write
+                      must be refused)
+  gateway-kill        kill -9 a gateway with a holder's write in flight (the
+                      upstream holds it), restart it; that holder's key is
+                      taken over through another gateway
   gateway-partition   gateway 3 cut from etcd (it keeps its clients and its
                       upstream): a holder reads through it, the cut, the
                       holder releases, a successor is granted through
@@ -347,7 +348,9 @@ class ClusterHarness(hz.Harness):
         # the gateways
         for i in range(3):
             host = self.net.gw3_host if i == 2 else "127.0.0.1"
-            pport, aport = free_port(host), free_port(host)
+            # Gateway 3's address may live in namespace C, where nothing
+            # else listens: a port free on loopback here is free there.
+            pport, aport = free_port("127.0.0.1"), free_port("127.0.0.1")
             eps = [self.net.gw3_etcd(p) for p in cports] if i == 2 else [f"http://127.0.0.1:{p}" for p in cports]
             conf = os.path.join(self.out, f"gw{i + 1}.toml")
             with open(conf, "w") as f:
@@ -479,8 +482,11 @@ connect_timeout_ms = 1000
                 time.sleep(0.05)
             if token is None:
                 return
-            while mono() - start < limit:
-                st, code = h.write(k, token, None, 0)
+            ok, prev, n = False, None, 0
+            while not ok and mono() - start < limit:
+                ok, prev, n = h.read(k, token)
+            while ok and mono() - start < limit:
+                st, code = h.write(k, token, prev, n)
                 if st == 200:
                     result["next_write_s"] = round(mono() - start, 3)
                     break
@@ -491,6 +497,18 @@ connect_timeout_ms = 1000
             h.release(k, token, lease)
         finally:
             h.close()
+
+    def grant_free_resource(self, holder, kind, start, limit=10.0):
+        """As the base class's, tried for up to `limit` s: right after an
+        etcd fault every grant waits a quarantine (docs/cluster.md)."""
+        token = lease = key = None
+        while token is None and mono() - start < limit:
+            free = self.free_resources()
+            key = f"res/{self.rng.choice(free or range(self.args.resources))}"
+            token, lease = holder.acquire(key, ttl=3000, wait=1000)
+        if token is None:
+            self.record_fault(kind=kind, start=start, end=mono(), key=key, skipped=f"no grant within {limit:.0f} s")
+        return key, token, lease
 
     def start_probe(self, start, api_gw, proxy_gw, **kw):
         result = {}
@@ -575,10 +593,18 @@ connect_timeout_ms = 1000
         dead_key = f"dead/{next(self.keys)}"
         k = Holder("nk", self.out, g.api, g.proxy)
         ktok, _ = k.acquire(dead_key, ttl=2000, wait=0)
+        held = False
+        if ktok is not None:
+            # Mid-forward: a write of the key's holder that the upstream
+            # holds (below the route's upstream timeout), in flight when
+            # the gateway dies; the successor must be granted only after
+            # it can no longer land.
+            ok, prev, n = k.read(dead_key, ktok)
+            if ok:
+                before = self.recorder_stats().get("held_total", 0)
+                held, _ = k.send_abandoned_write(dead_key, ktok, prev, n, UPSTREAM_TIMEOUT_MS - 500,
+                                                 lambda: self.recorder_stats().get("held_total", 0) > before, 1.0)
         k.close()
-        d = self.rng.uniform(1.5, 3.0)
-        http("POST", f"{self.ctl}/stall?seconds={d:.3f}")
-        time.sleep(self.rng.uniform(0.3, 0.8))
         inflight = self.recorder_stats().get("inflight")
         start = mono()
         g.proc.kill9()
@@ -595,6 +621,7 @@ connect_timeout_ms = 1000
         if t2 is not None:
             t2.join(45)
         self.record_fault(kind=kind, start=start, end=end, target=g.name, upstream_inflight_at_kill=inflight,
+                          held_write_in_flight=held,
                           current_after_restart_s=ready, **res_fresh,
                           dead_key_granted_s=res_dead.get("next_grant_s"), dead_key_write_s=res_dead.get("next_write_s"))
 
@@ -617,15 +644,25 @@ connect_timeout_ms = 1000
             nn.close()
             return
         ok, prev, n = z.read(key, token)
-        http("POST", f"{self.ctl}/stall?seconds={self.rng.uniform(1.0, 2.0):.3f}")
-        time.sleep(0.3)
+        held = False
+        if ok:
+            # Mid-forward: z's write the upstream holds (below the route's
+            # upstream timeout) is in flight when the gateway stops; z's
+            # next write, derived from it, waits in the stopped gateway.
+            before = self.recorder_stats().get("held_total", 0)
+            held, (op1, _) = z.send_abandoned_write(key, token, prev, n, UPSTREAM_TIMEOUT_MS - 500,
+                                                    lambda: self.recorder_stats().get("held_total", 0) > before, 1.0)
+            if held:
+                prev, n = op1, n + 1
         inflight = self.recorder_stats().get("inflight")
         t_stop = mono()
         g.proc.signal(signal.SIGSTOP)
         zres = {}
 
         def zombie():
-            zres["st"], zres["code"] = z.write(key, token, prev, n, timeout=60)
+            # On a new connection: a kept-alive one may be closed as idle
+            # the moment the gateway wakes, with the request unread.
+            zres["st"], zres["code"] = z.write(key, token, prev, n, timeout=60, fresh=True)
 
         zt = threading.Thread(target=zombie, daemon=True)
         if ok:
@@ -650,7 +687,8 @@ connect_timeout_ms = 1000
         z.close()
         nn.close()
         self.record_fault(kind=kind, start=start, end=end, target=g.name, key=key, token=token,
-                          stopped_s=round(end - t_stop, 3), upstream_inflight_at_stop=inflight, release_st=rel,
+                          stopped_s=round(end - t_stop, 3), upstream_inflight_at_stop=inflight,
+                          held_write_in_flight=held, release_st=rel,
                           successor_token=ntok, successor_granted_after_stop_s=granted_after,
                           successor_write_st=nst, zombie_write_st=zres.get("st"), zombie_write_code=zres.get("code"))
 
