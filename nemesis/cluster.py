@@ -267,6 +267,15 @@ class Holder(hz.RecordedHolder):
         with self.lock:
             super().record(**kv)
 
+    # One numbering of ops for every Holder of a run: holders of one id are
+    # made afresh per fault, and an op id must name one write.
+    OPS = itertools.count(1)
+
+    def value(self, prev, n, token):
+        op = f"{self.id}:{next(Holder.OPS)}"
+        return op, json.dumps({"op": op, "prev": prev, "n": n + 1, "by": self.id, "tok": token},
+                              separators=(",", ":"))
+
     def write(self, key, token, prev, n, sequence=None, op_value=None, fresh=False, timeout=10):
         op, value = op_value or self.value(prev, n, token)
         headers = {"X-Fencing-Token": str(token), "Content-Type": "application/json"}

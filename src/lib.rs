@@ -25,7 +25,7 @@
 //! | [`api`] | lease API handlers, `/metrics`, `/healthz`, `/readyz` |
 //! | [`metrics`] | every Prometheus handle |
 //! | [`fault`] | deliberately broken variants for the nemesis self-tests: debug builds only, named in an environment variable |
-| [`inject`] | the token-injecting loopback proxy of `fencegate lock --inject` |
+//! | [`inject`] | the token-injecting loopback proxy of `fencegate lock --inject` |
 //! | [`client`] | the Rust client (the `fencegate-client` crate, re-exported): auto-renewing leases, leader election, the token header |
 //! | [`error`] | the error enum: the one place statuses and JSON bodies are chosen |
 //! | [`app`] | wiring a `Config` into a running [`app::Gateway`] |
