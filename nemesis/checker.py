@@ -29,11 +29,12 @@ safety
                       before another one was requested has a lower token;
   token-reuse         a token names one grant of one key: no token is
                       granted for two different keys;
-  lost-grant          no acknowledged grant is lost: no other grant of its
-                      key is answered while the holder is still entitled
-                      to it (from its answer until the acquire's send time
-                      + its TTL, moved to a successful renew's send time
-                      + TTL, and cut at the holder's release);
+  lost-grant          no acknowledged grant is lost: no two holders of a
+                      key are entitled to it at once (a holder is, from its
+                      grant's answer until the acquire's send time + its
+                      TTL, moved to a successful renew's send time + TTL,
+                      cut at its release; an answer that comes after that
+                      end entitles to nothing);
   lost-ack            every write the gateway acknowledged (2xx) is in the
                       upstream's log;
   lost-update         each applied write was derived from the value applied
@@ -120,7 +121,11 @@ def lost_grant_holds(ops, grants):
     for (key, token, c), (t1, end, released, _) in ends.items():
         if released is not None:
             end = min(end, released)
-        out[key].append((t1, end, token, c))  # an empty span still counts as an answer
+        # An answer already past its span (the grant waited longer than its
+        # TTL, e.g. in a quarantine) entitles its holder to nothing: a client
+        # renews before using it, and the renewal fails.
+        if end > t1:
+            out[key].append((t1, end, token, c))
     return out
 
 

@@ -595,8 +595,8 @@ connect_timeout_ms = 1000
 
     # -- gateway faults
     def fault_gateway_kill(self):
-        """kill -9 a gateway with forwards in flight (the upstream stalls);
-        a key granted through it just before is taken over through
+        """kill -9 a gateway with a write in flight (the upstream holds it);
+        the key granted through it just before is taken over through
         another gateway (the dead gateway's keys: grantable again within
         its member TTL + the quarantine), and a fresh key is probed."""
         kind = "gateway-kill"
@@ -638,9 +638,9 @@ connect_timeout_ms = 1000
                           dead_key_granted_s=res_dead.get("next_grant_s"), dead_key_write_s=res_dead.get("next_write_s"))
 
     def fault_gateway_stop(self):
-        """SIGSTOP a gateway mid-forward for longer than its member TTL:
-        requests it forwarded sit in a stalled upstream, a holder's write
-        waits in its socket, the holder releases, a successor is granted
+        """SIGSTOP a gateway mid-forward for longer than its member TTL: a
+        holder's write it forwarded is held by the upstream, the holder's
+        next write waits in its socket, the holder releases, a successor is granted
         through another gateway (once the stopped one's membership expired
         and its quarantine passed) and writes; then SIGCONT: the queued
         write must be refused (not_current), never applied."""

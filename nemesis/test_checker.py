@@ -214,7 +214,16 @@ class CheckerTest(unittest.TestCase):
         h.grant("a", "k", 1, 0.0, 0.1, ttl=1000)
         h.lease_op("renew", "a", "k", 1, 0.8, 0.82)  # entitled until 1.8
         h.lease_op("renew", "a", "k", 1, 1.5, 1.6, st=410)  # a failed renew extends nothing
-        h.grant("b", "k", 2, 0.5, 1.7, ttl=1000)
+        h.grant("b", "k", 2, 1.2, 1.7, ttl=1000)
+        self.assertEqual(h.check(), {"lost-grant": 1})
+
+    def test_an_answer_past_its_own_ttl_entitles_to_nothing(self):
+        h = History()
+        h.grant("a", "k", 2, 0.0, 0.1, ttl=1000)
+        h.grant("b", "k", 1, 0.0, 0.5, ttl=300)  # waited past its TTL: already over when answered
+        h.lease_op("renew", "b", "k", 1, 0.5, 0.52, st=410)
+        self.assertEqual(h.check(), {})
+        h.lease_op("renew", "b", "k", 1, 0.6, 0.62)  # but a successful renew says b held it
         self.assertEqual(h.check(), {"lost-grant": 1})
 
     def test_grants_after_a_release_or_the_ttl_are_not_lost(self):
