@@ -970,7 +970,7 @@ connect_timeout_ms = 1000
         # The longest fault lasts at most about this long (gateway-stop-during-stall:
         # up to 3 s for its grant, 1 s to see its write held, a stop that waits
         # out the hold, a restart, a successor's grant, read and write).
-        longest = 8.0
+        longest = getattr(self, "longest_fault_s", 8.0)
         first = [k for k in (self.args.first_faults or "").split(",") if k]
         queue = list(reversed(first))  # these run first, in order, then the shuffled rounds
         time.sleep(min(self.args.warmup, max(0.0, self.stop_at - mono())))

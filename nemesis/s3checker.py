@@ -77,8 +77,8 @@ def final_objects(data_dir, bucket, keys):
             continue
         lines = []
         for line in raw.decode("utf-8", "replace").splitlines():
-            if not line:
-                continue
+            if not line.strip():
+                continue  # the padding line of a two-part upload
             try:
                 v = json.loads(line)
                 if not isinstance(v, dict) or "id" not in v or "t" not in v:

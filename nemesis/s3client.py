@@ -15,8 +15,10 @@ The mutations, all through the gateway with the grant's token:
 
 * ``put``     PutObject of the object read plus one line;
 * ``mpu``     CreateMultipartUpload, UploadPart 1, a pause (the window in
-              which the nemesis freezes a client mid-upload), UploadPart 2,
-              CompleteMultipartUpload — the same body, in two parts;
+              which the nemesis freezes a client mid-upload), UploadPart 2
+              (a third of the uploads: part 1 is then padded to S3's 5 MiB
+              minimum with a line of spaces, which readers skip),
+              CompleteMultipartUpload — the same chain as a put;
 * ``delete``  DeleteObject;
 * ``delete-objects``  DeleteObjects naming the object (its key only in the
               XML body: the gateway fences it from the body).
@@ -64,6 +66,7 @@ import fencegate  # noqa: E402  (the repository's Python client: its boto3 hook)
 mono = time.monotonic
 STOP = False
 BUCKET = "nem"
+MIN_PART = 5 * 1024 * 1024  # S3's smallest part but the last
 
 
 class Rec:
@@ -110,8 +113,8 @@ def parse_chain(body):
     """The chain of lines of an object body; None if it is not one."""
     lines = []
     for raw in body.splitlines():
-        if not raw:
-            continue
+        if not raw.strip():
+            continue  # a padding line (multipart) or an empty one
         try:
             lines.append(json.loads(raw))
         except ValueError:
@@ -128,7 +131,14 @@ class Worker:
         self.token = None  # what the boto3 hook puts on every request
         cfg = Config(signature_version="s3v4", s3={"addressing_style": "path"},
                      retries={"max_attempts": 1, "mode": "standard"}, connect_timeout=2, read_timeout=8,
-                     tcp_keepalive=True)
+                     tcp_keepalive=True,
+                     # s3s-fs 0.14.1 keeps an object's stored checksum across a
+                     # later multipart Complete or delete + put of the key, and
+                     # answers GET with it: botocore's default validation then
+                     # fails reads of good objects. The checker validates the
+                     # bodies itself (every line must parse).
+                     response_checksum_validation="when_required",
+                     request_checksum_calculation="when_required")
         self.s3 = boto3.session.Session().client(
             "s3", endpoint_url=a.proxy, aws_access_key_id=a.access_key, aws_secret_access_key=a.secret_key,
             region_name="us-east-1", config=cfg)
@@ -145,7 +155,7 @@ class Worker:
         t1 = mono()
         token = body.get("fencing_token") if st == 200 else None
         self.rec(ev="acquire", key=key, t0=t0, t1=t1, st=st, token=token, ttl=ttl, wait=wait,
-                 code=body.get("error"), lease_id=None)
+                 code=body.get("error"))
         return (token, body.get("lease_id"), t0) if token else (None, None, t0)
 
     def read(self, key, token):
@@ -158,6 +168,8 @@ class Worker:
             except (botocore.exceptions.BotoCoreError, OSError) as e:
                 st, err = None, f"reading the body: {e}"
             chain = parse_chain(raw.decode("utf-8", "replace")) if st == 200 else None
+            # What a write appends to: the chain without padding lines.
+            raw = b"".join(line + b"\n" for line in raw.splitlines() if line.strip())
             if st == 200 and chain is None:
                 err = "not a chain"
         elif st == 404:
@@ -205,9 +217,17 @@ class Worker:
         if st != 200 or r is None:
             return
         upload = r["UploadId"]
-        half = max(1, len(body) // 2)
+        # One part, or (a third of the uploads) two: then every part but the
+        # last must be at least 5 MiB (s3s-fs, like S3, refuses smaller ones
+        # at Complete), so part 1 is the chain read plus a padding line of
+        # spaces (readers skip it), part 2 the new line.
+        if self.rng.random() < 1 / 3:
+            pad = max(0, MIN_PART - len(raw) - 1)
+            chunks = [raw + b" " * pad + b"\n", line]
+        else:
+            chunks = [body]
         parts = []
-        for number, chunk in ((1, body[:half]), (2, body[half:])):
+        for number, chunk in enumerate(chunks, 1):
             st, r = self.mutate("mpu-part", key, token,
                                 lambda: self.s3.upload_part(Bucket=BUCKET, Key=obj, UploadId=upload,
                                                             PartNumber=number, Body=chunk),

@@ -54,6 +54,11 @@ class S3Harness(h.Harness):
     base class's `recorder` is the s3s-fs process: crash checks, stops and
     clean-up treat it the same way)."""
 
+    # The longest S3 fault: a pause of TTL max + 2.5 s after up to 1.5 s of
+    # waiting for the holder to be mid-operation (the HTTP mode's staged
+    # faults take up to 8 s).
+    longest_fault_s = 5.0
+
     def start(self):
         a = self.args
         os.makedirs(os.path.join(self.out, "clients"), exist_ok=True)

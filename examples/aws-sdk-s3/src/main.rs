@@ -30,6 +30,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use aws_sdk_s3::config::interceptors::BeforeTransmitInterceptorContextMut;
+use aws_sdk_s3::config::http::HttpResponse;
 use aws_sdk_s3::config::{BehaviorVersion, ConfigBag, Credentials, Intercept, Region, RuntimeComponents};
 use aws_sdk_s3::error::{BoxError, ProvideErrorMetadata, SdkError};
 use aws_sdk_s3::primitives::ByteStream;
@@ -97,29 +98,14 @@ fn s3_client(endpoint: &str, fencing: Option<FencingToken>) -> aws_sdk_s3::Clien
     aws_sdk_s3::Client::from_conf(conf.build())
 }
 
-/// The S3 error code, message and HTTP status of a failed call.
-fn describe<E: ProvideErrorMetadata + std::fmt::Debug, R>(err: &SdkError<E, R>) -> (Option<String>, String, u16)
-where
-    R: std::fmt::Debug,
-{
-    let status = match err {
-        SdkError::ServiceError(s) => raw_status(s.raw()),
-        _ => 0,
-    };
+/// The S3 error code, message and HTTP status of a failed call: the code
+/// and message come from S3's XML error body, which the gateway sends on
+/// its refusals too.
+fn describe<E: ProvideErrorMetadata>(err: &SdkError<E, HttpResponse>) -> (Option<String>, String, u16) {
+    let status = err.raw_response().map_or(0, |r| r.status().as_u16());
     let code = err.code().map(str::to_string);
     let message = err.message().unwrap_or("").to_string();
     (code, message, status)
-}
-
-fn raw_status<R: std::fmt::Debug>(raw: &R) -> u16 {
-    // The raw response type is the SDK's HttpResponse; its Debug output is
-    // the only stable way to read it generically here.
-    let text = format!("{raw:?}");
-    text.split("status: StatusCode(")
-        .nth(1)
-        .and_then(|rest| rest.split(')').next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(0)
 }
 
 async fn run() -> Result<(), String> {
