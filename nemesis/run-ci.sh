@@ -3,8 +3,8 @@
 # then the self-test against a deliberately unfenced gateway (shadow mode);
 # then the same two for the S3 mode (issue 16: s3s-fs behind an S3 route).
 # Fails if the fenced run shows any anomaly, or if the self-test shows none,
-# or none of the sequence rule (a checker that cannot catch a broken gateway
-# proves nothing).
+# or none of the sequence rule, or (S3) none in the objects s3s-fs held (a
+# checker that cannot catch a broken gateway proves nothing).
 #
 #   bash nemesis/run-ci.sh
 #
@@ -75,6 +75,8 @@ timeout --signal=TERM --kill-after=30 $(( ${NEMESIS_S3_SELFTEST_DURATION:-25} + 
     python3 nemesis/harness.py --s3 --unfenced --duration "${NEMESIS_S3_SELFTEST_DURATION:-25}" \
     --binary "$FENCEGATE_BIN" --out "$OUT/s3-unfenced" --faults pause --quiet-gap 1
 s3selftest=$?
+s3objects=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1])).get("object_anomalies", 0))' \
+    "$OUT/s3-unfenced/summary.json" 2>/dev/null || echo 0)
 
 echo
 echo "== nemesis: $(( $(date +%s) - started )) s; histories in $OUT =="
@@ -108,5 +110,11 @@ if [ "$s3selftest" -ne 0 ]; then
     status=1
 else
     echo "ok: S3 self-test, the checker caught the unfenced S3 route"
+fi
+if [ "$s3objects" -gt 0 ] 2>/dev/null; then
+    echo "ok: S3 self-test, $s3objects anomalies seen in what s3s-fs held (stale writes in objects, acknowledged writes lost)"
+else
+    echo "FAIL: the S3 self-test found no anomaly in the objects s3s-fs held (only in the gateway's answers)"
+    status=1
 fi
 exit $status

@@ -6,7 +6,9 @@ by ``s3client.py``), the faults (``nemesis.jsonl``), ``run.json``, and what
 s3s-fs actually wrote: each object's file under its data directory
 (``s3-data/nem/objK``). An object's body is a chain of JSON lines, one per
 write that built it since the last delete (see ``s3client.py``), so the
-final file lists, in order, the writes the store applied.
+final file lists, in order, the writes the store applied; and every read
+recorded the chain s3s-fs served then, so the states between deletes are
+known too.
 
 A mutation is *acknowledged* when the gateway answered 2xx; *refused* when
 it answered 4xx; its outcome is *unknown* otherwise (5xx, no answer).
@@ -17,10 +19,10 @@ for that key has been answered to some client.
 |---|---|
 | duplicate-grant | no token is granted twice (tokens are unique across keys) |
 | superseded-acked | no mutation (PutObject, CreateMultipartUpload, UploadPart, CompleteMultipartUpload, DeleteObject, DeleteObjects) sent with an already-superseded token is acknowledged |
-| superseded-applied | no write sent with an already-superseded token is in an object's final body (whatever its answer) |
-| non-monotonic | along an object's final chain the tokens never decrease |
-| ungranted-token | every line of a final chain carries a token granted for that object |
-| lost-ack | every acknowledged write is in its object's final chain, unless a delete that may have landed (not refused) with a higher token, or the same token sent after the write's answer, removed it |
+| superseded-applied | no write sent with an already-superseded token is in any state of the object s3s-fs held (a chain one of its reads served, or its final file), whatever the write's answer |
+| non-monotonic | along every such chain the tokens never decrease |
+| ungranted-token | every line of such a chain carries a token granted for that object |
+| lost-ack | every acknowledged write is in its object's final chain, unless a delete (not refused) removed it: its deleter's read just before the delete saw the write |
 | final-not-latest | the final state is at or after the latest acknowledged mutation of the highest token: that write is in the chain or something of a higher token replaced it; after such a delete, the object is absent or rebuilt by writes sent after it |
 | malformed-object | every object file is a chain of lines (no torn or foreign body) |
 | process-crash | the gateway or s3s-fs died on its own, or a client crashed |
@@ -36,6 +38,8 @@ from collections import Counter, defaultdict
 
 WRITES = ("put", "mpu-complete")
 DELETES = ("delete", "delete-objects")
+OBJECT_KINDS = ("superseded-applied", "non-monotonic", "ungranted-token", "lost-ack", "final-not-latest",
+                "malformed-object")
 MUTATIONS = ("put", "mpu-create", "mpu-part", "mpu-complete", "delete", "delete-objects")
 
 
@@ -142,6 +146,20 @@ def check(out_dir, final=None):
             anomaly("superseded-acked", client=m["c"], key=m["key"], ev=m["ev"], token=m["token"], sent=m["t0"],
                     superseded_by=s[1], superseded_at=s[0], id=m.get("id"))
 
+    # What s3s-fs served: every chain a read returned (ids and tokens).
+    reads = [r for r in recs if r.get("ev") == "read" and r.get("st") == 200 and r.get("chain")]
+    last_read = {}  # (client, key, token) -> reads in time order, to find the one before a delete
+    for r in sorted(reads, key=lambda r: r["t0"]):
+        last_read.setdefault((r["c"], r["key"], r["token"]), []).append(r)
+
+    def read_before(d):
+        """The ids the deleter's last read before the delete saw (None: it read 404 or nothing)."""
+        best = None
+        for r in last_read.get((d["c"], d["key"], d["token"]), []):
+            if r["t1"] <= d["t0"]:
+                best = r
+        return {x[0] for x in best["chain"]} if best else set()
+
     keys = sorted({r["key"] for r in recs if r.get("key")} | set(run.get("s3_objects", [])))
     if final is None:
         final = final_objects(run["s3_data_dir"], run.get("s3_bucket", "nem"), keys)
@@ -153,25 +171,36 @@ def check(out_dir, final=None):
             continue
         chain = chain or []
         ids = {line["id"] for line in chain}
-        for i, line in enumerate(chain):
-            if line["t"] not in granted[key]:
-                anomaly("ungranted-token", key=key, id=line["id"], token=line["t"])
-            if i and line["t"] < chain[i - 1]["t"]:
-                anomaly("non-monotonic", key=key, id=line["id"], token=line["t"], after=chain[i - 1]["id"],
-                        after_token=chain[i - 1]["t"])
-            w = writes_by_id.get(line["id"])
-            if w is not None and not acked(w):
-                s = superseded_at(key, w["token"], w["t0"])
-                if s is not None:
-                    anomaly("superseded-applied", key=key, id=line["id"], token=w["token"], sent=w["t0"],
-                            superseded_by=s[1], st=w.get("st"))
+        # Every state of the object s3s-fs is known to have held: the
+        # chains its reads served, and its final file.
+        states = [[(x[0], x[1]) for x in r["chain"]] for r in reads if r["key"] == key]
+        states.append([(line["id"], line["t"]) for line in chain])
+        seen_bad, seen_mono = set(), set()
+        for state in states:
+            for i, (wid, tok) in enumerate(state):
+                if tok not in granted[key] and ("ungranted", wid) not in seen_bad:
+                    seen_bad.add(("ungranted", wid))
+                    anomaly("ungranted-token", key=key, id=wid, token=tok)
+                if i and tok < state[i - 1][1] and (wid, state[i - 1][0]) not in seen_mono:
+                    seen_mono.add((wid, state[i - 1][0]))
+                    anomaly("non-monotonic", key=key, id=wid, token=tok, after=state[i - 1][0],
+                            after_token=state[i - 1][1])
+                w = writes_by_id.get(wid)
+                if w is not None and ("stale", wid) not in seen_bad:
+                    s = superseded_at(key, w["token"], w["t0"])
+                    if s is not None:
+                        seen_bad.add(("stale", wid))
+                        anomaly("superseded-applied", key=key, id=wid, token=w["token"], sent=w["t0"],
+                                superseded_by=s[1], st=w.get("st"))
         mine = [m for m in muts if m["key"] == key]
         deletes = [m for m in mine if m["ev"] in DELETES and not refused(m)]
         for w in mine:
             if w["ev"] not in WRITES or not acked(w) or w["id"] in ids:
                 continue
-            removed = any(d["token"] > w["token"] or (d["token"] == w["token"] and d["t0"] >= w["t1"])
-                          for d in deletes)
+            # A delete that removed it: its deleter read the object just
+            # before and saw the write there (under fencing every later
+            # holder's read sees an acknowledged write until a delete).
+            removed = any(w["id"] in read_before(d) for d in deletes)
             if not removed:
                 anomaly("lost-ack", key=key, id=w["id"], token=w["token"], client=w["c"], answered=w["t1"])
         done = [m for m in mine if (m["ev"] in WRITES or m["ev"] in DELETES) and acked(m)]
@@ -181,8 +210,8 @@ def check(out_dir, final=None):
             if latest["ev"] in WRITES:
                 # Its write, or a higher token's, is what the object ends with.
                 ok = (chain and (chain[-1]["t"] > t or (chain[-1]["t"] == t and latest["id"] in ids))) or (
-                    not chain and any(d["token"] > t or (d["token"] == t and d["t0"] >= latest["t1"])
-                                      for d in deletes))
+                    not chain and any((d["token"] > t and d["t0"] > latest["t0"])
+                                      or (d["token"] == t and d["t0"] >= latest["t1"]) for d in deletes))
             else:
                 first = writes_by_id.get(chain[0]["id"]) if chain else None
                 ok = not chain or chain[0]["t"] > t or (
@@ -245,6 +274,9 @@ def check(out_dir, final=None):
         "faults_judged": judged, "faults_unjudged": unjudged, "liveness_bound_s": bound,
         "max_recovery_s": {k: max((v for v in vs if v is not None), default=None) for k, vs in recoveries.items()},
         "anomalies": len(anomalies), "safety_anomalies": len(safety),
+        # Seen in what s3s-fs held (its files, the chains it served), not
+        # only in the gateway's answers.
+        "object_anomalies": sum(a["kind"] in OBJECT_KINDS for a in anomalies),
         "anomalies_by_kind": dict(Counter(a["kind"] for a in anomalies)),
         "anomaly_examples": anomalies[:12],
     }
@@ -268,7 +300,8 @@ def render(s):
         f"  faults              {', '.join(f'{k} {v}' for k, v in sorted(s['faults'].items()))}",
         f"  liveness            bound {s['liveness_bound_s']:.2f}s, judged {s['faults_judged']} "
         f"(unjudged {s['faults_unjudged']}), max recovery: {rec}",
-        f"  anomalies           {s['anomalies']}  (safety {s['safety_anomalies']}) {s['anomalies_by_kind']}",
+        f"  anomalies           {s['anomalies']}  (safety {s['safety_anomalies']}, in the objects "
+        f"{s['object_anomalies']}) {s['anomalies_by_kind']}",
     ]
     for a in s["anomaly_examples"]:
         lines.append(f"    {json.dumps(a)}")

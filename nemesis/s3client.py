@@ -27,7 +27,9 @@ An object's body is a chain of JSON lines, one per write that built it:
 ``{"id": "c3:17", "t": <token>, "op": "put"|"mpu", "prev": <id of the
 last line read, or null>}``. A writer appends its line to exactly what it
 read, so the final object names, in order, every write applied since the
-last delete: the checker reads it from s3s-fs's directory.
+last delete: the checker reads it from s3s-fs's directory, and every read
+records the chain s3s-fs served (ids and tokens), so the checker also sees
+the object's states between deletes.
 
 Every operation is one JSON line in ``--record`` (flushed at once), with
 ``t0``/``t1`` the monotonic times it was sent and answered, ``st`` the HTTP
@@ -35,7 +37,8 @@ status (null when the exchange failed: then ``err``), ``code`` the S3 error
 code of a refusal (``StaleFencingToken``, ...):
 
     {"ev":"acquire","c":"c3","key":"nem/obj1","t0":..,"t1":..,"st":200,"token":41,"ttl":600}
-    {"ev":"read","c":"c3","key":"nem/obj1","token":41,"t0":..,"t1":..,"st":200,"last":"c1:17","lines":5}
+    {"ev":"read","c":"c3","key":"nem/obj1","token":41,"t0":..,"t1":..,"st":200,"last":"c1:17","lines":5,
+     "chain":[["c2:3",39],...,["c1:17",40]]}
     {"ev":"put","c":"c3","key":"nem/obj1","token":41,"t0":..,"t1":..,"st":200,"id":"c3:9","prev":"c1:17"}
     {"ev":"mpu-create"|"mpu-part"|"mpu-complete"|"delete"|"delete-objects"|"renew"|"release"|"lost", ...}
 
@@ -177,7 +180,8 @@ class Worker:
         t1 = mono()
         self.rec(ev="read", key=key, token=token, t0=t0, t1=t1, st=st, code=code, err=err,
                  last=(chain[-1].get("id") if chain else None) if chain is not None else None,
-                 lines=len(chain) if chain is not None else None)
+                 lines=len(chain) if chain is not None else None,
+                 chain=[[x.get("id"), x.get("t")] for x in chain] if chain else None)
         return (raw, chain) if chain is not None and st in (200, 404) else (None, None)
 
     def mutate(self, ev, key, token, fn, **extra):

@@ -40,6 +40,11 @@ class History:
         if part2_st == 200:
             self.op("mpu-complete", c, token, wid, t0 + 0.3, t0 + 0.31, st=st_complete, code=code)
 
+    def read(self, c, token, pairs, t0, t1, key=KEY):
+        """A read that served the chain of (id, token) pairs."""
+        self.ops.append({"ev": "read", "c": c, "key": key, "token": token, "t0": t0, "t1": t1, "st": 200,
+                         "chain": [list(p) for p in pairs] or None})
+
     def lines(self, *pairs, key=KEY):
         """The object's final chain: (id, token) pairs in order."""
         prev, chain = None, []
@@ -127,6 +132,7 @@ class S3CheckerTest(unittest.TestCase):
 
     def test_stale_delete_removes_an_acknowledged_write(self):
         h = clean()
+        h.read("a", 10, [("a:1", 10)], 0.2, 0.21)  # before its pause: B's upload is not there yet
         h.op("delete-objects", "a", 10, "a:3", 2.8, 2.81)
         h.final[KEY] = None
         k = kinds(h.check())
@@ -136,9 +142,23 @@ class S3CheckerTest(unittest.TestCase):
 
     def test_legitimate_delete_explains_a_missing_write(self):
         h = clean()
+        h.read("b", 12, [("a:1", 10), ("b:1", 12)], 2.7, 2.71)
         h.op("delete", "b", 12, "b:2", 2.8, 2.81)
         h.final[KEY] = None
         self.assertEqual(h.check()["anomalies"], 0)
+
+    def test_stale_write_seen_by_a_read_then_deleted(self):
+        # The final file no longer shows it, but s3s-fs served it.
+        h = clean()
+        h.ops = [o for o in h.ops if o.get("id") != "a:2"]
+        h.op("put", "a", 10, "a:2", 2.6, 2.7, st=None, prev="b:1")
+        h.read("b", 12, [("a:1", 10), ("b:1", 12), ("a:2", 10)], 2.8, 2.81)
+        h.op("delete", "b", 12, "b:2", 2.9, 2.91)
+        h.final[KEY] = None
+        k = kinds(h.check())
+        self.assertEqual(k.get("superseded-applied"), 1, k)
+        self.assertEqual(k.get("non-monotonic"), 1, k)
+        self.assertNotIn("lost-ack", k)
 
     def test_duplicate_grant_and_ungranted_token(self):
         h = clean()
