@@ -29,8 +29,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use aws_sdk_s3::config::interceptors::BeforeTransmitInterceptorContextMut;
 use aws_sdk_s3::config::http::HttpResponse;
+use aws_sdk_s3::config::interceptors::BeforeTransmitInterceptorContextMut;
 use aws_sdk_s3::config::{BehaviorVersion, ConfigBag, Credentials, Intercept, Region, RuntimeComponents};
 use aws_sdk_s3::error::{BoxError, ProvideErrorMetadata, SdkError};
 use aws_sdk_s3::primitives::ByteStream;
@@ -78,13 +78,8 @@ fn env_or(name: &str, default: &str) -> String {
 /// keys, the fencing interceptor, and no retries (a refused write must not
 /// be retried blindly; the holder decides).
 fn s3_client(endpoint: &str, fencing: Option<FencingToken>) -> aws_sdk_s3::Client {
-    let creds = Credentials::new(
-        env_or("AWS_ACCESS_KEY_ID", ""),
-        env_or("AWS_SECRET_ACCESS_KEY", ""),
-        None,
-        None,
-        "example",
-    );
+    let creds =
+        Credentials::new(env_or("AWS_ACCESS_KEY_ID", ""), env_or("AWS_SECRET_ACCESS_KEY", ""), None, None, "example");
     let mut conf = aws_sdk_s3::Config::builder()
         .behavior_version(BehaviorVersion::latest())
         .region(Region::new("us-east-1"))
@@ -181,13 +176,8 @@ async fn run() -> Result<(), String> {
     println!("B (token {token_b}) PutObject -> ok");
 
     // A wakes up and writes with the token it still holds.
-    let stale = s3_a
-        .put_object()
-        .bucket(&bucket)
-        .key(key)
-        .body(ByteStream::from_static(b"A's stale overwrite"))
-        .send()
-        .await;
+    let stale =
+        s3_a.put_object().bucket(&bucket).key(key).body(ByteStream::from_static(b"A's stale overwrite")).send().await;
     let err = match stale {
         Ok(_) => return Err(format!("A's stale PutObject (token {token_a}) was accepted")),
         Err(e) => e,

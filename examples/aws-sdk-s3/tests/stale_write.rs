@@ -53,7 +53,9 @@ fn wait_ready(port: u16, path: &str, what: &str, child: &mut Child) {
             let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
             let req = format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n");
             let mut answer = String::new();
-            if s.write_all(req.as_bytes()).is_ok() && s.read_to_string(&mut answer).is_ok() && answer.starts_with("HTTP/1.1 200")
+            if s.write_all(req.as_bytes()).is_ok()
+                && s.read_to_string(&mut answer).is_ok()
+                && answer.starts_with("HTTP/1.1 200")
             {
                 return;
             }
@@ -65,8 +67,8 @@ fn wait_ready(port: u16, path: &str, what: &str, child: &mut Child) {
 
 #[test]
 fn stale_sdk_write_is_refused_with_the_s3_error_in_the_sdk_error() {
-    let gateway = std::env::var("FENCEGATE_BIN")
-        .expect("set FENCEGATE_BIN to the gateway binary (e.g. target/debug/fencegate)");
+    let gateway =
+        std::env::var("FENCEGATE_BIN").expect("set FENCEGATE_BIN to the gateway binary (e.g. target/debug/fencegate)");
     let dir = tempfile::tempdir().unwrap();
     let s3_dir = dir.path().join("s3");
     std::fs::create_dir_all(&s3_dir).unwrap();
