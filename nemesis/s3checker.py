@@ -24,7 +24,7 @@ for that key has been answered to some client.
 | ungranted-token | every line of such a chain carries a token granted for that object |
 | lost-ack | every acknowledged write is in its object's final chain, unless a delete (not refused) removed it: its deleter's read just before the delete saw the write |
 | final-not-latest | the final state is at or after the latest acknowledged mutation of the highest token: that write is in the chain or something of a higher token replaced it; after such a delete, the object is absent or rebuilt by writes sent after it |
-| malformed-object | every object file is a chain of lines (no torn or foreign body) |
+| malformed-object | every object file, and every body a read was served, is a chain of lines (no torn or foreign body) |
 | process-crash | the gateway or s3s-fs died on its own, or a client crashed |
 | liveness | after each fault, some client is granted a lock and gets a mutation acknowledged with it within the bound |
 
@@ -220,6 +220,9 @@ def check(out_dir, final=None):
                 anomaly("final-not-latest", key=key, latest=latest["ev"], latest_id=latest.get("id"), token=t,
                         final_last=(chain[-1]["id"], chain[-1]["t"]) if chain else None)
 
+    for r in recs:
+        if r.get("ev") == "read" and r.get("st") == 200 and r.get("err") == "not a chain":
+            anomaly("malformed-object", key=r["key"], served_to=r["c"], at=r["t1"])
     for u in run.get("unexpected_exits", []):
         anomaly("process-crash", **u)
 

@@ -173,6 +173,12 @@ class S3CheckerTest(unittest.TestCase):
         h.final[KEY] = '{"id": "a:1", "t": 10}\n{"id": "b:1", "t'
         self.assertEqual(kinds(h.check()).get("malformed-object"), 1)
 
+    def test_torn_body_served_to_a_read_is_malformed(self):
+        h = clean()
+        h.ops.append({"ev": "read", "c": "b", "key": KEY, "token": 12, "t0": 2.5, "t1": 2.51, "st": 200,
+                      "err": "not a chain"})
+        self.assertEqual(kinds(h.check()).get("malformed-object"), 1)
+
     def test_liveness_after_a_fault(self):
         h = clean()
         h.faults.append({"kind": "gateway-kill", "start": 5.0, "end": 5.5})
