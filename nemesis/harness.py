@@ -970,7 +970,7 @@ connect_timeout_ms = 1000
         # The longest fault lasts at most about this long (gateway-stop-during-stall:
         # up to 3 s for its grant, 1 s to see its write held, a stop that waits
         # out the hold, a restart, a successor's grant, read and write).
-        longest = 8.0
+        longest = getattr(self, "longest_fault_s", 8.0)
         first = [k for k in (self.args.first_faults or "").split(",") if k]
         queue = list(reversed(first))  # these run first, in order, then the shuffled rounds
         time.sleep(min(self.args.warmup, max(0.0, self.stop_at - mono())))
@@ -1073,12 +1073,28 @@ def main():
     ap.add_argument("--upstream-request-timeout", type=float, default=2.0,
                     help="the recorder applies a request within this many seconds or not at all")
     ap.add_argument("--gateway-log-level", default="warn")
+    ap.add_argument("--s3", action="store_true",
+                    help="S3 mode (s3mode.py): s3s-fs behind an S3 route, boto3 clients, s3checker.py; faults "
+                         "default to the S3 mode's (pause, gateway-kill, gateway-pause, gateway-restart, "
+                         "upstream-kill, partition)")
+    ap.add_argument("--s3s-fs", default=None, help="S3 mode: the s3s-fs binary (default $S3S_FS, "
+                                                    "~/.cargo/bin/s3s-fs, or PATH)")
+    ap.add_argument("--python", default=os.path.join(os.path.dirname(HERE), ".venv", "bin", "python"),
+                    help="S3 mode: the python with boto3 that runs the clients (default: the repository's .venv "
+                         "made by scripts/setup-s3.sh)")
     a = ap.parse_args()
+    known = ALL_FAULTS
+    if a.s3:
+        import s3mode  # noqa: E402  (only the S3 mode needs it)
+        known = s3mode.S3_FAULTS
+        if a.faults == ",".join(DEFAULT_FAULTS):
+            a.faults = ",".join(s3mode.S3_FAULTS)
+        a.s3s_fs = a.s3s_fs or s3mode.s3s_fs_binary()
     if a.faults == "all":
-        a.faults = ",".join(ALL_FAULTS)
-    bad = [k for k in (a.faults + "," + a.first_faults).split(",") if k and k not in ALL_FAULTS]
+        a.faults = ",".join(known)
+    bad = [k for k in (a.faults + "," + a.first_faults).split(",") if k and k not in known]
     if bad:
-        ap.error(f"unknown fault(s) {bad}; known: {ALL_FAULTS}")
+        ap.error(f"unknown fault(s) {bad}; known: {known}")
     if a.clients < 5:
         ap.error("--clients must be at least 5")
     if not 0 < a.upstream_request_timeout < UPSTREAM_TIMEOUT_MS / 1000:
@@ -1091,9 +1107,12 @@ def main():
     a.out = os.path.abspath(a.out or tempfile.mkdtemp(prefix="fencegate-nemesis-"))
     os.makedirs(a.out, exist_ok=True)
     log(f"fencegate nemesis run: out={a.out} seed={a.seed} duration={a.duration}s "
-        f"mode={'unfenced self-test' if a.unfenced else 'fenced'}")
+        f"mode={'unfenced self-test' if a.unfenced else 'fenced'}{' s3' if a.s3 else ''}")
 
-    h = Harness(a)
+    h = s3mode.S3Harness(a) if a.s3 else Harness(a)
+    check = checker
+    if a.s3:
+        import s3checker as check  # noqa: E402
     atexit.register(h.cleanup)
 
     def on_signal(signum, frame):
@@ -1116,8 +1135,8 @@ def main():
     finally:
         h.cleanup()
         signal.alarm(0)
-    s = checker.check(a.out)
-    text = checker.render(s)
+    s = check.check(a.out)
+    text = check.render(s)
     with open(os.path.join(a.out, "summary.json"), "w") as f:
         json.dump(s, f, indent=2)
     with open(os.path.join(a.out, "summary.txt"), "w") as f:

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Nemesis run for CI (issue 7): a short fenced run under every default fault,
 # then the self-test against a deliberately unfenced gateway (shadow mode);
+# then the same two for the S3 mode (issue 16: s3s-fs behind an S3 route);
 # then both in cluster mode (issue 15).
 # Fails if the fenced run shows any anomaly, or if the self-test shows none,
-# or none of the sequence rule (a checker that cannot catch a broken gateway
-# proves nothing).
+# or none of the sequence rule, or (S3) none in the objects s3s-fs held, or
+# (cluster) no superseded-applied (a checker that cannot catch a broken
+# gateway proves nothing).
 #
 #   bash nemesis/run-ci.sh
 #
@@ -14,6 +16,8 @@
 #   NEMESIS_SELFTEST_DURATION   seconds of the unfenced self-test (default 30)
 #   NEMESIS_SEED                seed of the fenced run (default: random, printed)
 #   NEMESIS_OUT                 where histories and logs go (default: a new /tmp directory)
+#   NEMESIS_S3_DURATION         seconds of the fenced S3 run (default 48)
+#   NEMESIS_S3_SELFTEST_DURATION  seconds of the S3 mode's unfenced self-test (default 25)
 #   NEMESIS_CLUSTER_DURATION    seconds of the cluster-mode run (default 60)
 #   NEMESIS_CLUSTER_SELFTEST_DURATION  seconds of its self-test (default 40)
 #
@@ -29,7 +33,7 @@ if [ -z "${FENCEGATE_BIN:-}" ]; then
     FENCEGATE_BIN="$PWD/target/debug/fencegate"
 fi
 echo "== nemesis: checker unit tests =="
-python3 -m unittest nemesis/test_checker.py || exit 1
+python3 -m unittest nemesis/test_checker.py nemesis/test_s3checker.py || exit 1
 
 OUT="${NEMESIS_OUT:-$(mktemp -d /tmp/fencegate-nemesis-ci.XXXXXX)}"
 mkdir -p "$OUT"
@@ -59,6 +63,29 @@ seqorder=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1])).get(
     "$OUT/unfenced/summary.json" 2>/dev/null || echo 0)
 
 echo
+echo "== nemesis S3 mode: fenced run against s3s-fs (${NEMESIS_S3_DURATION:-48} s) =="
+# s3s-fs (SigV4-verifying) behind an S3 route, boto3 clients doing fenced
+# PutObject, multipart uploads, DeleteObject and DeleteObjects. A 48 s run
+# has room for three faults: the GC pause (a holder frozen mid-upload or
+# between its read and its write), kill -9 of the gateway and a clean
+# restart, whatever the seed; the other S3 faults are in the soak.
+bash scripts/setup-s3.sh >/dev/null || { echo "FAIL: scripts/setup-s3.sh (s3s-fs, boto3) failed"; exit 2; }
+timeout --signal=TERM --kill-after=30 $(( ${NEMESIS_S3_DURATION:-48} + 300 )) \
+    python3 nemesis/harness.py --s3 --duration "${NEMESIS_S3_DURATION:-48}" --binary "$FENCEGATE_BIN" \
+    --out "$OUT/s3-fenced" ${NEMESIS_SEED:+--seed "$NEMESIS_SEED"} --first-faults pause,gateway-kill,gateway-restart
+s3fenced=$?
+
+echo
+echo "== nemesis S3 mode: self-test against an unfenced S3 route (shadow mode, ${NEMESIS_S3_SELFTEST_DURATION:-25} s) =="
+# Holders frozen between their read and their write or mid-upload, one
+# after the other: shadow mode forwards their stale writes, parts and
+# deletes, and the checker must see them in what s3s-fs wrote and acknowledged.
+timeout --signal=TERM --kill-after=30 $(( ${NEMESIS_S3_SELFTEST_DURATION:-25} + 300 )) \
+    python3 nemesis/harness.py --s3 --unfenced --duration "${NEMESIS_S3_SELFTEST_DURATION:-25}" \
+    --binary "$FENCEGATE_BIN" --out "$OUT/s3-unfenced" --faults pause --quiet-gap 1
+s3selftest=$?
+s3objects=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1])).get("object_anomalies", 0))' \
+    "$OUT/s3-unfenced/summary.json" 2>/dev/null || echo 0)
 echo "== nemesis: cluster mode, fenced run (${NEMESIS_CLUSTER_DURATION:-60} s: 3 etcd members, 3 gateways) =="
 # The faults the issue names, the ones only a cluster has first: gateway 3
 # cut from etcd, the etcd leader killed, a gateway stopped past its member
@@ -101,6 +128,24 @@ if [ "$seqorder" -gt 0 ] 2>/dev/null; then
     echo "ok: self-test, $seqorder sequence-order anomalies (the sequence rule ignored in shadow mode)"
 else
     echo "FAIL: the self-test found no sequence-order anomaly (the holder-retry fault did not catch the gateway that ignores X-Fencing-Sequence)"
+    status=1
+fi
+if [ "$s3fenced" -ne 0 ]; then
+    echo "FAIL: the fenced S3 run exited $s3fenced (1 = anomalies, 2 = harness failure); see $OUT/s3-fenced/summary.txt"
+    status=1
+else
+    echo "ok: fenced S3 run, no anomalies"
+fi
+if [ "$s3selftest" -ne 0 ]; then
+    echo "FAIL: the S3 self-test exited $s3selftest (1 = the checker found no anomaly in an unfenced S3 route)"
+    status=1
+else
+    echo "ok: S3 self-test, the checker caught the unfenced S3 route"
+fi
+if [ "$s3objects" -gt 0 ] 2>/dev/null; then
+    echo "ok: S3 self-test, $s3objects anomalies seen in what s3s-fs held (stale writes in objects, acknowledged writes lost)"
+else
+    echo "FAIL: the S3 self-test found no anomaly in the objects s3s-fs held (only in the gateway's answers)"
     status=1
 fi
 if [ "$cluster" -ne 0 ]; then

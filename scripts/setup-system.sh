@@ -6,6 +6,7 @@ set -euo pipefail
 mode="${1:-build}"
 packages=(libclang-dev)            # RocksDB's bindings are generated with bindgen
 packages+=(protobuf-compiler)      # etcd-client (cluster mode) generates its gRPC code with protoc
+packages+=(libprotobuf-dev)        # ... and imports protobuf's well-known types (a Recommends of protobuf-compiler, which --no-install-recommends skips)
 if [ "$mode" = "test" ]; then
   packages+=(procps)               # kill(1) for the crash and restart tests
   packages+=(prometheus)           # real Prometheus + promtool check the dashboard and alert rules
