@@ -27,6 +27,14 @@ safety
                       any crash;
   grant-order         tokens follow real time: a grant that was answered
                       before another one was requested has a lower token;
+  token-reuse         a token names one grant of one key: no token is
+                      granted for two different keys;
+  lost-grant          no acknowledged grant is lost: no two holders of a
+                      key are entitled to it at once (a holder is, from its
+                      grant's answer until the acquire's send time + its
+                      TTL, moved to a successful renew's send time + TTL,
+                      cut at its release; an answer that comes after that
+                      end entitles to nothing);
   lost-ack            every write the gateway acknowledged (2xx) is in the
                       upstream's log;
   lost-update         each applied write was derived from the value applied
@@ -57,7 +65,7 @@ import sys
 from collections import Counter, defaultdict
 
 SAFETY = ["non-monotonic", "sequence-order", "superseded-applied", "duplicate-grant", "grant-order", "lost-ack",
-          "lost-update", "ungranted-token", "phantom-read"]
+          "lost-update", "ungranted-token", "phantom-read", "token-reuse", "lost-grant"]
 LIVENESS = ["liveness"]
 OTHER = ["process-crash"]
 
@@ -84,6 +92,41 @@ def parse_value(v):
         return d if isinstance(d, dict) else {}
     except (ValueError, TypeError):
         return {}
+
+
+def lost_grant_holds(ops, grants):
+    """Per key, (answered, entitled until, token, client) of every grant
+    that carries its TTL.
+    A holder is entitled from its grant's answer until the acquire's send
+    time + the TTL it asked for (the authority counts the TTL from a later
+    instant and may grant a longer one), moved to a successful renew's send
+    time + that TTL (a renew succeeds only while the lease still lives),
+    and cut at the send time of its first release. Times are true
+    monotonic readings, not the client's (possibly stepped) lease clock."""
+    ends = {}
+    for g in grants:
+        ttl = g.get("ttl")
+        if isinstance(ttl, (int, float)):
+            ends[(g["key"], g["token"], g["c"])] = [g["t1"], g["t0"] + ttl / 1000, None, ttl]
+    for o in ops:
+        k = (o.get("key"), o.get("token"), o.get("c"))
+        h = ends.get(k)
+        if h is None:
+            continue
+        if o.get("ev") == "renew" and o.get("st") == 200:
+            h[1] = max(h[1], o["t0"] + h[3] / 1000)
+        elif o.get("ev") == "release":
+            h[2] = o["t0"] if h[2] is None else min(h[2], o["t0"])
+    out = defaultdict(list)
+    for (key, token, c), (t1, end, released, _) in ends.items():
+        if released is not None:
+            end = min(end, released)
+        # An answer already past its span (the grant waited longer than its
+        # TTL, e.g. in a quarantine) entitles its holder to nothing: a client
+        # renews before using it, and the renewal fails.
+        if end > t1:
+            out[key].append((t1, end, token, c))
+    return out
 
 
 class Report:
@@ -148,6 +191,28 @@ def check(run_dir):
                 a = prefix_max[i - 1]
                 rep.add("grant-order", key=key, earlier_token=a["token"], earlier_client=a["c"],
                         earlier_answered=a["t1"], later_token=b["token"], later_client=b["c"], later_sent=b["t0"])
+
+    # token-reuse: one token, two keys
+    key_of_token = {}
+    for g in grants:
+        other = key_of_token.setdefault(g["token"], g)
+        if other["key"] != g["key"]:
+            rep.add("token-reuse", token=g["token"], first_key=other["key"], first=other["c"], second_key=g["key"],
+                    second=g["c"], first_t1=other["t1"], second_t1=g["t1"])
+
+    # lost-grant: while a holder is entitled to its grant (answered, its TTL
+    # counted from the acquire's or the last successful renew's send time,
+    # not yet released), no other grant of the key is answered.
+    holds = lost_grant_holds(ops, grants)
+    for key, hs in holds.items():
+        hs.sort(key=lambda h: h[0])
+        prev = None  # the hold with the latest end among those answered earlier
+        for h in hs:
+            if prev is not None and h[0] < prev[1] and h[2] != prev[2]:
+                rep.add("lost-grant", key=key, holder_token=prev[2], holder=prev[3], holder_until=prev[1],
+                        other_token=h[2], other=h[3], other_answered=h[0], overlap_s=round(prev[1] - h[0], 4))
+            if prev is None or h[1] > prev[1]:
+                prev = h
 
     # superseded_at(key, token): earliest answer of a grant with a higher token
     superseded = {}

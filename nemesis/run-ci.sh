@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Nemesis run for CI (issue 7): a short fenced run under every default fault,
 # then the self-test against a deliberately unfenced gateway (shadow mode);
-# then the same two for the S3 mode (issue 16: s3s-fs behind an S3 route).
+# then the same two for the S3 mode (issue 16: s3s-fs behind an S3 route);
+# then both in cluster mode (issue 15).
 # Fails if the fenced run shows any anomaly, or if the self-test shows none,
-# or none of the sequence rule, or (S3) none in the objects s3s-fs held (a
-# checker that cannot catch a broken gateway proves nothing).
+# or none of the sequence rule, or (S3) none in the objects s3s-fs held, or
+# (cluster) no superseded-applied (a checker that cannot catch a broken
+# gateway proves nothing).
 #
 #   bash nemesis/run-ci.sh
 #
@@ -16,6 +18,13 @@
 #   NEMESIS_OUT                 where histories and logs go (default: a new /tmp directory)
 #   NEMESIS_S3_DURATION         seconds of the fenced S3 run (default 48)
 #   NEMESIS_S3_SELFTEST_DURATION  seconds of the S3 mode's unfenced self-test (default 25)
+#   NEMESIS_CLUSTER_DURATION    seconds of the cluster-mode run (default 60)
+#   NEMESIS_CLUSTER_SELFTEST_DURATION  seconds of its self-test (default 40)
+#
+# Then the same in cluster mode (nemesis/cluster.py: 3 etcd members, 3
+# gateways): a fenced run under etcd and gateway faults, and its self-test
+# against gateways that do not self-fence (the no-self-fencing fault of
+# src/fault.rs, debug builds only).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -77,6 +86,28 @@ timeout --signal=TERM --kill-after=30 $(( ${NEMESIS_S3_SELFTEST_DURATION:-25} + 
 s3selftest=$?
 s3objects=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1])).get("object_anomalies", 0))' \
     "$OUT/s3-unfenced/summary.json" 2>/dev/null || echo 0)
+echo "== nemesis: cluster mode, fenced run (${NEMESIS_CLUSTER_DURATION:-60} s: 3 etcd members, 3 gateways) =="
+# The faults the issue names, the ones only a cluster has first: gateway 3
+# cut from etcd, the etcd leader killed, a gateway stopped past its member
+# TTL mid-forward, a gateway killed mid-forward, a compaction, the etcd
+# leader stopped, a follower killed (as many as fit).
+timeout --signal=TERM --kill-after=30 $(( ${NEMESIS_CLUSTER_DURATION:-60} + 360 )) \
+    python3 nemesis/cluster.py --duration "${NEMESIS_CLUSTER_DURATION:-60}" --binary "$FENCEGATE_BIN" \
+    --out "$OUT/cluster" ${NEMESIS_SEED:+--seed "$NEMESIS_SEED"} --quiet-gap 2 \
+    --first-faults gateway-partition,etcd-leader-kill,gateway-stop,gateway-kill,etcd-compact,etcd-leader-stop,etcd-follower-kill
+cluster=$?
+
+echo
+echo "== nemesis: cluster self-test against gateways that do not self-fence (${NEMESIS_CLUSTER_SELFTEST_DURATION:-40} s) =="
+# Gateway 3, cut from etcd, is asked to admit a write with a token a grant
+# through gateway 1 superseded meanwhile: a gateway that self-fences refuses
+# it (503 not_current); these do not, and the checker must say so.
+timeout --signal=TERM --kill-after=30 $(( ${NEMESIS_CLUSTER_SELFTEST_DURATION:-40} + 360 )) \
+    python3 nemesis/cluster.py --broken no-self-fencing --duration "${NEMESIS_CLUSTER_SELFTEST_DURATION:-40}" \
+    --binary "$FENCEGATE_BIN" --out "$OUT/cluster-broken" --faults gateway-partition --quiet-gap 1
+cluster_selftest=$?
+superseded=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1])).get("anomalies_by_kind", {}).get("superseded-applied", 0))' \
+    "$OUT/cluster-broken/summary.json" 2>/dev/null || echo 0)
 
 echo
 echo "== nemesis: $(( $(date +%s) - started )) s; histories in $OUT =="
@@ -116,5 +147,17 @@ if [ "$s3objects" -gt 0 ] 2>/dev/null; then
 else
     echo "FAIL: the S3 self-test found no anomaly in the objects s3s-fs held (only in the gateway's answers)"
     status=1
+fi
+if [ "$cluster" -ne 0 ]; then
+    echo "FAIL: the cluster run exited $cluster (1 = anomalies, 2 = harness failure); see $OUT/cluster/summary.txt"
+    status=1
+else
+    echo "ok: cluster run, no anomalies"
+fi
+if [ "$cluster_selftest" -ne 0 ] || ! [ "$superseded" -gt 0 ] 2>/dev/null; then
+    echo "FAIL: the cluster self-test exited $cluster_selftest with $superseded superseded-applied anomalies (the checker must catch gateways that do not self-fence)"
+    status=1
+else
+    echo "ok: cluster self-test, $superseded superseded-applied anomalies from gateways that do not self-fence"
 fi
 exit $status

@@ -26,8 +26,14 @@ class History:
         self.ops, self.log, self.faults = [], [], []
         self.run = {"liveness_bound_s": 4.0, "stop_at": 1000.0, "mode": "test"}
 
-    def grant(self, c, key, token, t0, t1):
-        self.ops.append({"ev": "acquire", "c": c, "key": key, "token": token, "t0": t0, "t1": t1, "st": 200})
+    def grant(self, c, key, token, t0, t1, ttl=None):
+        g = {"ev": "acquire", "c": c, "key": key, "token": token, "t0": t0, "t1": t1, "st": 200}
+        if ttl is not None:
+            g["ttl"] = ttl
+        self.ops.append(g)
+
+    def lease_op(self, ev, c, key, token, t0, t1, st=200):
+        self.ops.append({"ev": ev, "c": c, "key": key, "token": token, "t0": t0, "t1": t1, "st": st})
 
     def write(self, c, key, token, op, prev, t0, t1, st=200, apply_at=None, sequence=None, code=None):
         v = value(op, prev, token)
@@ -191,6 +197,44 @@ class CheckerTest(unittest.TestCase):
         h = clean()
         h.grant("c", "k", 2, 2.0, 2.1)
         self.assertIn("duplicate-grant", h.check())
+
+    def test_one_token_granted_for_two_keys(self):
+        h = clean()
+        h.grant("c", "j", 2, 2.0, 2.1)
+        self.assertEqual(h.check(), {"token-reuse": 1})
+
+    def test_grant_answered_while_the_holder_is_still_entitled(self):
+        h = History()
+        h.grant("a", "k", 1, 0.0, 0.1, ttl=1000)  # entitled until 1.0
+        h.grant("b", "k", 2, 0.5, 0.9, ttl=1000)  # answered at 0.9: a's grant was lost
+        self.assertEqual(h.check(), {"lost-grant": 1})
+
+    def test_a_renewed_grant_is_lost_until_the_renewal_ends(self):
+        h = History()
+        h.grant("a", "k", 1, 0.0, 0.1, ttl=1000)
+        h.lease_op("renew", "a", "k", 1, 0.8, 0.82)  # entitled until 1.8
+        h.lease_op("renew", "a", "k", 1, 1.5, 1.6, st=410)  # a failed renew extends nothing
+        h.grant("b", "k", 2, 1.2, 1.7, ttl=1000)
+        self.assertEqual(h.check(), {"lost-grant": 1})
+
+    def test_an_answer_past_its_own_ttl_entitles_to_nothing(self):
+        h = History()
+        h.grant("a", "k", 2, 0.0, 0.1, ttl=1000)
+        h.grant("b", "k", 1, 0.0, 0.5, ttl=300)  # waited past its TTL: already over when answered
+        h.lease_op("renew", "b", "k", 1, 0.5, 0.52, st=410)
+        self.assertEqual(h.check(), {})
+        h.lease_op("renew", "b", "k", 1, 0.6, 0.62)  # but a successful renew says b held it
+        self.assertEqual(h.check(), {"lost-grant": 1})
+
+    def test_grants_after_a_release_or_the_ttl_are_not_lost(self):
+        h = History()
+        h.grant("a", "k", 1, 0.0, 0.1, ttl=1000)
+        h.lease_op("release", "a", "k", 1, 0.4, 0.45)
+        h.grant("b", "k", 2, 0.3, 0.45, ttl=1000)  # answered after a's release was sent
+        h.grant("c", "k", 3, 0.5, 1.5, ttl=300)  # b's TTL (from 0.3) ran out at 1.3
+        h.grant("d", "j", 4, 0.0, 0.2, ttl=5000)  # another key
+        h.grant("e", "k", 5, 1.0, 1.81, ttl=300)  # c's TTL from its send time: 0.8
+        self.assertEqual(h.check(), {})
 
     def test_token_lower_than_an_earlier_answered_grant(self):
         h = clean()

@@ -27,7 +27,8 @@ FENCEGATE_BIN="${CARGO_TARGET_DIR:-$PWD/target}/debug/fencegate" \
     cargo test --locked --manifest-path examples/aws-sdk-s3/Cargo.toml
 # The nemesis: real processes under pauses, kill -9, dying upstreams and a
 # partition, checked from the upstream's log; then the self-test that the
-# checker catches an unfenced gateway.
+# checker catches an unfenced gateway; then both in cluster mode (3 etcd
+# members, 3 gateways; the self-test's broken gateway needs this debug build).
 FENCEGATE_BIN="${CARGO_TARGET_DIR:-$PWD/target}/debug/fencegate" bash nemesis/run-ci.sh
 # The side-by-side harness in its short form (every part, ~2 min of load), so
 # it cannot rot: it fails when any target errs or a measurement is missing.

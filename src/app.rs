@@ -257,8 +257,12 @@ async fn start_authority(
     stop: &Shutdown,
     started: std::time::Instant,
 ) -> Result<Leases, Error> {
+    // The cluster series exist in every mode, so one dashboard fits both
+    // (docs/metrics.md): a single node is never a member and always current.
+    metrics.register_cluster().map_err(|e| Error::Internal(format!("metrics: {e}")))?;
     let authority = match &cfg.cluster {
         None => {
+            metrics.cluster_current.set(1);
             let authority = Authority::restore(fences.clone(), store.clone(), metrics.clone(), cfg.locks.clone())?;
             tracing::info!(
                 fences = fences.len(),
@@ -270,7 +274,6 @@ async fn start_authority(
             Leases::Embedded(authority)
         }
         Some(cluster) => {
-            metrics.register_cluster().map_err(|e| Error::Internal(format!("metrics: {e}")))?;
             let longest = longest_upstream_timeout_ms(cfg, false);
             let start = crate::cluster::Start {
                 cfg: cluster.clone(),

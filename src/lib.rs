@@ -24,6 +24,7 @@
 //! | [`auth`] | principals: bearer tokens (hashed) or client certificates, key-prefix rules |
 //! | [`api`] | lease API handlers, `/metrics`, `/healthz`, `/readyz` |
 //! | [`metrics`] | every Prometheus handle |
+//! | [`fault`] | deliberately broken variants for the nemesis self-tests: debug builds only, named in an environment variable |
 //! | [`inject`] | the token-injecting loopback proxy of `fencegate lock --inject` |
 //! | [`client`] | the Rust client (the `fencegate-client` crate, re-exported): auto-renewing leases, leader election, the token header |
 //! | [`error`] | the error enum: the one place statuses and JSON bodies are chosen |
@@ -40,6 +41,7 @@ pub mod client;
 pub mod cluster;
 pub mod config;
 pub mod error;
+pub mod fault;
 pub mod fence;
 pub mod http1;
 pub mod inject;

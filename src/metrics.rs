@@ -58,10 +58,12 @@ pub struct Metrics {
     pub activation_overruns: IntCounter,
     /// Waiters currently queued across all keys.
     pub lock_waiters: IntGauge,
-    /// Cluster mode (registered by [`Metrics::register_cluster`]): live
-    /// members as this gateway's watch sees them.
+    /// Cluster mode (registered by [`Metrics::register_cluster`] in every
+    /// mode): live members as this gateway's watch sees them; 0 in
+    /// single-node mode.
     pub cluster_members: IntGauge,
-    /// Cluster mode: 1 while this gateway can prove its fences current.
+    /// Cluster mode: 1 while this gateway can prove its fences current
+    /// (always 1 in single-node mode).
     pub cluster_current: IntGauge,
     /// Cluster mode: reloads of the fences after a broken watch.
     pub cluster_resyncs: IntCounter,
@@ -232,7 +234,8 @@ impl Metrics {
         }
     }
 
-    /// Registers the cluster-mode series (not shown in single-node mode).
+    /// Registers the cluster-mode series. Called in every mode, so one
+    /// dashboard serves both (single-node: members 0, current 1).
     pub fn register_cluster(&self) -> Result<(), prometheus::Error> {
         self.registry.register(Box::new(self.cluster_members.clone()))?;
         self.registry.register(Box::new(self.cluster_current.clone()))?;

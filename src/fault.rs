@@ -1,0 +1,78 @@
+//! Deliberately broken variants of the gateway, for the nemesis harness's
+//! self-tests only: a harness that cannot catch a broken gateway proves
+//! nothing, so it must be shown one (nemesis/README.md).
+//!
+//! A fault can never be on by accident in production:
+//! - it exists only in debug builds (`cfg(debug_assertions)`): in a release
+//!   binary [`enabled`] is `false` and the variable below is never read;
+//! - in a debug build it is on only when the environment variable
+//!   [`ENV`] names it exactly (no config key, no flag); the gateway then
+//!   logs an error at start saying that it is broken on purpose.
+//!
+//! Faults (one name each, several comma-separated):
+//! - `no-self-fencing`: in cluster mode the gateway never gates mutations on
+//!   its membership and its watch, so it keeps admitting past its member
+//!   deadline, while partitioned from etcd or stopped, on a fence view that
+//!   may be stale (the property docs/cluster.md's self-fencing gives).
+
+/// The environment variable that names the faults to inject (debug builds).
+pub const ENV: &str = "FENCEGATE_NEMESIS_BREAK";
+
+/// One deliberately broken behaviour.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Cluster mode admits mutations without proving its membership.
+    NoSelfFencing,
+}
+
+impl Fault {
+    fn name(self) -> &'static str {
+        match self {
+            Fault::NoSelfFencing => "no-self-fencing",
+        }
+    }
+}
+
+/// True when `fault` is injected: never in a release build.
+pub fn enabled(fault: Fault) -> bool {
+    #[cfg(debug_assertions)]
+    {
+        std::env::var(ENV).is_ok_and(|v| named(&v, fault))
+    }
+    #[cfg(not(debug_assertions))]
+    {
+        let _ = fault;
+        false
+    }
+}
+
+/// True when the comma-separated list `list` names `fault` exactly.
+fn named(list: &str, fault: Fault) -> bool {
+    list.split(',').any(|f| f.trim() == fault.name())
+}
+
+/// Logs, once at start, every fault injected into this process.
+pub fn announce() {
+    for fault in [Fault::NoSelfFencing] {
+        if enabled(fault) {
+            tracing::error!(
+                fault = fault.name(),
+                "{ENV} injects a deliberately broken behaviour into this gateway (nemesis self-test only): it is NOT safe"
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fault_is_named_exactly_or_not_at_all() {
+        assert!(named("no-self-fencing", Fault::NoSelfFencing));
+        assert!(named("other, no-self-fencing", Fault::NoSelfFencing));
+        for not in ["", "no-self-fencing-please", "NO-SELF-FENCING", "1", "true", "self-fencing"] {
+            assert!(!named(not, Fault::NoSelfFencing), "{not:?}");
+        }
+    }
+}
