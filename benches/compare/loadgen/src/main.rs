@@ -299,11 +299,36 @@ fn b64(input: &[u8]) -> String {
 
 /// One client's state for one system.
 enum LockClient {
-    Fencegate { http: Http, key: String, lease: Option<String> },
-    Redis { r: Redis, key: Vec<u8>, release: String, renew: String, val: Vec<u8> },
-    Etcd { http: Http, key: String, lease: String },
-    EtcdTxn { kv: etcd_client::KvClient, leases: etcd_client::LeaseClient, key: String, lease: i64 },
-    EtcdLock { lock: etcd_client::LockClient, leases: etcd_client::LeaseClient, name: String, lease: i64, held: Option<Vec<u8>> },
+    Fencegate {
+        http: Http,
+        key: String,
+        lease: Option<String>,
+    },
+    Redis {
+        r: Redis,
+        key: Vec<u8>,
+        release: String,
+        renew: String,
+        val: Vec<u8>,
+    },
+    Etcd {
+        http: Http,
+        key: String,
+        lease: String,
+    },
+    EtcdTxn {
+        kv: etcd_client::KvClient,
+        leases: etcd_client::LeaseClient,
+        key: String,
+        lease: i64,
+    },
+    EtcdLock {
+        lock: etcd_client::LockClient,
+        leases: etcd_client::LeaseClient,
+        name: String,
+        lease: i64,
+        held: Option<Vec<u8>>,
+    },
 }
 
 /// A gRPC session to one etcd endpoint with a session lease of 60 s.
@@ -472,7 +497,8 @@ impl LockClient {
                 }
             }
             LockClient::EtcdTxn { leases, lease, .. } | LockClient::EtcdLock { leases, lease, .. } => {
-                let (mut keeper, mut stream) = leases.keep_alive(*lease).await.map_err(|e| format!("etcd keepalive: {e}"))?;
+                let (mut keeper, mut stream) =
+                    leases.keep_alive(*lease).await.map_err(|e| format!("etcd keepalive: {e}"))?;
                 keeper.keep_alive().await.map_err(|e| format!("etcd keepalive: {e}"))?;
                 match stream.message().await {
                     Ok(Some(r)) if r.ttl() > 0 => Ok(()),
