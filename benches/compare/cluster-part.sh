@@ -19,6 +19,11 @@
 # etcd's counters (benches/compare/etcd_ops.py) are read around each run.
 
 log "part 6: cluster mode, ${CLUSTER_REPS}x interleaved, ${D_CLUSTER}s per lock run, ${D_CLUSTER_PUT}s per PUT run"
+# The backend first: its port must be taken before new free ports are drawn.
+if ! kill -0 "${PID[backend]:-0}" 2>/dev/null; then
+    start backend "$CPU_LOAD" nginx -p "$WORK" -e "$WORK/nginx-backend.err" -c "$WORK/nginx-backend.conf"
+    wait_tcp "$P_BACKEND"
+fi
 # shellcheck disable=SC2207
 CP=($(free_ports 16))
 E_URLS=""
@@ -36,10 +41,6 @@ for i in 1 2 3; do
 done
 for i in 1 2 3; do wait_http "http://127.0.0.1:${CP[$((i - 1))]}/health" 60; done
 E_ADDRS=$(echo "$E_URLS" | sed 's#http://##g')
-if ! kill -0 "${PID[backend]:-0}" 2>/dev/null; then
-    start backend "$CPU_LOAD" nginx -p "$WORK" -e "$WORK/nginx-backend.err" -c "$WORK/nginx-backend.conf"
-    wait_tcp "$P_BACKEND"
-fi
 
 # gateway NAME PROXY_PORT API_PORT [cluster-id prefix]: one gateway, same route for all.
 gateway() {
