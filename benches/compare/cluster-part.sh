@@ -20,7 +20,7 @@
 
 log "part 6: cluster mode, ${CLUSTER_REPS}x interleaved, ${D_CLUSTER}s per lock run, ${D_CLUSTER_PUT}s per PUT run"
 # The backend first: its port must be taken before new free ports are drawn.
-if ! kill -0 "${PID[backend]:-0}" 2>/dev/null; then
+if [ -z "${PID[backend]:-}" ] || ! kill -0 "${PID[backend]}" 2>/dev/null; then
     start backend "$CPU_LOAD" nginx -p "$WORK" -e "$WORK/nginx-backend.err" -c "$WORK/nginx-backend.conf"
     wait_tcp "$P_BACKEND"
 fi
