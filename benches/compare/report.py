@@ -104,6 +104,9 @@ def main():
     w("- all proxies: one worker/thread on one CPU, access logs off (fencegate `--log-level warn`), "
       "upstream keep-alive; the backend for all is nginx `return 200` with one worker.")
     w("")
+    if meta.get("only_cluster"):
+        cluster_section(rows, meta, w)
+        return finish(out, problems)
 
     # ------------------------------------------------------------ part 1
     proxy = [r for r in rows if r["part"] == "proxy"]
@@ -354,6 +357,12 @@ def main():
         w(f"| … fencegate peak RSS < 64 MiB ({c} connection{'s' if c > 1 else ''}) | "
           f"{'–' if peak is None else f'{peak / 1024:.1f} MiB'} | {verdict(None if peak is None else peak < 64 * 1024)} |")
     w("")
+    cluster_section(rows, meta, w)
+    return finish(out, problems)
+
+
+def finish(out, problems):
+    w = out.append
     if problems:
         w("## Problems seen during the run")
         w("")
@@ -362,6 +371,126 @@ def main():
         w("")
     print("\n".join(out))
     return 3 if problems else 0
+
+
+# etcd counters shown per lock cycle (etcd_ops.py), in this order.
+ETCD_OPS = [
+    ("rpc.LeaseGrant", "LeaseGrant"), ("rpc.Txn", "Txn"), ("rpc.Put", "Put"), ("rpc.Range", "Range"),
+    ("rpc.DeleteRange", "DeleteRange"), ("rpc.LeaseRevoke", "LeaseRevoke"), ("rpc.Lock", "Lock"),
+    ("rpc.Unlock", "Unlock"), ("stream_open.LeaseKeepAlive", "KeepAlive streams opened"),
+    ("stream_msg.LeaseKeepAlive", "KeepAlive requests"), ("raft.proposals_committed", "raft proposals"),
+]
+
+
+def cluster_section(rows, meta, w):
+    """part 6: cluster mode against etcd's own lock, on one 3-member etcd"""
+    cl = [r for r in rows if r["part"] == "cluster"]
+    puts = [r for r in rows if r["part"] == "cluster-put"]
+    if not cl and not puts:
+        return
+    by = defaultdict(dict)
+    for r in cl:
+        by[(r["kind"], r["target"])][r["rep"]] = r
+    names = {
+        "fencegate-3gw": "fencegate, 3 gateways (client i on gateway i mod 3)",
+        "fencegate-1gw": "fencegate, 1 gateway",
+        "fencegate-3gw-on-gw1": "fencegate, 3 gateways (client on gw1)",
+        "etcd-lock": "etcd v3lock `Lock`/`Unlock` (gRPC, session lease per client)",
+        "etcd-txn": "etcd txn `If(create_revision==0) Put(k, lease)` + `Delete` (gRPC, session lease per client)",
+    }
+    w("## 6. Cluster mode: the same 3-member etcd cluster, fencegate gateways vs etcd's own lock")
+    w("")
+    w("3 etcd members, the gateways and a single-node gateway on the server core, the load generator on the "
+      "other. A cycle is acquire + release of a key of the client's own (64 clients, closed loop). "
+      "fencegate clients talk HTTP to the gateways; etcd clients talk gRPC (etcd-client) to member i mod 3, "
+      "each with a session lease granted before the run. Cells: median [min–max] over "
+      f"{meta.get('cluster_reps', '?')} interleaved repetitions of {meta.get('d_cluster', '?')} s. etcd calls per "
+      "cycle: etcd's own counters (gRPC calls handled, all members) around the run ÷ cycles — the profile of "
+      "where a cycle's etcd round trips go (the gateways' acknowledgements are Puts; watch deliveries are not counted).")
+    w("")
+    w("| 64 clients | cycles/s | cycle p50 / p99 ms | acquire p50 / p99 ms | etcd calls per cycle |")
+    w("|---|---|---|---|---|")
+    for t in ["fencegate-3gw", "fencegate-1gw", "etcd-lock", "etcd-txn"]:
+        reps = by.get(("cycles", t), {})
+        if not reps:
+            continue
+        v = [x["m"].get("ops_per_s") for x in reps.values()]
+        p50 = med([x["m"].get("p50_us") for x in reps.values()])
+        p99 = med([x["m"].get("p99_us") for x in reps.values()])
+        a50 = med([x["m"].get("acquire_p50_us") for x in reps.values()])
+        a99 = med([x["m"].get("acquire_p99_us") for x in reps.values()])
+        per = []
+        for key, label in ETCD_OPS:
+            x = med([x.get("etcd_ops", {}).get(key, 0) / x["m"]["ops"] for x in reps.values() if x["m"].get("ops")])
+            if x and x >= 0.01:
+                per.append(f"{label} {x:.2f}")
+        w(f"| {names[t]} | {rng(v, k)} | {ms(p50)} / {ms(p99)} | {ms(a50)} / {ms(a99)} | {'; '.join(per) or '–'} |")
+    for fg in ["fencegate-3gw", "fencegate-1gw"]:
+        for other in ["etcd-lock", "etcd-txn"]:
+            a = {i: x["m"].get("ops_per_s") for i, x in by.get(("cycles", fg), {}).items()}
+            b = {i: x["m"].get("ops_per_s") for i, x in by.get(("cycles", other), {}).items()}
+            cell, _ = ratio_cell(a, b)
+            w(f"| {fg} ÷ {other} | {cell} | | | |")
+    w("")
+    w("Grant latency, one client cycling (acquire alone; ms):")
+    w("")
+    w("| 1 client | acquire p50 | acquire p99 | cycle p50 | etcd calls per cycle |")
+    w("|---|---|---|---|---|")
+    for t in ["fencegate-3gw-on-gw1", "fencegate-1gw"]:
+        reps = by.get(("latency", t), {})
+        if not reps:
+            continue
+        a50 = [x["m"].get("acquire_p50_us") for x in reps.values()]
+        a99 = [x["m"].get("acquire_p99_us") for x in reps.values()]
+        c50 = [x["m"].get("p50_us") for x in reps.values()]
+        per = []
+        for key, label in ETCD_OPS:
+            x = med([x.get("etcd_ops", {}).get(key, 0) / x["m"]["ops"] for x in reps.values() if x["m"].get("ops")])
+            if x and x >= 0.01:
+                per.append(f"{label} {x:.2f}")
+        w(f"| {names[t]} | {rng(a50, ms)} | {rng(a99, ms)} | {rng(c50, ms)} | {'; '.join(per) or '–'} |")
+    w("")
+    pby = defaultdict(dict)
+    for r in puts:
+        pby[r["target"]][r["rep"]] = r
+    w("Fenced PUTs, 1 KiB, 32 connections (wrk), to a cluster-mode gateway and to a single-node gateway "
+      "(same binary, same route, same backend):")
+    w("")
+    w("| target | requests/s | p99 ms |")
+    w("|---|---|---|")
+    for t in ["cluster", "single"]:
+        reps = pby.get(t, {})
+        w(f"| {t} | {rng([x['m'].get('rps') for x in reps.values()], k)} | "
+          f"{ms(med([x['m'].get('p99_us') for x in reps.values()]))} |")
+    a = {i: x["m"].get("rps") for i, x in pby.get("cluster", {}).items()}
+    b = {i: x["m"].get("rps") for i, x in pby.get("single", {}).items()}
+    put_cell, _ = ratio_cell(a, b)
+    w(f"| cluster ÷ single | {put_cell} | |")
+    w("")
+    w("### Targets (issue 15, performance)")
+    w("")
+    w("| target | measured (paired median [per-repetition range]) | verdict |")
+    w("|---|---|---|")
+
+    def pair(x, y, field="ops_per_s", kind="cycles", src=None):
+        src = src or by
+        a = {i: r["m"].get(field) for i, r in src.get((kind, x) if kind else x, {}).items()}
+        b = {i: r["m"].get(field) for i, r in src.get((kind, y) if kind else y, {}).items()}
+        per = per_rep(a, b)
+        p = med(per)
+        return p, ("–" if p is None else f"{p:.2f}× [{min(per):.2f}–{max(per):.2f}]")
+
+    for other, what in [("etcd-lock", "etcd's v3lock Lock/Unlock"), ("etcd-txn", "the bare create-if-absent txn + delete")]:
+        p, cell = pair("fencegate-3gw", other)
+        w(f"| lock cycles/s through 3 cluster gateways ≥ 1.0× {what} (64 clients) | {cell} | "
+          f"{'–' if p is None else ('**met**' if p >= 1.0 else '**missed**')} |")
+    p, cell = pair("cluster", "single", field="rps", kind=None, src=pby)
+    w(f"| fenced PUTs through a cluster gateway ≥ 0.95× single-node | {cell} | "
+      f"{'–' if p is None else ('**met**' if p >= 0.95 else '**missed**')} |")
+    for f, label in [("acquire_p50_us", "p50"), ("acquire_p99_us", "p99")]:
+        p, cell = pair("fencegate-3gw-on-gw1", "fencegate-1gw", field=f, kind="latency")
+        w(f"| grant latency {label}, 3 gateways ÷ 1 (1 client) | {cell} | reported |")
+    w("")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,17 @@
 #   bash benches/compare/run.sh                 # full run (~16 min of measurements)
 #   bash benches/compare/run.sh --smoke         # ~85 s of measurements, every part, short
 #   bash benches/compare/run.sh --out FILE      # where the table goes
+#   bash benches/compare/run.sh --cluster       # only part 6, cluster mode (~3 min of measurements)
+#   bash benches/compare/run.sh --cluster --smoke   # only part 6, short (~30 s)
+#
+# Part 6 (cluster mode, issue 15; in --smoke runs too, short) starts a
+# 3-member etcd cluster and, on it, 3 cluster-mode gateways, a 1-gateway
+# cluster (its own prefix) and a single-node gateway, and compares lock
+# cycles through the gateways with etcd's own lock (v3lock Lock/Unlock) and
+# with the bare create-if-absent transaction + delete over gRPC, grant
+# latency with 3 gateways and with 1, and fenced PUTs cluster vs single-node.
+# etcd's own counters (gRPC calls by method, raft proposals) are read before
+# and after every run: the etcd round trips per cycle.
 #
 # Installs what it needs (Debian: nginx, haproxy, redis-server, etcd-server,
 # wrk), builds fencegate (`cargo build --bin fencegate`, the dev profile) and
@@ -23,6 +34,7 @@ set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
 MODE=full
+ONLY_CLUSTER=""
 OUT=""
 ARGS_GIVEN="$*"
 ENV_GIVEN=""
@@ -32,14 +44,18 @@ done
 while [ $# -gt 0 ]; do
     case "$1" in
         --smoke) MODE=smoke ;;
+        --cluster) ONLY_CLUSTER=1 ;;
         --out) OUT=${2:?--out needs a file}; shift ;;
         --out=*) OUT=${1#--out=} ;;
-        -h | --help) sed -n '2,20p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,32p' "$0"; exit 0 ;;
         *) echo "run.sh: unknown argument $1 (try --help)" >&2; exit 2 ;;
     esac
     shift
 done
-[ -n "$OUT" ] || { [ "$MODE" = smoke ] && OUT=$HERE/RESULTS-smoke.md || OUT=$HERE/RESULTS.md; }
+if [ -z "$OUT" ]; then
+    OUT=$HERE/RESULTS${ONLY_CLUSTER:+-cluster}.md
+    [ "$MODE" = full ] || OUT=$HERE/RESULTS${ONLY_CLUSTER:+-cluster}-smoke.md
+fi
 case "$OUT" in /*) ;; *) OUT=$PWD/$OUT ;; esac
 
 # ------------------------------------------------------------------ sizes
@@ -55,6 +71,9 @@ if [ "$MODE" = smoke ]; then
     SCALE_NS="1 10000"
     D_SCALE=1
     HOLD_LEASES=10000
+    D_CLUSTER=1        # s per run (part 6)
+    CLUSTER_REPS=2
+    D_CLUSTER_PUT=1
 else
     REPS=${BENCH_REPS:-5}
     D_PROXY=6
@@ -67,6 +86,9 @@ else
     SCALE_NS="1 10000 1000000"
     D_SCALE=6
     HOLD_LEASES=100000
+    D_CLUSTER=5
+    CLUSTER_REPS=${BENCH_REPS:-3}
+    D_CLUSTER_PUT=5
 fi
 SCALE_CONNS=128
 
@@ -300,6 +322,8 @@ fill nginx-backend.conf "$P_BACKEND" >"$WORK/nginx-backend.conf"
 fill nginx-proxy.conf "$P_NGINX" "$P_NGINX_STREAM" >"$WORK/nginx-proxy.conf"
 fill haproxy.cfg "$P_HAPROXY" >"$WORK/haproxy.cfg"
 mkdir -p "$WORK"/nginx-{backend,proxy}-{body,proxy}
+LEASES_RC=0
+if [ -z "$ONLY_CLUSTER" ]; then   # parts 1 to 5
 
 start backend "$CPU_LOAD" nginx -p "$WORK" -e "$WORK/nginx-backend.err" -c "$WORK/nginx-backend.conf"
 start nginx "$CPU_SUT" nginx -p "$WORK" -e "$WORK/nginx-proxy.err" -c "$WORK/nginx-proxy.conf"
@@ -502,13 +526,16 @@ stop backend
 # Issue 18's fill and restart with N = 5,000 (the full N = 500,000 is run on
 # its own: python3 benches/compare/leases500k.py). Its own servers, its own
 # PIDs; only its checks count here, its figures are not put in the table.
-LEASES_RC=0
 if [ "$MODE" = smoke ]; then
     log "part 5: held leases, fill and restart (leases500k.py --smoke)"
     FENCEGATE_BIN="$FG" LOADGEN_BIN="$LOADGEN" python3 "$HERE/leases500k.py" --smoke --budget-s 150 --out "$WORK/leases.json" \
         >/dev/null 2>"$WORK/leases.log" || LEASES_RC=$?
     sed 's/^/  /' "$WORK/leases.log" >&2
 fi
+fi   # parts 1 to 5
+
+# ------------------------------------------------------------------ part 6: cluster mode
+source "$HERE/cluster-part.sh"
 T_END=$(date +%s)
 
 # ------------------------------------------------------------------ report
@@ -517,6 +544,7 @@ cat >"$WORK/meta.json" <<EOF
  "machine":"$(nproc) CPUs ($(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)), $(awk '/MemTotal/{printf "%.0f GiB", $2/1048576}' /proc/meminfo) RAM, $(. /etc/os-release; echo "$PRETTY_NAME"), kernel $(uname -r)",
  "placement":"$PLACEMENT",
  "versions":"$FG_DESC, dev profile; $(nginx -v 2>&1 | sed 's/.*: //'); HAProxy $(haproxy -v | head -1 | awk '{print $3}'); Redis $(redis-server --version | sed 's/.*v=\([^ ]*\).*/\1/'); etcd $(etcd --version | head -1 | awk '{print $3}'); $(wrk -v 2>&1 | head -1 | awk '{print $1, $2}')",
+ "only_cluster":${ONLY_CLUSTER:-0},"d_cluster":$D_CLUSTER,"cluster_reps":$CLUSTER_REPS,"d_cluster_put":$D_CLUSTER_PUT,
  "reps":$REPS,"d_proxy":$D_PROXY,"d_big":$D_BIG,"d_lock":$D_LOCK,"d_scale":$D_SCALE,"scale_conns":$SCALE_CONNS,
  "build_s":$((T_BUILT - T_START)),"run_s":$((T_END - T_BUILT)),
  "baseline":"$BASELINE","load_start":"$LOAD_START","load_end":"$(cut -d' ' -f1-3 /proc/loadavg)"}

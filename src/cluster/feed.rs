@@ -13,7 +13,7 @@ use std::time::Duration;
 use etcd_client::{EventType, GetOptions, KeyValue, PutOptions, WatchOptions};
 
 use super::mirror::{GrantEntry, GrantValue, MemberEntry};
-use super::{rev_u64, unavailable, Cluster, Kind};
+use super::{token_of, unavailable, Cluster, Kind};
 use crate::error::Error;
 
 /// Keys per page of a reload (each page well under gRPC's 4 MiB).
@@ -112,14 +112,19 @@ impl Cluster {
                     tracing::error!(key, "etcd: a grant's value does not parse; ignored");
                     return;
                 };
-                let token = value.o.saturating_add(rev_u64(kv.create_revision()));
+                let token = token_of(value.o, kv.create_revision(), value.i);
                 let entry = GrantEntry { token, lease: kv.lease(), value };
                 self.lock_mirror().grants.insert(key.to_string(), entry);
                 self.fences.set_live(key, token, true);
             }
             Kind::Fence(key) => {
-                let offset = kv.value_str().ok().and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(0);
-                let token = offset.saturating_add(rev_u64(kv.mod_revision()));
+                // `offset/slot` (a batched grant) or `offset` (one grant per
+                // transaction).
+                let v = kv.value_str().unwrap_or("").trim();
+                let (o, slot) = v.split_once('/').map_or((v, None), |(o, i)| (o, Some(i)));
+                let offset = o.parse::<u64>().unwrap_or(0);
+                let slot = slot.map(|i| i.parse::<u64>().unwrap_or(0));
+                let token = token_of(offset, kv.mod_revision(), slot);
                 let live = self.lock_mirror().grants.get(key).is_some_and(|g| g.token == token);
                 if let Err(e) = self.fences.install(key, token, live) {
                     // A fence that cannot be installed must not be acknowledged.

@@ -164,8 +164,9 @@ pub async fn raise_floor(cfg: &ClusterConfig, to: u64) -> Result<u64, Error> {
             }
             None => (0, 0),
         };
-        // The next transaction's revision is above `revision`.
-        let needed = to.saturating_sub(super::rev_u64(revision));
+        // The next transaction's revision is above `revision`, and its
+        // tokens are at least `offset + (revision + 1) · TOKEN_SLOTS`.
+        let needed = to.saturating_sub(super::rev_u64(revision).saturating_mul(super::TOKEN_SLOTS));
         if needed <= old {
             return Ok(old);
         }

@@ -3,23 +3,30 @@
 //!
 //! - acquire: a fresh etcd lease L, then one transaction: `g/KEY` absent,
 //!   no older waiter, the offset unchanged → put `g/KEY` on L, put `f/KEY`,
-//!   drop this waiter's entry. A waiter queues `q/KEY\0ID` on its gateway's
-//!   membership lease and tries again only when its mirror says the key is
-//!   free and it is the oldest waiter, so a release wakes only the next
-//!   waiter in the whole cluster. Then activation (every live member
-//!   acknowledged) and the durable floor, before the answer.
+//!   drop this waiter's entry (a sub-transaction of a transaction shared
+//!   with the attempts queued meanwhile, see `batch`). A waiter queues
+//!   `q/KEY\0ID` on its gateway's membership lease and tries again only
+//!   when its mirror says the key is free and it is the oldest waiter, so a
+//!   release wakes only the next waiter in the whole cluster. Then
+//!   activation (every live member acknowledged) and the durable floor,
+//!   before the answer. An activation over within a third of the TTL is
+//!   answered at once with the time left of the lease's certain lifetime;
+//!   a longer one is kept alive, read back and renewed before its answer.
 //! - renew: the grant's lease-id hash compared, then one keepalive of L.
-//! - release: the hash compared, then L revoked (which deletes `g/KEY`).
+//! - release: the hash compared (with the mirror's copy, or etcd's when
+//!   the mirror has not seen the grant), then L revoked (which deletes
+//!   `g/KEY`).
 //! - status and watch: from the mirror, which the watch keeps current.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};
+use etcd_client::PutOptions;
 use tokio::time::Instant;
 
+use super::batch::Attempt;
 use super::mirror::GrantValue;
-use super::{rev_u64, unavailable, Cluster};
+use super::{token_of, unavailable, Cluster};
 use crate::authority::types::{new_lease_id, secret_eq, validate_ttl};
 use crate::authority::{validate_key, AcquireRequest, GrantView, ReleaseRequest, RenewRequest, RenewView, StatusView};
 use crate::error::Error;
@@ -73,6 +80,19 @@ impl Drop for Cleanup {
     }
 }
 
+/// A grant just made by [`Cluster::try_grant`], not yet activated.
+struct Granted {
+    token: u64,
+    /// The revision of the granting transaction.
+    revision: i64,
+    /// The TTL etcd granted the lease, in ms.
+    granted_ms: u64,
+    lease: i64,
+    /// When the lease was asked for: etcd keeps it at least until
+    /// `lease_sent + TTL`.
+    lease_sent: Instant,
+}
+
 /// Aborts its task when dropped.
 struct AbortOnDrop(tokio::task::JoinHandle<()>);
 
@@ -110,14 +130,14 @@ impl Cluster {
         let mut mine: Option<i64> = None;
         let mut applied = self.applied.subscribe();
         let mut first = true;
-        let (token, txn_rev, granted_ms, etcd_lease) = loop {
+        let (token, txn_rev, granted_ms, etcd_lease, lease_sent) = loop {
             let may_try = first || self.lock_mirror().may_take(key, mine);
             first = false;
             if may_try {
                 let queued = cleanup.queue_key.as_deref().zip(mine);
-                if let Some((token, rev, ms, lease)) = self.try_grant(key, &holder, &secret, ttl_s, queued).await? {
-                    cleanup.lease = Some(lease);
-                    break (token, rev, ms, lease);
+                if let Some(g) = self.try_grant(key, &holder, &secret, ttl_s, queued).await? {
+                    cleanup.lease = Some(g.lease);
+                    break (g.token, g.revision, g.granted_ms, g.lease, g.lease_sent);
                 }
             }
             if req.wait_ms == 0 {
@@ -156,6 +176,21 @@ impl Cluster {
         tokio::time::timeout(self.timeout, self.floor.wait_persisted(token))
             .await
             .map_err(|_| Error::Store("the token floor was not written in time".into()))??;
+        // The common case: activation took a small part of the TTL. etcd
+        // keeps a lease at least TTL from when its grant was asked for (a
+        // leader change only extends it), so up to `safe_until` — the same
+        // ε and margin as the gateway's own membership deadline — the lease
+        // lives, and the grant key on it with it: fencegate deletes a grant
+        // key only by ending its lease. The answer then carries the time
+        // left to `safe_until`, counted from the answer, and costs no
+        // further etcd round trip (no read-back, no keepalive).
+        let safe_until = Self::deadline_after(lease_sent, Duration::from_millis(granted_ms));
+        let left = safe_until.saturating_duration_since(Instant::now());
+        let still_mine = self.lock_mirror().grants.get(key).is_some_and(|g| g.lease == etcd_lease && g.token == token);
+        if still_mine && left.as_millis() * 3 >= u128::from(granted_ms) * 2 {
+            cleanup.lease = None;
+            return Ok(GrantView { key: req.key, fencing_token: token, lease_id, ttl_ms: millis(left), holder });
+        }
         // Activation may have outlasted the grant's own lease, and another
         // acquire may then hold the key: answer only a grant that is still
         // this one in etcd (a consistent read; the key goes with its lease).
@@ -180,6 +215,10 @@ impl Cluster {
         let client = self.client.clone();
         let period = Duration::from_millis((granted_ms / 3).max(300));
         AbortOnDrop(tokio::spawn(async move {
+            // The lease was just granted with its full TTL: the first
+            // keepalive is due only a third of it later (an activation that
+            // ends sooner costs no keepalive stream at all).
+            tokio::time::sleep(period).await;
             let mut leases = client.lease_client();
             let Ok((mut keeper, mut stream)) = leases.keep_alive(lease).await else { return };
             loop {
@@ -196,8 +235,9 @@ impl Cluster {
         Error::Locked { key: key.to_string(), retry_after_ms }
     }
 
-    /// One attempt: `Some((token, revision, granted ttl ms, lease))` on
-    /// success. `queued`: this acquire's waiter entry and its revision.
+    /// One attempt: the grant on success, `None` when the key is taken or
+    /// an older waiter is queued. `queued`: this acquire's waiter entry and
+    /// its revision.
     async fn try_grant(
         &self,
         key: &str,
@@ -205,12 +245,9 @@ impl Cluster {
         secret: &str,
         ttl_s: i64,
         queued: Option<(&str, i64)>,
-    ) -> Result<Option<(u64, i64, u64, i64)>, Error> {
-        let (offset, offset_rev) = {
-            let m = self.lock_mirror();
-            (m.offset, m.offset_rev)
-        };
+    ) -> Result<Option<Granted>, Error> {
         let mut leases = self.client.lease_client();
+        let lease_sent = Instant::now();
         let grant = bounded(self.timeout, "granting a lease", leases.grant(ttl_s, None)).await?;
         let lease = grant.id();
         let granted_ms = u64::try_from(grant.ttl()).unwrap_or(0).saturating_mul(1000);
@@ -218,33 +255,24 @@ impl Cluster {
         // etcd's history, so its revision is above them all — unless that
         // history was rolled back (a restore, a new cluster).
         let floor = self.floor.get();
-        let value = GrantValue { s: secret.to_string(), h: holder.to_string(), t: granted_ms, o: offset };
-        let value = serde_json::to_vec(&value).map_err(|e| Error::Internal(format!("encoding a grant: {e}")))?;
-        let grant_key = self.keys.grant(key);
-        let queue = self.keys.queue_prefix(key);
-        let queue_end = format!("{}\u{1}", queue.trim_end_matches('\0'));
-        let mut when = vec![
-            Compare::create_revision(grant_key.clone(), CompareOp::Equal, 0),
-            Compare::mod_revision(self.keys.offset(), CompareOp::Equal, offset_rev),
-        ];
-        let mut then = vec![
-            TxnOp::put(grant_key, value, Some(PutOptions::new().with_lease(lease))),
-            TxnOp::put(self.keys.fence(key), offset.to_string(), None),
-        ];
-        match queued {
-            Some((qkey, rev)) => {
-                // Every waiter of the key is this one or younger …
-                when.push(Compare::create_revision(queue.clone(), CompareOp::Greater, rev - 1).with_range(queue_end));
-                // … and this one is still queued (its gateway still a member).
-                when.push(Compare::create_revision(qkey, CompareOp::Equal, rev));
-                then.push(TxnOp::delete(qkey, None));
+        // The transaction itself is shared with the other attempts queued
+        // meanwhile on this gateway (group commit, see `batch`).
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let attempt = Attempt {
+            key: key.to_string(),
+            secret: secret.to_string(),
+            holder: holder.to_string(),
+            granted_ms,
+            lease,
+            queued: queued.map(|(q, r)| (q.to_string(), r)),
+            reply,
+        };
+        let committed = match self.grant_in_batch(attempt, answer).await {
+            Ok(Some(c)) => c,
+            Ok(None) => {
+                let _ = bounded(self.timeout, "revoking", leases.revoke(lease)).await;
+                return Ok(None);
             }
-            None => when.push(Compare::create_revision(queue, CompareOp::Equal, 0).with_range(queue_end)),
-        }
-        let mut kv = self.client.kv_client();
-        let txn = Txn::new().when(when).and_then(then);
-        let done = match bounded(self.timeout, "granting", kv.txn(txn)).await {
-            Ok(d) => d,
             Err(e) => {
                 // Unknown outcome: the lease, if granted, is revoked, which
                 // ends such a grant at once.
@@ -252,22 +280,18 @@ impl Cluster {
                 return Err(e);
             }
         };
-        if !done.succeeded() {
-            let _ = bounded(self.timeout, "revoking", leases.revoke(lease)).await;
-            return Ok(None);
-        }
-        let rev = done.header().map_or(0, |h| h.revision());
-        let token = offset.saturating_add(rev_u64(rev));
+        let (rev, offset) = (committed.revision, committed.offset);
+        let token = token_of(offset, rev, Some(committed.slot));
         if token <= floor {
             // Withdrawn before anyone saw it: revoking ends the grant.
             let _ = bounded(self.timeout, "revoking", leases.revoke(lease)).await;
             return Err(Error::Unavailable(format!(
-                "etcd's revision {rev} (+ offset {offset}) is not above the token floor {floor}: etcd was restored \
-                 or replaced, and granting now could issue a token twice; an operator must run \
+                "etcd's revision {rev} (token {token} with offset {offset}) is not above the token floor {floor}: \
+                 etcd was restored or replaced, and granting now could issue a token twice; an operator must run \
                  `fencegate cluster raise-floor --to {floor}`"
             )));
         }
-        Ok(Some((token, rev, granted_ms, lease)))
+        Ok(Some(Granted { token, revision: rev, granted_ms, lease, lease_sent }))
     }
 
     /// Queues a waiter for `key` on this gateway's membership lease.
@@ -296,7 +320,7 @@ impl Cluster {
         if !secret_eq(&value.s, &sha256_hex(lease_id)) {
             return Ok(None);
         }
-        let token = value.o.saturating_add(rev_u64(found.create_revision()));
+        let token = token_of(value.o, found.create_revision(), value.i);
         Ok(Some((value, found.lease(), token)))
     }
 
@@ -354,8 +378,20 @@ impl Cluster {
     async fn release_inner(&self, req: &ReleaseRequest) -> Result<(), Error> {
         validate_key(&req.key)?;
         let not_owner = || Error::NotOwner { key: req.key.clone() };
-        let Some((_, lease, _)) = self.own_grant(&req.key, &req.lease_id).await? else {
-            return Err(not_owner());
+        // One lease per grant, and the stored hash is of that grant's
+        // random lease id: when this gateway's mirror holds the key with a
+        // matching hash, its lease is this grant's, and revoking it ends
+        // exactly this grant (or answers "not found" if it has ended) — no
+        // consistent read first. Otherwise (the mirror has not seen the
+        // grant yet, or saw a different one) etcd is asked.
+        let hashed = sha256_hex(&req.lease_id);
+        let known = self.lock_mirror().grants.get(&req.key).filter(|g| secret_eq(&g.value.s, &hashed)).map(|g| g.lease);
+        let lease = match known {
+            Some(l) => l,
+            None => match self.own_grant(&req.key, &req.lease_id).await? {
+                Some((_, l, _)) => l,
+                None => return Err(not_owner()),
+            },
         };
         let mut leases = self.client.lease_client();
         match tokio::time::timeout(self.timeout, leases.revoke(lease)).await {

@@ -29,7 +29,7 @@ const MARGIN: Duration = Duration::from_millis(200);
 
 impl Cluster {
     /// The local deadline after a keepalive sent at `sent` got `ttl`.
-    fn deadline_after(sent: Instant, ttl: Duration) -> Instant {
+    pub(super) fn deadline_after(sent: Instant, ttl: Duration) -> Instant {
         (sent + ttl.mul_f64(1.0 - EPSILON)).checked_sub(MARGIN).unwrap_or(sent)
     }
 

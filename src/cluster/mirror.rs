@@ -19,6 +19,10 @@ pub(crate) struct GrantValue {
     pub t: u64,
     /// Token offset in effect when granted.
     pub o: u64,
+    /// The grant's slot in its batch (`batch`); absent in grants made one
+    /// per transaction, whose token is `offset + revision`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub i: Option<u64>,
 }
 
 /// One live grant as the mirror knows it.

@@ -7,19 +7,20 @@
 //! | key | value | lease | meaning |
 //! |---|---|---|---|
 //! | `P g/KEY` | holder, ttl, hash of the lease id, offset | the grant's own | the live grant of KEY |
-//! | `P f/KEY` | offset | none | KEY's fence: `offset + mod_revision` |
+//! | `P f/KEY` | `offset/slot` | none | KEY's fence: `offset + mod_revision · 64 + slot` |
 //! | `P q/KEY \0 ID` | empty | the waiting gateway's membership | a waiter, ordered by create revision |
 //! | `P m/GW` | `up` or `drained` | GW's membership | gateway GW is a live member |
 //! | `P a/GW` | revision | GW's membership | GW installed every fence up to it and finished older in-flight mutations |
 //! | `P meta/offset` | u64 | none | added to revisions (raised by `fencegate cluster raise-floor`) |
 //!
 //! Guarantees:
-//! - A grant is one transaction: create-if-absent of `g/KEY` on a fresh
-//!   etcd lease, only when no older waiter is queued, plus the fence put.
-//!   Its token is `offset + revision` of that transaction: global, strictly
-//!   increasing, and one transaction grants one key, so a token names
-//!   exactly one grant of one key. A put on an expired lease fails, so no
-//!   grant is ever made on a dead lease.
+//! - A grant is one (sub-)transaction: create-if-absent of `g/KEY` on a
+//!   fresh etcd lease, only when no older waiter is queued, plus the fence
+//!   put; concurrent grants of one gateway share one etcd transaction, one
+//!   slot each ([`batch`]). Its token is `offset + revision · 64 + slot`:
+//!   global, strictly increasing, and a slot grants one key, so a token
+//!   names exactly one grant of one key. A put on an expired lease fails,
+//!   so no grant is ever made on a dead lease.
 //! - Each gateway mirrors the prefix in memory (one consistent read at R,
 //!   a watch from R+1, a full reload when compaction cancels the watch) and
 //!   installs fences into its [`FenceTable`]: the data path never waits on
@@ -31,6 +32,7 @@
 //! - A gateway admits mutations only while its membership keepalive is
 //!   acknowledged in time and its watch is proved current ([`member`]).
 
+mod batch;
 mod feed;
 mod floor;
 mod leases;
@@ -122,9 +124,25 @@ fn unavailable(what: &str, e: impl std::fmt::Display) -> Error {
     Error::Unavailable(format!("etcd: {what}: {e}"))
 }
 
-/// A revision as a token (revisions are positive).
+/// A revision as a number (revisions are positive).
 fn rev_u64(rev: i64) -> u64 {
     u64::try_from(rev).unwrap_or(0)
+}
+
+/// Grants per shared grant transaction: each has its own slot, so tokens
+/// are `offset + revision · TOKEN_SLOTS + slot` (see `batch`).
+pub(crate) const TOKEN_SLOTS: u64 = 64;
+
+/// The token of a grant (or fence) written at `rev` in `slot` of its
+/// batch with `offset`; `None`: written alone (before batching), token
+/// `offset + rev`, always below every batched token of a later revision.
+fn token_of(offset: u64, rev: i64, slot: Option<u64>) -> u64 {
+    match slot {
+        Some(i) => {
+            offset.saturating_add(rev_u64(rev).saturating_mul(TOKEN_SLOTS)).saturating_add(i.min(TOKEN_SLOTS - 1))
+        }
+        None => offset.saturating_add(rev_u64(rev)),
+    }
 }
 
 /// Connects a client to the configured endpoints (TLS if configured).
@@ -195,6 +213,8 @@ pub struct Cluster {
     /// hand): that membership is over; wakes the membership loop.
     member_lost: std::sync::atomic::AtomicI64,
     member_lost_kick: tokio::sync::Notify,
+    /// Grant attempts waiting for the next shared transaction.
+    batches: batch::Queue,
     stop: Shutdown,
 }
 
@@ -232,6 +252,7 @@ impl Cluster {
             s.fences.gate_on_currency();
         }
         s.fences.set_not_current("the gateway has not joined its cluster yet");
+        let (batches, batch_rx) = tokio::sync::mpsc::unbounded_channel();
         let cluster = Arc::new(Cluster {
             client,
             keys: Keys::new(&s.cfg.prefix),
@@ -253,6 +274,7 @@ impl Cluster {
             floor,
             member_lost: std::sync::atomic::AtomicI64::new(0),
             member_lost_kick: tokio::sync::Notify::new(),
+            batches,
             stop: s.stop,
         });
         // The first load is part of the start: an unreachable etcd fails it
@@ -262,6 +284,7 @@ impl Cluster {
         tokio::spawn(cluster.clone().run_feed(watch_from));
         tokio::spawn(cluster.clone().run_member());
         tokio::spawn(cluster.clone().run_acks());
+        tokio::spawn(cluster.clone().run_batches(batch_rx));
         tokio::spawn(cluster.floor.clone().run(cluster.stop.clone()));
         tracing::info!(gateway = %cluster.gateway_id, revision = watch_from - 1, "cluster mode: fences loaded from etcd");
         Ok(cluster)

@@ -4,7 +4,8 @@
 //!
 //! ```text
 //! loadgen lock   SYSTEM ADDR --op cycle|renew --clients C --secs S [--prefix P]
-//!                SYSTEM = fencegate | redis | etcd; ADDR = host:port
+//!                SYSTEM = fencegate | redis | etcd | etcd-txn | etcd-lock;
+//!                ADDR = host:port[,host:port…] (client i uses the (i mod n)-th)
 //! loadgen bigput URL --size BYTES --conns C --secs S [--token T]
 //! loadgen fill   URL_PREFIX --keys N --conns C [--token T]
 //! loadgen hold   API_ADDR --keys N --clients C [--prefix P] [--ttl-ms MS]
@@ -18,7 +19,14 @@
 //!   (fencegate: POST /v1/locks/acquire, /v1/locks/release;
 //!   Redis: `SET k v NX PX 30000` + Lua compare-and-delete (EVALSHA);
 //!   etcd: one session lease per client granted up front, then
-//!   txn `If(create_revision(k) == 0) Then Put(k, v, lease)` + deleterange).
+//!   txn `If(create_revision(k) == 0) Then Put(k, v, lease)` + deleterange,
+//!   over etcd's JSON gateway;
+//!   etcd-txn: the same over gRPC (etcd-client), one client connection and
+//!   one session lease per client, as a careful etcd user does;
+//!   etcd-lock: etcd's own lock service over gRPC, v3lock `Lock(name,
+//!   session lease)` + `Unlock(key)`, one session lease per client).
+//!   In cycle runs the JSON line also carries the acquire's own latency
+//!   (`acquire_p50_us`, `acquire_p99_us`).
 //! - renew = renewal of a lease held by the client
 //!   (fencegate: /v1/locks/renew; Redis: Lua compare-and-pexpire;
 //!   etcd: /v3/lease/keepalive).
@@ -291,14 +299,51 @@ fn b64(input: &[u8]) -> String {
 
 /// One client's state for one system.
 enum LockClient {
-    Fencegate { http: Http, key: String, lease: Option<String> },
-    Redis { r: Redis, key: Vec<u8>, release: String, renew: String, val: Vec<u8> },
-    Etcd { http: Http, key: String, lease: String },
+    Fencegate {
+        http: Http,
+        key: String,
+        lease: Option<String>,
+    },
+    Redis {
+        r: Redis,
+        key: Vec<u8>,
+        release: String,
+        renew: String,
+        val: Vec<u8>,
+    },
+    Etcd {
+        http: Http,
+        key: String,
+        lease: String,
+    },
+    EtcdTxn {
+        kv: etcd_client::KvClient,
+        leases: etcd_client::LeaseClient,
+        key: String,
+        lease: i64,
+    },
+    EtcdLock {
+        lock: etcd_client::LockClient,
+        leases: etcd_client::LeaseClient,
+        name: String,
+        lease: i64,
+        held: Option<Vec<u8>>,
+    },
+}
+
+/// A gRPC session to one etcd endpoint with a session lease of 60 s.
+async fn etcd_session(addr: &str) -> Res<(etcd_client::Client, i64)> {
+    let url = if addr.contains("://") { addr.to_string() } else { format!("http://{addr}") };
+    let client = etcd_client::Client::connect([url], None).await.map_err(|e| format!("etcd connect {addr}: {e}"))?;
+    let lease = client.lease_client().grant(60, None).await.map_err(|e| format!("etcd lease grant: {e}"))?.id();
+    Ok((client, lease))
 }
 
 impl LockClient {
-    async fn new(system: &str, addr: &str, prefix: &str, id: usize) -> Res<LockClient> {
+    async fn new(system: &str, addrs: &str, prefix: &str, id: usize) -> Res<LockClient> {
         let key = format!("{prefix}{id}");
+        let list: Vec<&str> = addrs.split(',').filter(|a| !a.is_empty()).collect();
+        let addr = *list.get(id % list.len().max(1)).ok_or("no address")?;
         match system {
             "fencegate" => Ok(LockClient::Fencegate { http: Http::connect(addr).await?, key, lease: None }),
             "redis" => {
@@ -315,6 +360,20 @@ impl LockClient {
                     (200, Some(lease)) => Ok(LockClient::Etcd { http, key: b64(key.as_bytes()), lease }),
                     _ => Err(format!("etcd lease grant: {st} {v}")),
                 }
+            }
+            "etcd-txn" => {
+                let (client, lease) = etcd_session(addr).await?;
+                Ok(LockClient::EtcdTxn { kv: client.kv_client(), leases: client.lease_client(), key, lease })
+            }
+            "etcd-lock" => {
+                let (client, lease) = etcd_session(addr).await?;
+                Ok(LockClient::EtcdLock {
+                    lock: client.lock_client(),
+                    leases: client.lease_client(),
+                    name: key,
+                    lease,
+                    held: None,
+                })
             }
             other => Err(format!("unknown system {other}")),
         }
@@ -351,6 +410,27 @@ impl LockClient {
                     Err(format!("etcd txn: {st} {v}"))
                 }
             }
+            LockClient::EtcdTxn { kv, key, lease, .. } => {
+                use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};
+                let txn = Txn::new()
+                    .when([Compare::create_revision(key.as_str(), CompareOp::Equal, 0)])
+                    .and_then([TxnOp::put(key.as_str(), format!("v{n}"), Some(PutOptions::new().with_lease(*lease)))]);
+                match kv.txn(txn).await {
+                    Ok(r) if r.succeeded() => Ok(()),
+                    Ok(_) => Err("etcd txn: the key exists".into()),
+                    Err(e) => Err(format!("etcd txn: {e}")),
+                }
+            }
+            LockClient::EtcdLock { lock, name, lease, held, .. } => {
+                let opts = etcd_client::LockOptions::new().with_lease(*lease);
+                match lock.lock(name.as_str(), Some(opts)).await {
+                    Ok(r) => {
+                        *held = Some(r.key().to_vec());
+                        Ok(())
+                    }
+                    Err(e) => Err(format!("etcd lock: {e}")),
+                }
+            }
         }
     }
 
@@ -378,6 +458,15 @@ impl LockClient {
                 } else {
                     Err(format!("etcd deleterange: {st} {v}"))
                 }
+            }
+            LockClient::EtcdTxn { kv, key, .. } => match kv.delete(key.as_str(), None).await {
+                Ok(r) if r.deleted() == 1 => Ok(()),
+                Ok(r) => Err(format!("etcd delete: deleted {}", r.deleted())),
+                Err(e) => Err(format!("etcd delete: {e}")),
+            },
+            LockClient::EtcdLock { lock, held, .. } => {
+                let key = held.take().ok_or("etcd unlock: nothing held")?;
+                lock.unlock(key).await.map(|_| ()).map_err(|e| format!("etcd unlock: {e}"))
             }
         }
     }
@@ -407,6 +496,15 @@ impl LockClient {
                     Err(format!("etcd keepalive: {st} {v}"))
                 }
             }
+            LockClient::EtcdTxn { leases, lease, .. } | LockClient::EtcdLock { leases, lease, .. } => {
+                let (mut keeper, mut stream) =
+                    leases.keep_alive(*lease).await.map_err(|e| format!("etcd keepalive: {e}"))?;
+                keeper.keep_alive().await.map_err(|e| format!("etcd keepalive: {e}"))?;
+                match stream.message().await {
+                    Ok(Some(r)) if r.ttl() > 0 => Ok(()),
+                    other => Err(format!("etcd keepalive: {other:?}")),
+                }
+            }
         }
     }
 }
@@ -418,8 +516,14 @@ impl LockClient {
         if holding {
             let _ = self.release().await;
         }
-        if let LockClient::Etcd { http, lease, .. } = self {
-            let _ = http.post("/v3/lease/revoke", &json!({"ID": lease})).await;
+        match self {
+            LockClient::Etcd { http, lease, .. } => {
+                let _ = http.post("/v3/lease/revoke", &json!({"ID": lease})).await;
+            }
+            LockClient::EtcdTxn { leases, lease, .. } | LockClient::EtcdLock { leases, lease, .. } => {
+                let _ = leases.revoke(*lease).await;
+            }
+            _ => {}
         }
     }
 }
@@ -429,6 +533,8 @@ struct Tally {
     errors: u64,
     first_error: Option<String>,
     lat_us: Vec<u32>,
+    /// Acquire latency alone (cycle runs).
+    acq_us: Vec<u32>,
 }
 
 fn pct(sorted: &[u32], p: f64) -> u32 {
@@ -460,7 +566,13 @@ async fn lock_cmd(args: &Args) -> Res<Value> {
     for mut c in conns {
         let op = op.clone();
         tasks.push(tokio::spawn(async move {
-            let mut t = Tally { ops: 0, errors: 0, first_error: None, lat_us: Vec::with_capacity(1 << 16) };
+            let mut t = Tally {
+                ops: 0,
+                errors: 0,
+                first_error: None,
+                lat_us: Vec::with_capacity(1 << 16),
+                acq_us: Vec::with_capacity(1 << 16),
+            };
             let mut n = 0u64;
             while Instant::now() < deadline {
                 n += 1;
@@ -469,7 +581,10 @@ async fn lock_cmd(args: &Args) -> Res<Value> {
                     c.renew().await
                 } else {
                     match c.acquire(n).await {
-                        Ok(()) => c.release().await,
+                        Ok(()) => {
+                            t.acq_us.push(t0.elapsed().as_micros().min(u32::MAX as u128) as u32);
+                            c.release().await
+                        }
                         Err(e) => Err(e),
                     }
                 };
@@ -493,7 +608,7 @@ async fn lock_cmd(args: &Args) -> Res<Value> {
             t
         }));
     }
-    let mut total = Tally { ops: 0, errors: 0, first_error: None, lat_us: Vec::new() };
+    let mut total = Tally { ops: 0, errors: 0, first_error: None, lat_us: Vec::new(), acq_us: Vec::new() };
     for task in tasks {
         let t = task.await.map_err(|e| e.to_string())?;
         total.ops += t.ops;
@@ -502,13 +617,16 @@ async fn lock_cmd(args: &Args) -> Res<Value> {
             total.first_error = t.first_error;
         }
         total.lat_us.extend(t.lat_us);
+        total.acq_us.extend(t.acq_us);
     }
     let elapsed = start.elapsed().as_secs_f64();
     total.lat_us.sort_unstable();
+    total.acq_us.sort_unstable();
     Ok(json!({
         "cmd": "lock", "system": system, "op": op, "clients": clients,
         "ops": total.ops, "secs": elapsed, "ops_per_s": total.ops as f64 / elapsed,
         "p50_us": pct(&total.lat_us, 0.5), "p99_us": pct(&total.lat_us, 0.99),
+        "acquire_p50_us": pct(&total.acq_us, 0.5), "acquire_p99_us": pct(&total.acq_us, 0.99),
         "errors": total.errors, "first_error": total.first_error,
     }))
 }
