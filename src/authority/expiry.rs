@@ -26,7 +26,6 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::sync::Arc;
 
-
 use super::{Authority, Ended, KeyState};
 use crate::shutdown::Shutdown;
 

@@ -49,8 +49,8 @@ use crate::metrics::Metrics;
 use crate::store::{wait_durable, GrantRecord, Op, Store};
 
 use holders::Holders;
-use types::{validate_ttl, LeaseId};
 pub use types::{validate_key, AcquireRequest, GrantView, ReleaseRequest, RenewRequest, RenewView, StatusView};
+use types::{validate_ttl, LeaseId};
 
 /// One live grant. Times are milliseconds on the authority's clock
 /// ([`Authority::now_ms`]).
@@ -332,6 +332,8 @@ impl Authority {
         // Take the lock at once, or join the queue.
         let step = {
             let mut st = self.keys.entry(key.clone()).or_insert_with(new_state);
+            // The map's copy (a watch may have made the state first).
+            let key = st.key().clone();
             let now_ms = self.now_ms();
             self.expire_if_due(&key, &mut st, now_ms);
             if st.is_free() {
@@ -361,6 +363,7 @@ impl Authority {
                     return Err(Error::Locked { key: req.key, retry_after_ms });
                 }
                 let mut st = self.keys.entry(key.clone()).or_insert_with(new_state);
+                let key = st.key().clone();
                 if st.handoff() != Some(id) {
                     return Err(Error::Internal(format!("waiter on {key} woken without the hand-off")));
                 }

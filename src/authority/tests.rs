@@ -407,11 +407,13 @@ async fn a_lease_never_ends_before_its_full_ttl_whatever_the_clock_fraction() {
     let r = rig();
     // Start mid-millisecond: the deadline rounds up, never down.
     advance(Duration::from_micros(500)).await;
-    let g = r.auth.acquire(acq("frac", 10, 0)).await.unwrap();
-    advance(Duration::from_micros(9_999)).await;
-    assert!(r.auth.status("frac").unwrap().held, "ended before 10 ms had passed");
+    let g = r.auth.acquire(acq("frac", 100, 0)).await.unwrap();
+    advance(Duration::from_micros(99_999)).await;
+    assert!(r.auth.status("frac").unwrap().held, "ended before 100 ms had passed");
     assert!(r.auth.renew(RenewRequest { key: "frac".into(), lease_id: g.lease_id.clone(), ttl_ms: None }).is_ok());
-    advance(Duration::from_millis(11)).await;
+    advance(Duration::from_micros(99_999)).await;
+    assert!(r.auth.status("frac").unwrap().held, "ended before 100 ms had passed since the renewal");
+    advance(Duration::from_millis(2)).await;
     assert!(!r.auth.status("frac").unwrap().held);
     assert!(r.auth.renew(RenewRequest { key: "frac".into(), lease_id: g.lease_id, ttl_ms: None }).is_err());
 }
@@ -478,11 +480,22 @@ async fn a_shorter_ttl_moves_the_lease_earlier_and_the_old_entry_is_skipped() {
 #[tokio::test(start_paused = true)]
 async fn holders_are_stored_once_and_forgotten_with_their_last_grant() {
     let r = rig();
-    let a = r.auth.acquire(AcquireRequest { key: "h/1".into(), ttl_ms: 1_000, wait_ms: 0, holder: Some("worker-7".into()) });
+    let a = r.auth.acquire(AcquireRequest {
+        key: "h/1".into(),
+        ttl_ms: 1_000,
+        wait_ms: 0,
+        holder: Some("worker-7".into()),
+    });
     let a = a.await.unwrap();
-    let b = r.auth.acquire(AcquireRequest { key: "h/2".into(), ttl_ms: 5_000, wait_ms: 0, holder: Some("worker-7".into()) });
+    let b = r.auth.acquire(AcquireRequest {
+        key: "h/2".into(),
+        ttl_ms: 5_000,
+        wait_ms: 0,
+        holder: Some("worker-7".into()),
+    });
     let b = b.await.unwrap();
-    let c = r.auth.acquire(AcquireRequest { key: "h/3".into(), ttl_ms: 5_000, wait_ms: 0, holder: None }).await.unwrap();
+    let c =
+        r.auth.acquire(AcquireRequest { key: "h/3".into(), ttl_ms: 5_000, wait_ms: 0, holder: None }).await.unwrap();
     assert_eq!(r.auth.holders.len(), 1, "one copy of worker-7, none for no holder");
     assert_eq!(r.auth.status("h/2").unwrap().holder.as_deref(), Some("worker-7"));
     assert_eq!(r.auth.status("h/3").unwrap().holder.as_deref(), Some(""));
@@ -524,7 +537,9 @@ async fn memory_per_held_lease_by_part() {
         for i in 0..1_000 {
             let auth = auth.clone();
             let key = format!("held/{:08x}", ((round * 1_000 + i) as u64).wrapping_mul(2_654_435_761) & 0xffff_ffff);
-            set.spawn(async move { auth.acquire(AcquireRequest { key, ttl_ms: 900_000, wait_ms: 0, holder: None }).await });
+            set.spawn(
+                async move { auth.acquire(AcquireRequest { key, ttl_ms: 900_000, wait_ms: 0, holder: None }).await },
+            );
         }
         while let Some(r) = set.join_next().await {
             r.unwrap().unwrap();

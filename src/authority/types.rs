@@ -247,7 +247,10 @@ mod tests {
         assert_eq!(LeaseId::parse("0123456789abcdef0123456789abcde/"), None);
         assert_eq!(LeaseId::parse("0123456789abcdef0123456789abcde:"), None);
         assert_eq!(LeaseId::parse("0123456789abcdef0123456789abcde`").map(|_| ()), None);
-        assert_eq!(LeaseId::parse("ffffffffffffffffffffffffffffffff").map(|i| i.to_hex()).as_deref(), Some("ffffffffffffffffffffffffffffffff"));
+        assert_eq!(
+            LeaseId::parse("ffffffffffffffffffffffffffffffff").map(|i| i.to_hex()).as_deref(),
+            Some("ffffffffffffffffffffffffffffffff")
+        );
         assert!(!format!("{id:?}").contains(&hex), "Debug must not show the secret");
     }
 
