@@ -24,7 +24,7 @@
 //! boxed [`KeyState`] of 80 bytes (16-byte lease id, interned holder,
 //! times in milliseconds, waiters and watchers behind one more pointer
 //! that is null when there are none) and one 24-byte entry in the expiry
-//! heap. `docs/durability.md` and `benches/compare/RESULTS.md` have the figures.
+//! heap. `benches/compare/RESULTS.md` (issue 18) has the figures.
 
 mod expiry;
 mod footprint;
