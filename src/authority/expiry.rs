@@ -10,49 +10,62 @@
 //! and released 50,000 times a second with a 30 s TTL used to leave 1.5
 //! million entries behind).
 //!
-//! Due grants are ended in slices of `EXPIRE_PER_TURN` (256) with a yield to
+//! Which time a key is in the heap for is kept in the key's own state
+//! (`KeyState::scheduled_ms`), not in a second map: an entry is 24 bytes
+//! (a time in milliseconds and the key, shared with the maps) in one
+//! vector, with no allocation of its own. An entry whose time is not its
+//! key's `scheduled_ms` was superseded by an earlier one (or its key was
+//! forgotten) and is skipped when it comes due.
+//!
+//! Due grants are ended in slices of `EXPIRE_PER_TURN` with a yield to
 //! the runtime between slices: 500,000 leases due in the same second used
 //! to hold the gateway's thread for about a second (no request answered);
 //! now they share it with requests while they are worked off.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::BinaryHeap;
 use std::sync::Arc;
 
-use tokio::time::Instant;
-
-use super::{Authority, Ended};
+use super::{Authority, Ended, KeyState};
 use crate::shutdown::Shutdown;
 
 /// Most grants ended in one turn of the expiry task. A mass expiry
 /// (500,000 leases due within the same second) is worked off in slices of
 /// this many, with a yield to the runtime between slices, so that the
 /// proxy and the lease API keep being served meanwhile: one slice costs
-/// milliseconds, the whole backlog seconds.
-const EXPIRE_PER_TURN: usize = 256;
+/// well under a millisecond, the whole backlog seconds.
+const EXPIRE_PER_TURN: usize = 128;
 
-/// When keys' grants may be due.
+/// When keys' grants may be due: (milliseconds on the authority's clock, key).
 #[derive(Default)]
 pub(super) struct Schedule {
-    heap: BinaryHeap<Reverse<(Instant, Arc<str>)>>,
-    /// The time each key is in the heap for. A heap entry whose time is
-    /// not its key's time here was superseded by an earlier one: skipped.
-    at: HashMap<Arc<str>, Instant>,
+    heap: BinaryHeap<Reverse<(u64, Arc<str>)>>,
+}
+
+impl Schedule {
+    /// Entries the heap has room for.
+    pub(super) fn capacity(&self) -> usize {
+        self.heap.capacity()
+    }
 }
 
 impl Authority {
-    /// Makes sure `key` is looked at no later than `at`.
-    pub(super) fn schedule_expiry(&self, key: &Arc<str>, at: Instant) {
+    /// Makes sure `key` (whose locked state is `st`) is looked at no later
+    /// than `at_ms`.
+    pub(super) fn schedule_expiry(&self, key: &Arc<str>, st: &mut KeyState, at_ms: u64) {
+        if st.scheduled_ms != 0 && st.scheduled_ms <= at_ms {
+            return;
+        }
+        // 0 means "not scheduled": a deadline at the clock's zero is
+        // looked at 1 ms later (never earlier than due).
+        let at_ms = at_ms.max(1);
         let Ok(mut s) = self.expiry.lock() else {
             return;
         };
-        if s.at.get(key).is_some_and(|t| *t <= at) {
-            return;
-        }
-        let earliest = s.heap.peek().is_none_or(|Reverse((t, _))| at < *t);
-        s.heap.push(Reverse((at, key.clone())));
-        s.at.insert(key.clone(), at);
+        let earliest = s.heap.peek().is_none_or(|Reverse((t, _))| at_ms < *t);
+        s.heap.push(Reverse((at_ms, key.clone())));
         drop(s);
+        st.scheduled_ms = at_ms;
         if earliest {
             self.expiry_wake.notify_one();
         }
@@ -64,13 +77,13 @@ impl Authority {
             let next = self.expiry.lock().ok().and_then(|s| s.heap.peek().map(|Reverse((t, _))| *t));
             let sleep = async {
                 match next {
-                    Some(at) => tokio::time::sleep_until(at).await,
+                    Some(at) => tokio::time::sleep_until(self.instant_at(at)).await,
                     None => std::future::pending().await,
                 }
             };
             tokio::select! {
                 () = sleep => {
-                    while self.expire_some(Instant::now(), EXPIRE_PER_TURN) {
+                    while self.expire_some(self.now_ms(), EXPIRE_PER_TURN) {
                         if shutdown.is_triggered() {
                             return;
                         }
@@ -83,50 +96,55 @@ impl Authority {
         }
     }
 
-    /// Ends up to `max` grants whose deadline is at or before `now`; true
-    /// when more keys are due.
-    fn expire_some(&self, now: Instant, max: usize) -> bool {
-        let (due, more): (Vec<Arc<str>>, bool) = {
+    /// Ends up to `max` grants whose deadline is at or before `now_ms`;
+    /// true when more keys are due.
+    pub(super) fn expire_some(&self, now_ms: u64, max: usize) -> bool {
+        let (due, more): (Vec<(u64, Arc<str>)>, bool) = {
             let Ok(mut s) = self.expiry.lock() else {
                 return false;
             };
-            let mut due = Vec::new();
-            while due.len() < max && s.heap.peek().is_some_and(|Reverse((t, _))| *t <= now) {
-                let Some(Reverse((t, key))) = s.heap.pop() else { break };
-                if s.at.get(&key) == Some(&t) {
-                    s.at.remove(&key);
-                    due.push(key);
-                }
+            let mut due = Vec::with_capacity(max.min(s.heap.len()));
+            while due.len() < max && s.heap.peek().is_some_and(|Reverse((t, _))| *t <= now_ms) {
+                let Some(Reverse(entry)) = s.heap.pop() else { break };
+                due.push(entry);
             }
-            let more = s.heap.peek().is_some_and(|Reverse((t, _))| *t <= now);
+            let more = s.heap.peek().is_some_and(|Reverse((t, _))| *t <= now_ms);
             (due, more)
         };
-        for key in due {
-            let later = {
+        for (at_ms, key) in due {
+            let forget = {
                 let Some(mut st) = self.keys.get_mut(&key) else {
                     continue;
                 };
-                match &st.grant {
-                    Some(g) if g.deadline <= now => {
+                if st.scheduled_ms != at_ms {
+                    // Superseded by an earlier entry, or the key was
+                    // forgotten and made again since.
+                    continue;
+                }
+                st.scheduled_ms = 0;
+                match st.grant.as_ref().map(|g| g.deadline_ms) {
+                    Some(deadline) if deadline <= now_ms => {
                         self.end_locked(&key, &mut st, Ended::Expired);
-                        None
+                        true
                     }
-                    Some(g) => Some(g.deadline),
-                    None => None,
+                    Some(deadline) => {
+                        self.schedule_expiry(&key, &mut st, deadline);
+                        false
+                    }
+                    None => true,
                 }
             };
-            match later {
-                Some(deadline) => self.schedule_expiry(&key, deadline),
-                None => self.gc(&key),
+            if forget {
+                self.gc(&key);
             }
         }
         more
     }
 
-    /// Keys in the expiry schedule (for tests).
+    /// Entries in the expiry heap (for tests).
     #[cfg(test)]
-    pub(super) fn scheduled(&self) -> (usize, usize) {
-        self.expiry.lock().map_or((0, 0), |s| (s.heap.len(), s.at.len()))
+    pub(super) fn scheduled(&self) -> usize {
+        self.expiry.lock().map_or(0, |s| s.heap.len())
     }
 }
 

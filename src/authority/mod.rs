@@ -18,9 +18,20 @@
 //!
 //! Lock order: a key's authority state, then its fence slot, then the
 //! expiry heap. No lock is held across an `.await`.
+//!
+//! Memory (issue 18): a held lease costs its key (one allocation shared
+//! with the fence table), one bucket of each map (a key and a pointer), a
+//! boxed [`KeyState`] of 80 bytes (16-byte lease id, interned holder,
+//! times in milliseconds, waiters and watchers behind one more pointer
+//! that is null when there are none) and one 24-byte entry in the expiry
+//! heap. `benches/compare/RESULTS.md` (issue 18) has the figures.
 
 mod expiry;
+mod footprint;
+mod holders;
 pub mod types;
+
+pub use footprint::Footprint;
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -37,21 +48,40 @@ use crate::fence::FenceTable;
 use crate::metrics::Metrics;
 use crate::store::{wait_durable, GrantRecord, Op, Store};
 
-use types::{new_lease_id, secret_eq, validate_ttl};
+use holders::Holders;
 pub use types::{validate_key, AcquireRequest, GrantView, ReleaseRequest, RenewRequest, RenewView, StatusView};
+use types::{validate_ttl, LeaseId};
 
-/// One live grant.
-#[derive(Debug, Clone)]
+/// One live grant. Times are milliseconds on the authority's clock
+/// ([`Authority::now_ms`]).
+#[derive(Debug)]
 struct Grant {
     token: u64,
+    lease_id: LeaseId,
+    /// Interned ([`Holders`]); `None`: no holder label.
+    holder: Option<holders::Name>,
+    ttl_ms: u64,
+    deadline_ms: u64,
+    granted_ms: u64,
     /// Fsynced: only then is the grant shown to readers (status, watch).
     /// A grant that a crash could undo must not be acted upon by anyone.
     durable: bool,
-    lease_id: String,
-    holder: String,
-    ttl: Duration,
-    deadline: Instant,
-    granted_at: Instant,
+}
+
+impl Grant {
+    fn holder(&self) -> &str {
+        self.holder.as_deref().map_or("", String::as_str)
+    }
+
+    /// The grant as the store keeps it.
+    fn record(&self) -> GrantRecord {
+        GrantRecord {
+            token: self.token,
+            lease_id: self.lease_id.to_hex(),
+            holder: self.holder().to_string(),
+            ttl_ms: self.ttl_ms,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -60,10 +90,10 @@ struct Waiter {
     wake: oneshot::Sender<()>,
 }
 
-/// Everything the authority knows of one key.
-#[derive(Debug)]
-struct KeyState {
-    grant: Option<Grant>,
+/// What a key has only while somebody waits for it or watches it: boxed
+/// behind one pointer, null for nearly every held key.
+#[derive(Debug, Default)]
+struct Queue {
     waiters: VecDeque<Waiter>,
     /// The waiter that was woken and owns the next grant.
     handoff: Option<u64>,
@@ -72,40 +102,73 @@ struct KeyState {
     holder_tx: Option<watch::Sender<u64>>,
 }
 
+/// Everything the authority knows of one key.
+#[derive(Debug)]
+struct KeyState {
+    grant: Option<Grant>,
+    /// The time this key is in the expiry heap for (0: not in it). A heap
+    /// entry with another time was superseded: skipped (`expiry.rs`).
+    scheduled_ms: u64,
+    queue: Option<Box<Queue>>,
+}
+
 impl KeyState {
     fn new() -> KeyState {
-        KeyState { grant: None, waiters: VecDeque::new(), handoff: None, holder_tx: None }
+        KeyState { grant: None, scheduled_ms: 0, queue: None }
+    }
+    fn queue_mut(&mut self) -> &mut Queue {
+        self.queue.get_or_insert_with(Box::default)
+    }
+    /// Drops the queue once it holds nothing.
+    fn tidy(&mut self) {
+        if self.queue.as_ref().is_some_and(|q| q.waiters.is_empty() && q.handoff.is_none() && q.holder_tx.is_none()) {
+            self.queue = None;
+        }
+    }
+    fn handoff(&self) -> Option<u64> {
+        self.queue.as_ref().and_then(|q| q.handoff)
+    }
+    fn waiter_count(&self) -> usize {
+        self.queue.as_ref().map_or(0, |q| q.waiters.len())
     }
     /// Sets the holder's token and wakes its watchers. The channel is made
     /// by the first watcher and dropped at the first change nobody watches,
     /// so grants and releases of an unwatched key touch no channel.
     fn publish(&mut self, token: u64) {
-        if let Some(tx) = &self.holder_tx {
-            if tx.receiver_count() == 0 {
-                self.holder_tx = None;
-            } else {
-                tx.send_replace(token);
+        if let Some(q) = self.queue.as_mut() {
+            if let Some(tx) = &q.holder_tx {
+                if tx.receiver_count() == 0 {
+                    q.holder_tx = None;
+                } else {
+                    tx.send_replace(token);
+                }
             }
         }
+        self.tidy();
     }
     /// A watcher of the holder's token.
     fn subscribe(&mut self) -> watch::Receiver<u64> {
-        if let Some(tx) = &self.holder_tx {
+        let published = self.grant.as_ref().filter(|g| g.durable).map_or(0, |g| g.token);
+        let q = self.queue_mut();
+        if let Some(tx) = &q.holder_tx {
             return tx.subscribe();
         }
-        let published = self.grant.as_ref().filter(|g| g.durable).map_or(0, |g| g.token);
         let (tx, rx) = watch::channel(published);
-        self.holder_tx = Some(tx);
+        q.holder_tx = Some(tx);
         rx
     }
     fn is_free(&self) -> bool {
-        self.grant.is_none() && self.handoff.is_none() && self.waiters.is_empty()
+        self.grant.is_none() && self.handoff().is_none() && self.waiter_count() == 0
     }
+    /// Nothing to keep: free, not in the expiry heap (a key released and
+    /// acquired again keeps its one entry there), and nobody watching.
     fn is_idle(&self) -> bool {
-        self.is_free() && self.holder_tx.as_ref().is_none_or(|tx| tx.receiver_count() == 0)
+        self.is_free()
+            && self.scheduled_ms == 0
+            && self.queue.as_ref().and_then(|q| q.holder_tx.as_ref()).is_none_or(|tx| tx.receiver_count() == 0)
     }
-    fn retry_after_ms(&self, now: Instant) -> u64 {
-        self.grant.as_ref().map_or(0, |g| millis(g.deadline.saturating_duration_since(now)))
+    fn retry_after_ms(&self, now_ms: u64) -> u64 {
+        self.grant.as_ref().map_or(0, |g| g.deadline_ms.saturating_sub(now_ms))
     }
 }
 
@@ -127,8 +190,12 @@ enum Ended {
 
 /// The lease authority of one gateway.
 pub struct Authority {
-    keys: DashMap<Arc<str>, KeyState>,
+    /// Boxed states: a bucket is a key and a pointer, whatever the map's load.
+    keys: DashMap<Arc<str>, Box<KeyState>>,
     fences: Arc<FenceTable>,
+    holders: Holders,
+    /// The zero of [`Authority::now_ms`].
+    base: Instant,
     store: Store,
     metrics: Arc<Metrics>,
     limits: LocksConfig,
@@ -147,6 +214,11 @@ fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
+/// `KeyState` boxed, as the map keeps it.
+fn new_state() -> Box<KeyState> {
+    Box::new(KeyState::new())
+}
+
 impl Authority {
     /// An authority over `fences`, persisting to `store`, and restoring the
     /// grants the store holds: each one whose token is still its key's
@@ -160,6 +232,8 @@ impl Authority {
         let auth = Arc::new(Authority {
             keys: DashMap::new(),
             fences,
+            holders: Holders::default(),
+            base: Instant::now(),
             store,
             metrics,
             limits,
@@ -167,31 +241,60 @@ impl Authority {
             expiry_wake: Notify::new(),
             next_waiter: AtomicU64::new(1),
         });
-        let now = Instant::now();
+        let now = auth.deadline_base();
         for (key, rec) in auth.store.grants()? {
-            if auth.fences.fence(&key) != rec.token {
-                // A newer fence exists: the grant was superseded.
+            let Some(lease_id) = LeaseId::parse(&rec.lease_id) else {
+                // Only this gateway writes lease ids, always in this form:
+                // a record that is not is left to lapse.
+                tracing::warn!(key = %key, token = rec.token, "stored grant with a malformed lease id; not restored");
                 continue;
-            }
-            let ttl = Duration::from_millis(rec.ttl_ms);
-            let key: Arc<str> = Arc::from(key.as_str());
-            let mut st = KeyState::new();
-            st.publish(rec.token);
+            };
+            // Live again if its token is still the fence (else a newer
+            // fence superseded it); one copy of the key for both maps.
+            let Some(key) = auth.fences.restore_live(&key, rec.token) else {
+                continue;
+            };
+            let mut st = new_state();
             st.grant = Some(Grant {
                 token: rec.token,
                 durable: true,
-                lease_id: rec.lease_id,
-                holder: rec.holder,
-                ttl,
-                deadline: now + ttl,
-                granted_at: now,
+                lease_id,
+                holder: auth.holders.intern(&rec.holder),
+                ttl_ms: rec.ttl_ms,
+                deadline_ms: now.saturating_add(rec.ttl_ms),
+                granted_ms: now,
             });
-            auth.fences.set_live(&key, rec.token, true);
-            auth.schedule_expiry(&key, now + ttl);
+            auth.schedule_expiry(&key, &mut st, now.saturating_add(rec.ttl_ms));
             auth.metrics.leases_active.inc();
             auth.keys.insert(key, st);
         }
         Ok(auth)
+    }
+
+    /// Milliseconds since this authority was made, rounded down: a grant
+    /// is due when its deadline is at or before this.
+    fn now_ms(&self) -> u64 {
+        millis(self.base.elapsed())
+    }
+
+    /// The time a new deadline counts from: now, rounded up, so that a
+    /// lease never ends before its full TTL has passed.
+    fn deadline_base(&self) -> u64 {
+        let elapsed = self.base.elapsed();
+        let floor = millis(elapsed);
+        if elapsed.subsec_nanos() % 1_000_000 == 0 {
+            floor
+        } else {
+            floor.saturating_add(1)
+        }
+    }
+
+    /// The instant of `ms` on this authority's clock (a TTL read from disk
+    /// may be anything: past what an `Instant` can hold is "in a year").
+    fn instant_at(&self, ms: u64) -> Instant {
+        self.base
+            .checked_add(Duration::from_millis(ms))
+            .unwrap_or_else(|| Instant::now() + Duration::from_secs(365 * 24 * 3600))
     }
 
     /// The fence table this authority installs fences into.
@@ -222,23 +325,26 @@ impl Authority {
     async fn acquire_inner(self: &Arc<Self>, req: AcquireRequest) -> Result<GrantView, Error> {
         let holder = req.validate(&self.limits)?;
         let started = Instant::now();
-        let ttl = Duration::from_millis(req.ttl_ms);
-        let lease_id = new_lease_id()?;
-        let key: Arc<str> = Arc::from(req.key.as_str());
+        let lease_id = LeaseId::new()?;
+        // One copy of the key for both maps: the fence table's if it has one.
+        let key: Arc<str> = self.fences.shared_key(&req.key).unwrap_or_else(|| Arc::from(req.key.as_str()));
 
         // Take the lock at once, or join the queue.
         let step = {
-            let mut st = self.keys.entry(key.clone()).or_insert_with(KeyState::new);
-            self.expire_if_due(&key, &mut st, started);
+            let mut st = self.keys.entry(key.clone()).or_insert_with(new_state);
+            // The map's copy (a watch may have made the state first).
+            let key = st.key().clone();
+            let now_ms = self.now_ms();
+            self.expire_if_due(&key, &mut st, now_ms);
             if st.is_free() {
-                Step::Installed(self.install(&key, &mut st, &lease_id, &holder, ttl)?)
-            } else if req.wait_ms == 0 || st.waiters.len() >= self.limits.max_waiters_per_key {
-                let retry_after_ms = st.retry_after_ms(started);
+                Step::Installed(self.install(&key, &mut st, lease_id, &holder, req.ttl_ms)?)
+            } else if req.wait_ms == 0 || st.waiter_count() >= self.limits.max_waiters_per_key {
+                let retry_after_ms = st.retry_after_ms(now_ms);
                 return Err(Error::Locked { key: req.key, retry_after_ms });
             } else {
                 let id = self.next_waiter.fetch_add(1, Ordering::Relaxed);
                 let (wake, rx) = oneshot::channel();
-                st.waiters.push_back(Waiter { id, wake });
+                st.queue_mut().waiters.push_back(Waiter { id, wake });
                 self.metrics.lock_waiters.inc();
                 Step::Queued(id, rx)
             }
@@ -252,18 +358,20 @@ impl Authority {
                 if !matches!(woken, Ok(Ok(()))) {
                     drop(guard);
                     self.metrics.lock_wait.with_label_values(&["timeout"]).observe(waited);
-                    let retry_after_ms = self.keys.get(&key).map_or(0, |st| st.retry_after_ms(Instant::now()));
+                    let retry_after_ms = self.keys.get(&key).map_or(0, |st| st.retry_after_ms(self.now_ms()));
                     self.gc(&key);
                     return Err(Error::Locked { key: req.key, retry_after_ms });
                 }
-                let mut st = self.keys.entry(key.clone()).or_insert_with(KeyState::new);
-                if st.handoff != Some(id) {
+                let mut st = self.keys.entry(key.clone()).or_insert_with(new_state);
+                let key = st.key().clone();
+                if st.handoff() != Some(id) {
                     return Err(Error::Internal(format!("waiter on {key} woken without the hand-off")));
                 }
-                st.handoff = None;
+                st.queue_mut().handoff = None;
+                st.tidy();
                 guard.armed = false;
                 self.metrics.lock_wait.with_label_values(&["granted"]).observe(waited);
-                self.install(&key, &mut st, &lease_id, &holder, ttl)?
+                self.install(&key, &mut st, lease_id, &holder, req.ttl_ms)?
             }
         };
 
@@ -288,7 +396,7 @@ impl Authority {
             tracing::warn!(key = %key, token, "activation gave up waiting for older in-flight mutations");
         }
         orphan.armed = false;
-        Ok(GrantView { key: req.key, fencing_token: token, lease_id, ttl_ms: req.ttl_ms, holder })
+        Ok(GrantView { key: req.key, fencing_token: token, lease_id: lease_id.to_hex(), ttl_ms: req.ttl_ms, holder })
     }
 
     /// The grant `token` of `key` is fsynced: readers may see it now.
@@ -308,27 +416,27 @@ impl Authority {
         &self,
         key: &Arc<str>,
         st: &mut KeyState,
-        lease_id: &str,
+        lease_id: LeaseId,
         holder: &str,
-        ttl: Duration,
+        ttl_ms: u64,
     ) -> Result<Issued, Error> {
-        let ttl_ms = millis(ttl);
-        let (token, durable) = self.fences.issue(key, &self.store, |k, token| {
-            let record = GrantRecord { token, lease_id: lease_id.to_string(), holder: holder.to_string(), ttl_ms };
+        let (token, durable) = self.fences.issue_shared(key, &self.store, |k, token| {
+            let record = GrantRecord { token, lease_id: lease_id.to_hex(), holder: holder.to_string(), ttl_ms };
             vec![Op::Fence { key: k.clone(), token }, Op::Grant { key: k.clone(), record }]
         })?;
-        let now = Instant::now();
+        let now = self.deadline_base();
+        let deadline_ms = now.saturating_add(ttl_ms);
         st.grant = Some(Grant {
             token,
             durable: false,
-            lease_id: lease_id.to_string(),
-            holder: holder.to_string(),
-            ttl,
-            deadline: now + ttl,
-            granted_at: now,
+            lease_id,
+            holder: self.holders.intern(holder),
+            ttl_ms,
+            deadline_ms,
+            granted_ms: now,
         });
         // Published to watchers only once durable (see `publish_durable`).
-        self.schedule_expiry(key, now + ttl);
+        self.schedule_expiry(key, st, deadline_ms);
         self.metrics.grants.inc();
         self.metrics.fence_advances.inc();
         self.metrics.leases_active.inc();
@@ -357,40 +465,35 @@ impl Authority {
             return Err(lost());
         };
         let key = st.key().clone();
-        let now = Instant::now();
-        self.expire_if_due(&key, &mut st, now);
+        let now_ms = self.now_ms();
+        self.expire_if_due(&key, &mut st, now_ms);
         let Some(grant) = st.grant.as_mut() else {
             return Err(lost());
         };
-        if !secret_eq(&grant.lease_id, &req.lease_id) {
+        if !grant.lease_id.matches(&req.lease_id) {
             return Err(lost());
         }
-        let margin = grant.deadline.saturating_duration_since(now).as_secs_f64();
+        let margin_ms = grant.deadline_ms.saturating_sub(now_ms);
+        let margin = Duration::from_millis(margin_ms).as_secs_f64();
         self.metrics.renew_margin.observe(margin);
-        self.metrics.renew_margin_ratio.observe(margin / grant.ttl.as_secs_f64().max(f64::EPSILON));
+        self.metrics.renew_margin_ratio.observe(margin_ms as f64 / (grant.ttl_ms as f64).max(f64::EPSILON));
         if let Some(ttl_ms) = req.ttl_ms {
-            let ttl = Duration::from_millis(ttl_ms);
-            if ttl != grant.ttl {
-                grant.ttl = ttl;
+            if ttl_ms != grant.ttl_ms {
+                grant.ttl_ms = ttl_ms;
                 // The restart TTL follows; no fsync needed (a restart
                 // restores *some* full TTL either way).
-                let record = GrantRecord {
-                    token: grant.token,
-                    lease_id: grant.lease_id.clone(),
-                    holder: grant.holder.clone(),
-                    ttl_ms,
-                };
-                self.store.submit_lazy(vec![Op::Grant { key: key.clone(), record }]);
+                self.store.submit_lazy(vec![Op::Grant { key: key.clone(), record: grant.record() }]);
             }
         }
-        let deadline = now + grant.ttl;
-        let sooner = deadline < grant.deadline;
-        grant.deadline = deadline;
+        let deadline_ms = self.deadline_base().saturating_add(grant.ttl_ms);
+        let sooner = deadline_ms < grant.deadline_ms;
+        grant.deadline_ms = deadline_ms;
+        let (token, ttl_ms) = (grant.token, grant.ttl_ms);
         if sooner {
             // A shorter TTL: the key's entry may lie after the new deadline.
-            self.schedule_expiry(&key, deadline);
+            self.schedule_expiry(&key, &mut st, deadline_ms);
         }
-        Ok(RenewView { key: req.key, fencing_token: grant.token, ttl_ms: millis(grant.ttl) })
+        Ok(RenewView { key: req.key, fencing_token: token, ttl_ms })
     }
 
     /// Ends a grant at its holder's request; wakes the head waiter.
@@ -416,7 +519,7 @@ impl Authority {
         };
         let key = st.key().clone();
         match &st.grant {
-            Some(g) if secret_eq(&g.lease_id, &req.lease_id) => {
+            Some(g) if g.lease_id.matches(&req.lease_id) => {
                 self.end_locked(&key, &mut st, Ended::Released);
                 Ok(())
             }
@@ -430,16 +533,23 @@ impl Authority {
         // Only what is fsynced: a crash now must not take back what a
         // reader was shown.
         let fence = self.fences.durable_fence(key);
-        let now = Instant::now();
-        let grant = self.keys.get(key).and_then(|st| st.grant.clone()).filter(|g| g.durable && g.deadline > now);
-        Ok(match grant {
-            Some(g) => StatusView {
+        let now_ms = self.now_ms();
+        // Copied out under the key's lock: the interned holder name is
+        // never cloned outside a grant (see `Holders::release`).
+        let held = self.keys.get(key).and_then(|st| {
+            st.grant
+                .as_ref()
+                .filter(|g| g.durable && g.deadline_ms > now_ms)
+                .map(|g| (g.token, g.holder().to_string(), g.deadline_ms - now_ms))
+        });
+        Ok(match held {
+            Some((token, holder, expires_in_ms)) => StatusView {
                 key: key.to_string(),
                 fence,
                 held: true,
-                fencing_token: Some(g.token),
-                holder: Some(g.holder),
-                expires_in_ms: Some(millis(g.deadline - now)),
+                fencing_token: Some(token),
+                holder: Some(holder),
+                expires_in_ms: Some(expires_in_ms),
             },
             None => StatusView {
                 key: key.to_string(),
@@ -462,7 +572,7 @@ impl Authority {
         let mut w = WatchGuard {
             auth: self,
             key,
-            rx: Some(self.keys.entry(Arc::from(key)).or_insert_with(KeyState::new).subscribe()),
+            rx: Some(self.keys.entry(Arc::from(key)).or_insert_with(new_state).subscribe()),
         };
         let deadline = Instant::now() + timeout;
         if let Some(rx) = w.rx.as_mut() {
@@ -491,8 +601,8 @@ impl Authority {
         }
     }
 
-    fn expire_if_due(&self, key: &Arc<str>, st: &mut KeyState, now: Instant) {
-        if st.grant.as_ref().is_some_and(|g| g.deadline <= now) {
+    fn expire_if_due(&self, key: &Arc<str>, st: &mut KeyState, now_ms: u64) {
+        if st.grant.as_ref().is_some_and(|g| g.deadline_ms <= now_ms) {
             self.end_locked(key, st, Ended::Expired);
         }
     }
@@ -503,17 +613,18 @@ impl Authority {
         let was_published = grant.durable;
         self.fences.set_live(key, grant.token, false);
         self.metrics.leases_active.dec();
-        self.metrics.lease_holds.observe(grant.granted_at.elapsed().as_secs_f64());
+        let held_ms = self.now_ms().saturating_sub(grant.granted_ms);
+        self.metrics.lease_holds.observe(Duration::from_millis(held_ms).as_secs_f64());
         match why {
             Ended::Expired => {
                 self.metrics.lease_expirations.inc();
-                tracing::info!(key = %key, token = grant.token, holder = %grant.holder, "lease expired");
+                tracing::info!(key = %key, token = grant.token, holder = %grant.holder(), "lease expired");
             }
             Ended::Released => tracing::debug!(key = %key, token = grant.token, "lease released"),
             Ended::Failed => {}
         }
-        let Grant { token, lease_id, holder, ttl, .. } = grant;
-        let ended = GrantRecord { token, lease_id, holder, ttl_ms: millis(ttl) };
+        let ended = grant.record();
+        self.holders.release(grant.holder);
         self.store.submit_lazy(vec![Op::DropGrant { key: key.clone(), ended }]);
         if was_published {
             st.publish(0);
@@ -523,13 +634,15 @@ impl Authority {
 
     /// Hands the key to the first waiter still listening.
     fn wake_next(&self, st: &mut KeyState) {
-        while let Some(w) = st.waiters.pop_front() {
+        let Some(q) = st.queue.as_mut() else { return };
+        while let Some(w) = q.waiters.pop_front() {
             self.metrics.lock_waiters.dec();
             if w.wake.send(()).is_ok() {
-                st.handoff = Some(w.id);
+                q.handoff = Some(w.id);
                 return;
             }
         }
+        st.tidy();
     }
 
     /// Drops the state of a key nobody holds, waits for or watches.
@@ -590,13 +703,16 @@ impl Drop for WaiterGuard<'_> {
         let Some(mut st) = self.auth.keys.get_mut(&self.key) else {
             return;
         };
-        if st.handoff == Some(self.id) {
-            st.handoff = None;
+        if st.handoff() == Some(self.id) {
+            st.queue_mut().handoff = None;
             self.auth.wake_next(&mut st);
-        } else if let Some(pos) = st.waiters.iter().position(|w| w.id == self.id) {
-            st.waiters.remove(pos);
-            self.auth.metrics.lock_waiters.dec();
+        } else if let Some(q) = st.queue.as_mut() {
+            if let Some(pos) = q.waiters.iter().position(|w| w.id == self.id) {
+                q.waiters.remove(pos);
+                self.auth.metrics.lock_waiters.dec();
+            }
         }
+        st.tidy();
     }
 }
 

@@ -123,16 +123,79 @@ fn random_16() -> Result<[u8; 16], Error> {
     Ok(out)
 }
 
+/// A lease id: 128 bits from the OS's CSPRNG, kept as 16 bytes (not as the
+/// 32-character string clients see, which cost a 24-byte `String` plus a
+/// heap block per lease). Its `Debug` never shows it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct LeaseId([u8; 16]);
+
+impl std::fmt::Debug for LeaseId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LeaseId(..)")
+    }
+}
+
+const HEX: &[u8; 16] = b"0123456789abcdef";
+
+impl LeaseId {
+    /// A fresh id.
+    pub fn new() -> Result<LeaseId, Error> {
+        random_16().map(LeaseId)
+    }
+
+    /// As clients see it: 32 lowercase hex digits.
+    pub fn to_hex(&self) -> String {
+        let mut out = String::with_capacity(32);
+        for b in self.0 {
+            out.push(char::from(HEX[usize::from(b >> 4)]));
+            out.push(char::from(HEX[usize::from(b & 0x0f)]));
+        }
+        out
+    }
+
+    /// The id written as `text` (32 lowercase hex digits, as [`LeaseId::to_hex`]
+    /// writes it), `None` for anything else. Takes the same time whatever
+    /// the digits are.
+    pub fn parse(text: &str) -> Option<LeaseId> {
+        let bytes = text.as_bytes();
+        if bytes.len() != 32 {
+            return None;
+        }
+        let mut out = [0u8; 16];
+        let mut bad = 0u8;
+        for (i, pair) in bytes.chunks_exact(2).enumerate() {
+            let (hi, hi_bad) = hex_digit(pair[0]);
+            let (lo, lo_bad) = hex_digit(pair[1]);
+            bad |= hi_bad | lo_bad;
+            out[i] = (hi << 4) | lo;
+        }
+        (bad == 0).then_some(LeaseId(out))
+    }
+
+    /// True when a client's `text` names this id; compares in time
+    /// independent of where they differ.
+    pub fn matches(&self, text: &str) -> bool {
+        let Some(other) = LeaseId::parse(text) else {
+            return false;
+        };
+        self.0.iter().zip(other.0).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    }
+}
+
+/// The value of one lowercase hex digit, and 1 in the second place when
+/// `c` is none (no branch on the digit's value).
+fn hex_digit(c: u8) -> (u8, u8) {
+    let digit = c.wrapping_sub(b'0');
+    let letter = c.wrapping_sub(b'a');
+    let is_digit = u8::from(digit < 10);
+    let is_letter = u8::from(letter < 6);
+    let value = (digit & is_digit.wrapping_neg()) | (letter.wrapping_add(10) & is_letter.wrapping_neg());
+    (value, (is_digit | is_letter) ^ 1)
+}
+
 /// A fresh lease id: 128 bits from the OS's CSPRNG, as 32 hex digits.
 pub fn new_lease_id() -> Result<String, Error> {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let bytes = random_16()?;
-    let mut out = String::with_capacity(32);
-    for b in bytes {
-        out.push(char::from(HEX[usize::from(b >> 4)]));
-        out.push(char::from(HEX[usize::from(b & 0x0f)]));
-    }
-    Ok(out)
+    LeaseId::new().map(|id| id.to_hex())
 }
 
 /// Compares two secrets in time independent of where they differ.
@@ -164,6 +227,31 @@ mod tests {
         let b = new_lease_id().unwrap();
         assert_eq!(a.len(), 32);
         assert_ne!(a, b);
+    }
+
+    #[test]
+    fn lease_ids_round_trip_and_match_only_their_own_text() {
+        let id = LeaseId::new().unwrap();
+        let hex = id.to_hex();
+        assert_eq!(LeaseId::parse(&hex), Some(id));
+        assert!(id.matches(&hex));
+        let mut other = hex.clone().into_bytes();
+        other[31] = if other[31] == b'0' { b'1' } else { b'0' };
+        assert!(!id.matches(std::str::from_utf8(&other).unwrap()));
+        // Only what to_hex writes: 32 lowercase hex digits.
+        assert!(!id.matches(&hex.to_uppercase()) || hex.chars().all(|c| c.is_ascii_digit()));
+        assert!(!id.matches(&hex[..31]));
+        assert!(!id.matches(&format!("{hex}0")));
+        assert!(!id.matches(""));
+        assert_eq!(LeaseId::parse("0123456789abcdef0123456789abcdeg"), None);
+        assert_eq!(LeaseId::parse("0123456789abcdef0123456789abcde/"), None);
+        assert_eq!(LeaseId::parse("0123456789abcdef0123456789abcde:"), None);
+        assert_eq!(LeaseId::parse("0123456789abcdef0123456789abcde`").map(|_| ()), None);
+        assert_eq!(
+            LeaseId::parse("ffffffffffffffffffffffffffffffff").map(|i| i.to_hex()).as_deref(),
+            Some("ffffffffffffffffffffffffffffffff")
+        );
+        assert!(!format!("{id:?}").contains(&hex), "Debug must not show the secret");
     }
 
     #[test]

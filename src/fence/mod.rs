@@ -9,5 +9,7 @@
 mod table;
 pub mod token;
 
-pub use table::{Admission, BarrierOutcome, CheckPolicy, FenceTable, InflightCtl, InflightGuard, Refusal};
+pub use table::{
+    Admission, BarrierOutcome, CheckPolicy, FenceTable, InflightCtl, InflightGuard, Refusal, TableFootprint,
+};
 pub use token::parse_token_header;

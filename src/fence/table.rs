@@ -134,6 +134,42 @@ struct InflightEntry {
     ctl: Arc<InflightCtl>,
 }
 
+/// Milliseconds on one process-wide monotonic clock, plus one (0 means
+/// "never"): 8 bytes per slot where an `Option<Instant>` took 16.
+fn clock_ms() -> u64 {
+    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    let epoch = *EPOCH.get_or_init(Instant::now);
+    u64::try_from(Instant::now().saturating_duration_since(epoch).as_millis()).unwrap_or(u64::MAX - 1) + 1
+}
+
+/// What a key has only while mutations are in flight on it, or once a
+/// sequenced write was forwarded under its fence: boxed, so that a key
+/// with none of it (nearly every key) pays one null pointer.
+#[derive(Default)]
+struct Rare {
+    entries: Vec<InflightEntry>,
+    barrier: Option<Arc<Notify>>,
+    /// The highest `X-Fencing-Sequence` admitted under the fence. A raise
+    /// of the fence starts a new sequence.
+    sequence: Option<u64>,
+}
+
+impl Rare {
+    fn is_empty(&self) -> bool {
+        self.entries.is_empty() && self.barrier.is_none() && self.sequence.is_none()
+    }
+}
+
+/// `Slot::state`: whether the grant behind the fence is live.
+const LIVE: u64 = 1 << 63;
+/// `Slot::state`: the fence was set by an external authority's token: no
+/// grant of this gateway stands behind it, so embedded routes never admit it.
+const EXTERNAL: u64 = 1 << 62;
+/// `Slot::state`: when the fence last moved ([`clock_ms`]; 0: not since the start).
+const MOVED_MS: u64 = (1 << 62) - 1;
+
+/// One key's fence: 32 bytes (`size_of`), boxed, with the key shared with
+/// the authority's map (one allocation for both, see [`FenceTable::issue_shared`]).
 #[derive(Default)]
 struct Slot {
     /// The highest token granted or accepted: older tokens are refused.
@@ -142,26 +178,65 @@ struct Slot {
     /// a token above it (a crash would bring back the older fence, and the
     /// token could be issued again).
     durable: u64,
-    live: bool,
-    /// The highest `X-Fencing-Sequence` admitted under `fence`. A raise of
-    /// the fence starts a new sequence.
-    last_sequence: Option<u64>,
-    /// The fence was set by an external authority's token: no grant of
-    /// this gateway stands behind it, so embedded routes never admit it.
-    external: bool,
-    moved_at: Option<Instant>,
-    inflight: Vec<InflightEntry>,
-    barrier: Option<Arc<Notify>>,
+    /// [`LIVE`], [`EXTERNAL`] and [`MOVED_MS`] in one word.
+    state: u64,
+    rare: Option<Box<Rare>>,
 }
 
 impl Slot {
+    fn live(&self) -> bool {
+        self.state & LIVE != 0
+    }
+
+    fn set_live(&mut self, live: bool) {
+        self.state = if live { self.state | LIVE } else { self.state & !LIVE };
+    }
+
+    fn external(&self) -> bool {
+        self.state & EXTERNAL != 0
+    }
+
+    fn set_external(&mut self, external: bool) {
+        self.state = if external { self.state | EXTERNAL } else { self.state & !EXTERNAL };
+    }
+
+    fn last_sequence(&self) -> Option<u64> {
+        self.rare.as_ref().and_then(|r| r.sequence)
+    }
+
+    fn set_last_sequence(&mut self, seq: Option<u64>) {
+        match (seq, self.rare.as_mut()) {
+            (None, None) => {}
+            (None, Some(rare)) => {
+                rare.sequence = None;
+                if rare.is_empty() {
+                    self.rare = None;
+                }
+            }
+            (Some(_), _) => self.rare.get_or_insert_with(Box::default).sequence = seq,
+        }
+    }
+
+    /// How long ago the fence last moved (zero if not since the start).
+    fn superseded_for(&self) -> Duration {
+        let moved = self.state & MOVED_MS;
+        if moved == 0 {
+            return Duration::ZERO;
+        }
+        Duration::from_millis(clock_ms().saturating_sub(moved))
+    }
+
+    fn entries(&self) -> &[InflightEntry] {
+        self.rare.as_deref().map_or(&[], |r| r.entries.as_slice())
+    }
+
     /// Raises the fence and aborts older uploads still streaming.
     fn raise(&mut self, token: u64, live: bool) {
         self.fence = token;
-        self.live = live;
-        self.last_sequence = None;
-        self.moved_at = Some(Instant::now());
-        for e in self.inflight.iter().filter(|e| e.token < token) {
+        self.set_live(live);
+        self.set_last_sequence(None);
+        self.state = (self.state & !MOVED_MS) | (clock_ms() & MOVED_MS);
+        for e in self.entries().iter().filter(|e| e.token < token) {
             e.ctl.abort_if_streaming();
         }
     }
@@ -169,11 +244,11 @@ impl Slot {
     /// Takes `seq` as the highest sequence under the current token, and
     /// aborts this holder's lower-numbered uploads still streaming.
     fn take_sequence(&mut self, token: u64, seq: u64) -> Result<(), Refusal> {
-        if let Some(last) = self.last_sequence.filter(|l| seq <= *l) {
+        if let Some(last) = self.last_sequence().filter(|l| seq <= *l) {
             return Err(Refusal::StaleSequence { token, sequence: seq, last_sequence: last });
         }
-        self.last_sequence = Some(seq);
-        for e in self.inflight.iter().filter(|e| e.token == token && e.sequence.is_some_and(|s| s < seq)) {
+        self.set_last_sequence(Some(seq));
+        for e in self.entries().iter().filter(|e| e.token == token && e.sequence.is_some_and(|s| s < seq)) {
             e.ctl.abort_if_streaming();
         }
         Ok(())
@@ -182,25 +257,42 @@ impl Slot {
     /// The store write that makes the current fence durable, with its
     /// sequence if it has one (a plain fence write would erase it).
     fn fence_op(&self, key: Arc<str>) -> Op {
-        if self.last_sequence.is_none() && !self.external {
+        let sequence = self.last_sequence();
+        if sequence.is_none() && !self.external() {
             return Op::Fence { key, token: self.fence };
         }
-        let record = FenceRecord { token: self.fence, sequence: self.last_sequence, external: self.external };
+        let record = FenceRecord { token: self.fence, sequence, external: self.external() };
         Op::FenceWith { key, record }
     }
 
     fn set_entry_sequence(&mut self, id: u64, seq: u64) {
-        if let Some(e) = self.inflight.iter_mut().find(|e| e.id == id) {
+        if let Some(e) = self.rare.as_mut().and_then(|r| r.entries.iter_mut().find(|e| e.id == id)) {
             e.sequence = Some(seq);
         }
     }
 
     fn register(&mut self, token: u64, id: u64, total: &AtomicUsize) -> Arc<InflightCtl> {
         let ctl = Arc::new(InflightCtl::default());
-        self.inflight.push(InflightEntry { token, sequence: None, id, ctl: ctl.clone() });
+        let rare = self.rare.get_or_insert_with(Box::default);
+        rare.entries.push(InflightEntry { token, sequence: None, id, ctl: ctl.clone() });
         total.fetch_add(1, Ordering::AcqRel);
         ctl
     }
+}
+
+/// Bytes of a [`FenceTable`], by part ([`FenceTable::footprint`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TableFootprint {
+    pub keys: usize,
+    /// The map's buckets (a key pointer and a slot pointer each, plus one
+    /// control byte), full or not.
+    pub map: usize,
+    /// The boxed slots.
+    pub slots: usize,
+    /// The keys' own blocks (shared with the authority's map).
+    pub key_bytes: usize,
+    /// In-flight registrations and stored sequences.
+    pub inflight: usize,
 }
 
 /// How the activation barrier ended.
@@ -214,7 +306,9 @@ pub struct BarrierOutcome {
 
 /// Per key: the fence, its liveness and the in-flight mutations.
 pub struct FenceTable {
-    slots: DashMap<Arc<str>, Slot>,
+    /// Boxed: at the map's usual load (a half to seven eighths of its
+    /// buckets full) an 8-byte bucket value wastes less than a 48-byte one.
+    slots: DashMap<Arc<str>, Box<Slot>>,
     next_id: AtomicU64,
     /// After an unclean restart: requests the dead process forwarded may
     /// still be applied by an upstream until this instant, and this table
@@ -303,7 +397,7 @@ impl FenceTable {
         Arc::new(FenceTable::with_slots(DashMap::with_capacity(n)))
     }
 
-    fn with_slots(slots: DashMap<Arc<str>, Slot>) -> FenceTable {
+    fn with_slots(slots: DashMap<Arc<str>, Box<Slot>>) -> FenceTable {
         FenceTable {
             slots,
             next_id: AtomicU64::new(1),
@@ -348,7 +442,7 @@ impl FenceTable {
     /// Aborts every admitted upload whose body is still streaming.
     pub fn abort_streaming(&self) {
         for slot in &self.slots {
-            for e in &slot.inflight {
+            for e in slot.entries() {
                 e.ctl.abort_if_streaming();
             }
         }
@@ -360,12 +454,12 @@ impl FenceTable {
     /// it live or ended. A fence never moves down: after an etcd restore a
     /// lower stored fence is ignored. Refused only by the fence quota.
     pub fn install(&self, key: &str, token: u64, live: bool) -> Result<(), Error> {
-        let mut slot = self.slot_or_new(key).map_err(|limit| Error::FenceQuota { scope: "gateway", limit })?;
+        let mut slot = self.slot_or_new(key, None).map_err(|limit| Error::FenceQuota { scope: "gateway", limit })?;
         if token > slot.fence {
             slot.raise(token, live);
-            slot.external = false;
+            slot.set_external(false);
         } else if token == slot.fence {
-            slot.live = live;
+            slot.set_live(live);
         }
         if slot.fence > slot.durable {
             slot.durable = slot.fence;
@@ -391,9 +485,19 @@ impl FenceTable {
         }
     }
 
-    /// The slot of `key`, made if the quota allows one more.
-    fn slot_or_new(&self, key: &str) -> Result<dashmap::mapref::one::RefMut<'_, Arc<str>, Slot>, usize> {
-        match self.slots.entry(Arc::from(key)) {
+    /// The slot of `key`, made if the quota allows one more. A new slot
+    /// keys the map with `shared` when given (the authority's copy of the
+    /// key: one allocation for both maps), else with a new copy.
+    fn slot_or_new(
+        &self,
+        key: &str,
+        shared: Option<&Arc<str>>,
+    ) -> Result<dashmap::mapref::one::RefMut<'_, Arc<str>, Box<Slot>>, usize> {
+        if let Some(slot) = self.slots.get_mut(key) {
+            return Ok(slot);
+        }
+        let owned = shared.filter(|s| &***s == key).cloned().unwrap_or_else(|| Arc::from(key));
+        match self.slots.entry(owned) {
             dashmap::Entry::Occupied(o) => Ok(o.into_ref()),
             dashmap::Entry::Vacant(v) => {
                 let max = self.max_fences.load(Ordering::Acquire);
@@ -401,9 +505,50 @@ impl FenceTable {
                     self.fence_count.fetch_sub(1, Ordering::AcqRel);
                     return Err(max);
                 }
-                Ok(v.insert(Slot::default()))
+                Ok(v.insert(Box::default()))
             }
         }
+    }
+
+    /// What the table holds in memory, by part (an account from the sizes
+    /// of its types and its maps' capacities; allocator rounding aside).
+    /// Walks every key: for diagnostics and benchmarks, not a hot path.
+    pub fn footprint(&self) -> TableFootprint {
+        let bucket = std::mem::size_of::<(Arc<str>, Box<Slot>)>() + 1;
+        let mut key_bytes = 0;
+        let mut inflight = 0;
+        for slot in &self.slots {
+            // An `Arc<str>`'s block: two counts and the bytes.
+            key_bytes += 16 + slot.key().len();
+            if let Some(r) = &slot.rare {
+                inflight += std::mem::size_of::<Rare>() + r.entries.capacity() * std::mem::size_of::<InflightEntry>();
+            }
+        }
+        TableFootprint {
+            keys: self.slots.len(),
+            map: self.slots.capacity() * bucket,
+            slots: self.slots.len() * std::mem::size_of::<Slot>(),
+            key_bytes,
+            inflight,
+        }
+    }
+
+    /// Start-up: a stored grant of `token` on `key` comes back live if
+    /// `token` is still the key's fence; its copy of the key is returned
+    /// (for the authority's map to share). `None`: the grant was superseded.
+    pub fn restore_live(&self, key: &str, token: u64) -> Option<Arc<str>> {
+        let mut slot = self.slots.get_mut(key)?;
+        if slot.fence != token {
+            return None;
+        }
+        slot.set_live(true);
+        Some(slot.key().clone())
+    }
+
+    /// The table's own copy of `key`, if it has a slot: a map that keeps
+    /// the key too (the authority's) shares this allocation.
+    pub fn shared_key(&self, key: &str) -> Option<Arc<str>> {
+        self.slots.get(key).map(|s| s.key().clone())
     }
 
     /// After an unclean restart: every activation barrier lasts at least
@@ -415,7 +560,7 @@ impl FenceTable {
     /// Installs a fence read from the store at start (durable, not live);
     /// the next token issued is above it.
     pub fn load(&self, key: &str, fence: u64) {
-        if self.slots.insert(Arc::from(key), Slot { fence, durable: fence, ..Slot::default() }).is_none() {
+        if self.slots.insert(Arc::from(key), Box::new(Slot { fence, durable: fence, ..Slot::default() })).is_none() {
             self.fence_count.fetch_add(1, Ordering::AcqRel);
         }
         self.next_token.fetch_max(fence.saturating_add(1), Ordering::AcqRel);
@@ -425,8 +570,8 @@ impl FenceTable {
     pub fn load_record(&self, key: &str, record: FenceRecord) {
         self.load(key, record.token);
         if let Some(mut slot) = self.slots.get_mut(key) {
-            slot.last_sequence = record.sequence;
-            slot.external = record.external;
+            slot.set_last_sequence(record.sequence);
+            slot.set_external(record.external);
         }
     }
 
@@ -481,7 +626,7 @@ impl FenceTable {
     pub fn set_live(&self, key: &str, token: u64, live: bool) {
         if let Some(mut slot) = self.slots.get_mut(key) {
             if slot.fence == token {
-                slot.live = live;
+                slot.set_live(live);
             }
         }
     }
@@ -499,7 +644,7 @@ impl FenceTable {
         };
         let fence = slot.fence;
         if token < fence {
-            let superseded_for = slot.moved_at.map_or(Duration::ZERO, |t| t.elapsed());
+            let superseded_for = slot.superseded_for();
             return Err(Refusal::Stale { token, fence, superseded_for });
         }
         if token > fence {
@@ -508,7 +653,7 @@ impl FenceTable {
             }
             return Err(Refusal::Unissued { token, fence });
         }
-        if fence == 0 || (slot.external && !policy.external) {
+        if fence == 0 || (slot.external() && !policy.external) {
             // An external authority's token: this gateway issued no grant
             // for it, so on an embedded route it is unissued here (it may
             // well be another key's embedded token).
@@ -523,7 +668,7 @@ impl FenceTable {
             }
             return Err(Refusal::Unissued { token, fence: slot.durable });
         }
-        if policy.strict && !policy.external && !slot.live {
+        if policy.strict && !policy.external && !slot.live() {
             return Err(Refusal::LeaseExpired { token });
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
@@ -593,7 +738,7 @@ impl FenceTable {
         if slot.fence != token {
             // The fence moved between the two steps: as if it had moved
             // just before the check.
-            let superseded_for = slot.moved_at.map_or(Duration::ZERO, |t| t.elapsed());
+            let superseded_for = slot.superseded_for();
             return Err(Refusal::Stale { token, fence: slot.fence, superseded_for });
         }
         slot.take_sequence(token, sequence)?;
@@ -625,9 +770,9 @@ impl FenceTable {
         store: &Store,
     ) -> Result<(InflightGuard, Option<oneshot::Receiver<Result<(), Error>>>), Refusal> {
         self.currency.check()?;
-        let mut slot = self.slot_or_new(key).map_err(|limit| Refusal::NoRoom { limit })?;
+        let mut slot = self.slot_or_new(key, None).map_err(|limit| Refusal::NoRoom { limit })?;
         if token < slot.fence {
-            let superseded_for = slot.moved_at.map_or(Duration::ZERO, |t| t.elapsed());
+            let superseded_for = slot.superseded_for();
             return Err(Refusal::Stale { token, fence: slot.fence, superseded_for });
         }
         if token > slot.fence {
@@ -637,7 +782,7 @@ impl FenceTable {
             // embedded sequence moves past it, so no grant of another key
             // is ever issued this number.
             slot.raise(token, false);
-            slot.external = true;
+            slot.set_external(true);
             self.next_token.fetch_max(token.saturating_add(1), Ordering::AcqRel);
         }
         if let Some(seq) = sequence {
@@ -668,10 +813,31 @@ impl FenceTable {
         store: &Store,
         ops: impl FnOnce(&Arc<str>, u64) -> Vec<Op>,
     ) -> Result<(u64, oneshot::Receiver<Result<(), Error>>), Error> {
-        let mut slot = self.slot_or_new(key).map_err(|limit| Error::FenceQuota { scope: "gateway", limit })?;
+        self.issue_inner(key, None, store, ops)
+    }
+
+    /// [`FenceTable::issue`] for a caller that keeps the key in a map of
+    /// its own: a new slot shares `key`'s allocation.
+    pub fn issue_shared(
+        &self,
+        key: &Arc<str>,
+        store: &Store,
+        ops: impl FnOnce(&Arc<str>, u64) -> Vec<Op>,
+    ) -> Result<(u64, oneshot::Receiver<Result<(), Error>>), Error> {
+        self.issue_inner(key, Some(key), store, ops)
+    }
+
+    fn issue_inner(
+        &self,
+        key: &str,
+        shared: Option<&Arc<str>>,
+        store: &Store,
+        ops: impl FnOnce(&Arc<str>, u64) -> Vec<Op>,
+    ) -> Result<(u64, oneshot::Receiver<Result<(), Error>>), Error> {
+        let mut slot = self.slot_or_new(key, shared).map_err(|limit| Error::FenceQuota { scope: "gateway", limit })?;
         let token = self.take_token(slot.fence).ok_or_else(|| Error::Internal("token space exhausted".into()))?;
         slot.raise(token, true);
-        slot.external = false;
+        slot.set_external(false);
         let durable = store.submit(ops(slot.key(), token));
         Ok((token, durable))
     }
@@ -705,16 +871,17 @@ impl FenceTable {
                 let Some(mut slot) = self.slots.get_mut(key) else {
                     break;
                 };
-                if !slot.inflight.iter().any(older) {
+                if !slot.entries().iter().any(older) {
                     break;
                 }
-                slot.barrier.get_or_insert_with(|| Arc::new(Notify::new())).clone()
+                let rare = slot.rare.get_or_insert_with(Box::default);
+                rare.barrier.get_or_insert_with(|| Arc::new(Notify::new())).clone()
             };
             let notified = notify.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
             // Re-check after enabling: a guard may have dropped in between.
-            if !self.slots.get(key).is_some_and(|s| s.inflight.iter().any(older)) {
+            if !self.slots.get(key).is_some_and(|s| s.entries().iter().any(older)) {
                 break;
             }
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
@@ -726,7 +893,7 @@ impl FenceTable {
 
     /// Number of mutations in flight on `key` (tests and status).
     pub fn inflight(&self, key: &str) -> usize {
-        self.slots.get(key).map_or(0, |s| s.inflight.len())
+        self.slots.get(key).map_or(0, |s| s.entries().len())
     }
 
     /// Number of mutations in flight on every key.
@@ -754,19 +921,23 @@ impl FenceTable {
 
     fn finish(&self, key: &str, id: u64) {
         if let Some(mut slot) = self.slots.get_mut(key) {
-            let before = slot.inflight.len();
-            slot.inflight.retain(|e| e.id != id);
-            if slot.inflight.len() < before && self.inflight_total.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let Some(rare) = slot.rare.as_mut() else { return };
+            let before = rare.entries.len();
+            rare.entries.retain(|e| e.id != id);
+            if rare.entries.len() < before && self.inflight_total.fetch_sub(1, Ordering::AcqRel) == 1 {
                 self.idle.notify_waiters();
             }
-            if let Some(n) = &slot.barrier {
+            if let Some(n) = &rare.barrier {
                 n.notify_waiters();
             }
-            if slot.inflight.is_empty() {
-                slot.barrier = None;
-                // Give the capacity back: across a million keys touched
+            if rare.entries.is_empty() {
+                rare.barrier = None;
+                // Give the memory back: across a million keys touched
                 // once each, kept capacity is ~100 bytes per key.
-                slot.inflight = Vec::new();
+                rare.entries = Vec::new();
+                if rare.is_empty() {
+                    slot.rare = None;
+                }
             }
         }
     }
@@ -940,6 +1111,59 @@ mod tests {
         assert!(matches!(t.admit("k", 9, ext), Ok(Admission::MustAdvance)));
         assert!(matches!(t.admit("new", 1, ext), Ok(Admission::MustAdvance)));
         assert!(matches!(t.admit("k", 5, ext), Ok(Admission::Admitted(_))));
+    }
+
+    #[test]
+    fn a_slot_is_32_bytes_and_its_flags_and_time_do_not_clobber_each_other() {
+        assert_eq!(std::mem::size_of::<Slot>(), 32);
+        assert_eq!(std::mem::size_of::<(Arc<str>, Box<Slot>)>(), 24);
+        let mut s = Slot::default();
+        assert_eq!(s.superseded_for(), Duration::ZERO, "never moved");
+        s.set_external(true);
+        s.raise(3, true);
+        assert!(s.live() && s.external());
+        assert_ne!(s.state & MOVED_MS, 0);
+        assert!(s.superseded_for() < Duration::from_secs(5));
+        s.set_live(false);
+        assert!(!s.live() && s.external());
+        s.set_external(false);
+        assert!(!s.live() && !s.external());
+        assert_ne!(s.state & MOVED_MS, 0, "the time survives the flags");
+        // A sequence lives in the rare part, which goes when nothing is in it.
+        assert!(s.rare.is_none());
+        s.set_last_sequence(Some(4));
+        assert_eq!(s.last_sequence(), Some(4));
+        s.set_last_sequence(None);
+        assert!(s.rare.is_none());
+    }
+
+    #[test]
+    fn a_key_with_nothing_in_flight_keeps_no_rare_part() {
+        let t = table_with("k", 5, true);
+        let Ok(Admission::Admitted(g)) = t.admit("k", 5, STRICT) else { panic!() };
+        assert!(t.slots.get("k").unwrap().rare.is_some());
+        drop(g);
+        assert!(t.slots.get("k").unwrap().rare.is_none());
+        // A stored sequence keeps it after its request finished.
+        let store = Store::memory();
+        let Ok(Admission::AdmittedAfter(g, _)) = t.admit_sequenced("k", 5, 1, STRICT, &store) else { panic!() };
+        drop(g);
+        assert_eq!(t.slots.get("k").unwrap().last_sequence(), Some(1));
+        assert_eq!(t.inflight("k"), 0);
+    }
+
+    #[test]
+    fn the_authority_and_the_table_share_one_copy_of_a_key() {
+        let store = Store::memory();
+        let t = FenceTable::new();
+        let key: Arc<str> = Arc::from("shared");
+        t.issue_shared(&key, &store, |k, token| vec![Op::Fence { key: k.clone(), token }]).unwrap();
+        assert!(Arc::ptr_eq(&t.shared_key("shared").unwrap(), &key));
+        // A key the table has already: its own copy is kept and handed out.
+        let other: Arc<str> = Arc::from("shared");
+        t.issue_shared(&other, &store, |k, token| vec![Op::Fence { key: k.clone(), token }]).unwrap();
+        assert!(Arc::ptr_eq(&t.shared_key("shared").unwrap(), &key));
+        assert!(t.shared_key("absent").is_none());
     }
 
     #[tokio::test(start_paused = true)]

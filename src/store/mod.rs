@@ -90,6 +90,17 @@ impl FenceRecord {
     }
 }
 
+/// Bytes the store holds in memory, by kind ([`Store::memory_usage`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StoreMemory {
+    /// Memtables of every column family (RocksDB's `size-all-mem-tables`).
+    pub memtables: u64,
+    /// Block caches in use.
+    pub block_cache: u64,
+    /// Index and filter blocks of open tables, outside the cache.
+    pub table_readers: u64,
+}
+
 #[cfg_attr(not(feature = "rocksdb"), allow(dead_code))]
 struct Commit {
     ops: Vec<Op>,
@@ -257,6 +268,16 @@ impl Store {
                 m.fences.iter().for_each(|(k, r)| f(k, *r));
                 Ok(())
             }
+        }
+    }
+
+    /// What the store holds in memory (RocksDB's memtables and caches;
+    /// zero for the memory store, which is for tests).
+    pub fn memory_usage(&self) -> StoreMemory {
+        match &self.inner {
+            #[cfg(feature = "rocksdb")]
+            Inner::Rocks(r) => r.memory(),
+            Inner::Memory(_) => StoreMemory::default(),
         }
     }
 
