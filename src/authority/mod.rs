@@ -441,14 +441,7 @@ impl Authority {
                 holder: Some(g.holder),
                 expires_in_ms: Some(millis(g.deadline - now)),
             },
-            None => StatusView {
-                key: key.to_string(),
-                fence,
-                held: false,
-                fencing_token: None,
-                holder: None,
-                expires_in_ms: None,
-            },
+            None => StatusView::free(key, fence),
         })
     }
 
