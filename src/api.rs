@@ -376,7 +376,13 @@ impl Query {
         let mut out = Vec::new();
         for pair in q.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
             let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-            out.push((decode_component(k)?, decode_component(v)?));
+            let k = decode_component(k)?;
+            if out.iter().any(|(seen, _)| *seen == k) {
+                // Which one counts would be a guess (`status?key=a&key=b`).
+                let k: String = k.chars().take(64).collect();
+                return Err(Error::BadRequest(format!("query parameter {k} is given more than once")));
+            }
+            out.push((k, decode_component(v)?));
         }
         Ok(Query(out))
     }
@@ -440,5 +446,7 @@ mod tests {
         assert!(Query::parse(Some("key=%zz")).is_err());
         assert!(Query::parse(Some("key=%ff")).is_err());
         assert!(Query::parse(Some("after=-1")).unwrap().number("after").is_err());
+        assert!(Query::parse(Some("key=a&key=b")).is_err(), "a repeated parameter is ambiguous");
+        assert!(Query::parse(Some("key=a&k%65y=b")).is_err(), "also when encoded differently");
     }
 }

@@ -11,11 +11,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::{acquire, release, Gateway, Http, Opts, Recorder};
-use http::{Method, Request, StatusCode};
+use http::{Method, StatusCode};
 use http_body::Frame;
-use http_body_util::StreamBody;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 
 async fn setup() -> (tempfile::TempDir, Gateway, Recorder, Http) {
     let rec = Recorder::start().await;
@@ -63,15 +60,8 @@ async fn older_upload_still_streaming_is_aborted_by_a_new_grant() {
     let (_d, gw, rec, http) = setup().await;
     let api = gw.api_url("");
     let old = acquire(&http, &api, "big", 10_000, 0).await.unwrap();
-    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, std::io::Error>>(4);
-    let stream = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|x| (x, rx)) });
-    let client = Client::builder(TokioExecutor::new()).build_http();
-    let req = Request::put(gw.proxy_url("/big"))
-        .header("x-fencing-token", old.token.to_string())
-        .body(StreamBody::new(Box::pin(stream)))
-        .unwrap();
-    let upload = tokio::spawn(client.request(req));
-    tx.send(Ok(Frame::data(Bytes::from(vec![b'a'; 64 * 1024])))).await.unwrap();
+    let common::StreamedUpload { body: tx, response: upload } =
+        common::start_streamed_upload(&gw.proxy_url("/big"), old.token).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     release(&http, &api, &old).await;
     let started = Instant::now();
@@ -152,4 +142,37 @@ async fn tokens_never_decrease_in_applied_order_under_handovers() {
     assert_eq!(applied.len(), forwarded as usize);
     assert!(forwarded > 500, "too few writes to mean anything: {forwarded}");
     assert!(refused > 0, "zombies must have been refused");
+}
+
+/// Shadow mode reports and never refuses: an older upload still streaming
+/// when a new grant arrives is not cut off; the grant waits for it, and
+/// the upstream gets the whole body.
+#[tokio::test(flavor = "multi_thread")]
+async fn in_shadow_mode_an_older_upload_still_streaming_is_not_cut_off() {
+    let rec = Recorder::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = format!("[[routes]]\nmatch = \"/{{*path}}\"\nupstream = \"{}\"\nenforce = false\n", rec.url());
+    let gw = Gateway::start(&dir.path().join("data"), Opts { config: Some(cfg), ..Opts::default() });
+    let http = Http::default();
+    let api = gw.api_url("");
+    let old = acquire(&http, &api, "big", 10_000, 0).await.unwrap();
+    let common::StreamedUpload { body: tx, response: upload } =
+        common::start_streamed_upload(&gw.proxy_url("/big"), old.token).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    release(&http, &api, &old).await;
+    let grant = tokio::spawn({
+        let (http, api) = (http.clone(), api.clone());
+        async move { acquire(&http, &api, "big", 10_000, 0).await.unwrap() }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!grant.is_finished(), "the grant waits for the write in flight");
+    tx.send(Ok(Frame::data(Bytes::from_static(b"end")))).await.unwrap();
+    drop(tx);
+    let reply = common::collect(upload.await.unwrap().unwrap()).await;
+    assert_eq!(reply.status, StatusCode::OK, "{:?}", String::from_utf8_lossy(&reply.body));
+    let new = grant.await.unwrap();
+    assert_eq!(new.token, old.token + 1);
+    let seen = rec.requests();
+    assert_eq!(seen.len(), 1);
+    assert!(seen[0].complete && seen[0].body.len() == 64 * 1024 + 3, "the upstream got the whole body");
 }

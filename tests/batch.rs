@@ -200,3 +200,42 @@ async fn the_principal_s_prefixes_apply_to_each_operation() {
     assert_eq!((res[2]["status"].as_u64(), res[2]["error"].as_str()), (Some(403), Some("forbidden")));
     assert_eq!(res[3]["status"], 200);
 }
+
+/// A field given twice in one operation is refused, as the single call
+/// refuses it (a JSON object read loosely would take the last one and
+/// grant a key the caller may not have meant); the other operations of the
+/// batch are served. A repeated query parameter is refused too.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_field_given_twice_fails_its_operation_alone() {
+    let (_d, gw) = start();
+    let http = Http::default();
+    let body = r#"{"operations": [
+        {"op": "acquire", "key": "dup/a", "key": "dup/b", "ttl_ms": 30000},
+        {"op": "acquire", "key": "dup/c", "ttl_ms": 30000},
+        {"op": "acquire", "op": "release", "key": "dup/d", "ttl_ms": 30000}
+    ]}"#;
+    let r =
+        http.send(Method::POST, &gw.api_url("/v1/locks/batch"), &[("content-type", "application/json")], body).await;
+    let res = results(&r);
+    assert_eq!(res[0]["status"], 400, "{}", res[0]);
+    assert!(res[0]["message"].as_str().unwrap().contains("more than once"), "{}", res[0]);
+    assert_eq!(res[1]["status"], 200);
+    assert_eq!(res[2]["status"], 400, "{}", res[2]);
+    for (key, held) in [("dup/a", false), ("dup/b", false), ("dup/c", true), ("dup/d", false)] {
+        let s = http.get(&gw.api_url(&format!("/v1/locks/status?key={key}"))).await.json();
+        assert_eq!(s["held"], held, "{key}: {s}");
+    }
+    // The single call refuses the same body.
+    let single = http
+        .send(
+            Method::POST,
+            &gw.api_url("/v1/locks/acquire"),
+            &[("content-type", "application/json")],
+            r#"{"key": "dup/a", "key": "dup/b", "ttl_ms": 30000}"#,
+        )
+        .await;
+    assert_eq!(single.status, StatusCode::BAD_REQUEST);
+    let s = http.get(&gw.api_url("/v1/locks/status?key=dup/c&key=dup/a")).await;
+    assert_eq!(s.status, StatusCode::BAD_REQUEST);
+    assert_eq!(s.error_code(), "bad_request");
+}

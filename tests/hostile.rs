@@ -352,3 +352,90 @@ async fn one_address_may_hold_only_so_many_connections() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// How long until the gateway closes a connection that sent `bytes` and
+/// then nothing more (None: still open after 6 s).
+async fn closed_after(addr: std::net::SocketAddr, bytes: &[u8]) -> Option<Duration> {
+    let started = Instant::now();
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(bytes).await.unwrap();
+    let mut out = Vec::new();
+    match tokio::time::timeout(Duration::from_secs(6), s.read_to_end(&mut out)).await {
+        Ok(_) => Some(started.elapsed()),
+        Err(_) => None,
+    }
+}
+
+/// hyper-util's protocol detection reads the first bytes of a connection
+/// with no timer: the gateway bounds them by the header read timeout (1 s
+/// here), on both listeners, with the fast paths on and off. Otherwise a
+/// client that sends a part of the HTTP/2 preface, or nothing, holds a
+/// connection slot for ever, and a few such sockets lock every client out.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_connection_that_never_says_which_protocol_it_speaks_is_closed() {
+    for fast in [true, false] {
+        let cfg = format!(
+            "[server]\nheader_read_timeout_ms = 1000\nproxy_fast_path = {fast}\napi_fast_path = {fast}\n\
+             max_connections = 4\n"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let gw = Gateway::start(&dir.path().join("data"), Opts { config: Some(cfg), ..Opts::default() });
+        for addr in [gw.api, gw.proxy] {
+            for bytes in [&b"PRI * HTTP/2.0\r\n\r\n"[..], b"PRI * HTTP/2", b"P", b""] {
+                let took = closed_after(addr, bytes).await;
+                let took = took.unwrap_or_else(|| panic!("fast={fast} {addr} {bytes:?}: still open after 6 s"));
+                assert!(took >= Duration::from_millis(800), "fast={fast} {bytes:?}: closed after {took:?}");
+            }
+            // Four silent sockets (the listener's whole bound) do not lock
+            // a client out for longer than the timeout.
+            let mut silent = Vec::new();
+            for _ in 0..4 {
+                silent.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+            }
+            let http = Http::default();
+            let h = tokio::time::timeout(Duration::from_secs(5), http.get(&format!("http://{}/healthz", gw.api)))
+                .await
+                .unwrap_or_else(|_| panic!("fast={fast}: locked out by silent connections"));
+            assert_eq!(h.status, StatusCode::OK);
+        }
+    }
+}
+
+/// A client that shuts its write side after its request (`nc -N`) gets its
+/// answer on the general path as on the fast path; a chunked body that
+/// cannot be parsed is the request's fault (400), not the upstream's.
+#[tokio::test(flavor = "multi_thread")]
+async fn half_closed_requests_are_answered_and_broken_chunked_bodies_are_bad_requests() {
+    let rec = Recorder::start().await;
+    for fast in [true, false] {
+        let cfg = format!(
+            "[server]\nproxy_fast_path = {fast}\n[[routes]]\nmatch = \"/{{*path}}\"\nupstream = \"{}\"\n",
+            rec.url()
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let gw = Gateway::start(&dir.path().join("data"), Opts { config: Some(cfg), ..Opts::default() });
+        let http = Http::default();
+        let g = acquire(&http, &gw.api_url(""), "k", 600_000, 0).await.unwrap();
+        let complete = || rec.requests().iter().filter(|r| r.complete).count();
+        let before = complete();
+        let mut s = tokio::net::TcpStream::connect(gw.proxy).await.unwrap();
+        let req = format!("PUT /k HTTP/1.1\r\nHost: x\r\nX-Fencing-Token: {}\r\nContent-Length: 2\r\n\r\nok", g.token);
+        s.write_all(req.as_bytes()).await.unwrap();
+        s.shutdown().await.unwrap();
+        let mut out = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut out)).await;
+        let out = String::from_utf8_lossy(&out);
+        assert!(out.starts_with("HTTP/1.1 200"), "fast={fast}: a half-closed request got {out:?}");
+        assert_eq!(complete(), before + 1);
+
+        let req = format!(
+            "PUT /k HTTP/1.1\r\nHost: x\r\nX-Fencing-Token: {}\r\nTransfer-Encoding: chunked\r\n\r\n\
+             2\r\nok\r\nffffffffffffffffff\r\n",
+            g.token
+        );
+        let out = raw(gw.proxy, req.as_bytes()).await;
+        assert!(out.starts_with("HTTP/1.1 400"), "fast={fast}: a broken chunked body got {out:?}");
+        assert!(out.contains("\"bad_request\""), "fast={fast}: {out}");
+        assert_eq!(complete(), before + 1, "fast={fast}: a truncated body reached the upstream whole");
+    }
+}

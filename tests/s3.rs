@@ -18,8 +18,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::{acquire, release, Gateway, Grant, Http, Opts, Recorder};
 use http::{Method, Request, StatusCode};
-use http_body::Frame;
-use http_body_util::StreamBody;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -499,15 +497,8 @@ async fn an_older_upload_part_still_streaming_is_cut_off_by_a_new_grant() {
     let http = Http::default();
     let api = gw.api_url("");
     let old = acquire(&http, &api, "bkt/big", 10_000, 0).await.unwrap();
-    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, std::io::Error>>(4);
-    let stream = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|x| (x, rx)) });
-    let client = Client::builder(TokioExecutor::new()).build_http();
-    let req = Request::put(gw.proxy_url("/bkt/big?partNumber=3&uploadId=u1"))
-        .header("x-fencing-token", old.token.to_string())
-        .body(StreamBody::new(Box::pin(stream)))
-        .unwrap();
-    let upload = tokio::spawn(client.request(req));
-    tx.send(Ok(Frame::data(Bytes::from(vec![b'a'; 64 * 1024])))).await.unwrap();
+    let common::StreamedUpload { body: tx, response: upload } =
+        common::start_streamed_upload(&gw.proxy_url("/bkt/big?partNumber=3&uploadId=u1"), old.token).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     release(&http, &api, &old).await;
     let started = std::time::Instant::now();

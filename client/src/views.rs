@@ -35,3 +35,10 @@ pub struct StatusView {
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub expires_in_ms: Option<u64>,
 }
+
+impl StatusView {
+    /// The status of a key nobody holds, with its current fence.
+    pub fn free(key: &str, fence: u64) -> StatusView {
+        StatusView { key: key.to_string(), fence, held: false, fencing_token: None, holder: None, expires_in_ms: None }
+    }
+}

@@ -39,7 +39,72 @@ pub const BATCH_BODY_FACTOR: u64 = 16;
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct BatchRequest {
-    operations: Vec<Value>,
+    operations: Vec<OpFields>,
+}
+
+/// One operation's fields as written. Not a plain `Value`: a JSON object
+/// read into one keeps the last of two equal names, where the single call
+/// (parsed straight into its struct) refuses a field given twice. The
+/// first name given twice is kept, so the operation is refused alone.
+struct OpFields {
+    fields: Result<serde_json::Map<String, Value>, Error>,
+}
+
+impl<'de> Deserialize<'de> for OpFields {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<OpFields, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = OpFields;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("an operation object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<OpFields, A::Error> {
+                let mut fields = serde_json::Map::new();
+                let mut twice = None;
+                while let Some((k, v)) = map.next_entry::<String, Value>()? {
+                    if fields.contains_key(&k) && twice.is_none() {
+                        twice = Some(k.chars().take(64).collect::<String>());
+                    }
+                    fields.insert(k, v);
+                }
+                let fields = match twice {
+                    Some(name) => Err(Error::BadRequest(format!("field {name:?} is given more than once"))),
+                    None => Ok(fields),
+                };
+                Ok(OpFields { fields })
+            }
+            // Anything but an object is refused as that operation's own error.
+            fn visit_bool<E>(self, _: bool) -> Result<OpFields, E> {
+                Ok(OpFields::not_an_object())
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<OpFields, E> {
+                Ok(OpFields::not_an_object())
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<OpFields, E> {
+                Ok(OpFields::not_an_object())
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<OpFields, E> {
+                Ok(OpFields::not_an_object())
+            }
+            fn visit_str<E>(self, _: &str) -> Result<OpFields, E> {
+                Ok(OpFields::not_an_object())
+            }
+            fn visit_unit<E>(self) -> Result<OpFields, E> {
+                Ok(OpFields::not_an_object())
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<OpFields, A::Error> {
+                while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+                Ok(OpFields::not_an_object())
+            }
+        }
+        d.deserialize_any(Visit)
+    }
+}
+
+impl OpFields {
+    fn not_an_object() -> OpFields {
+        OpFields { fields: Err(Error::BadRequest("an operation must be a JSON object".into())) }
+    }
 }
 
 /// One operation, parsed (or why it could not be).
@@ -52,9 +117,10 @@ enum Op {
 
 /// Reads one operation: an object with `"op"` and the fields of the
 /// single call's body.
-fn parse(op: Value, metrics: &crate::metrics::Metrics) -> Op {
-    let Value::Object(mut fields) = op else {
-        return Op::Invalid(Error::BadRequest("an operation must be a JSON object".into()));
+fn parse(op: OpFields, metrics: &crate::metrics::Metrics) -> Op {
+    let mut fields = match op.fields {
+        Ok(fields) => fields,
+        Err(e) => return Op::Invalid(e),
     };
     let name = match fields.remove("op") {
         Some(Value::String(s)) => s,

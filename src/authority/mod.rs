@@ -551,14 +551,7 @@ impl Authority {
                 holder: Some(holder),
                 expires_in_ms: Some(expires_in_ms),
             },
-            None => StatusView {
-                key: key.to_string(),
-                fence,
-                held: false,
-                fencing_token: None,
-                holder: None,
-                expires_in_ms: None,
-            },
+            None => StatusView::free(key, fence),
         })
     }
 

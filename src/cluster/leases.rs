@@ -409,14 +409,7 @@ impl Cluster {
         let fence = self.fences.durable_fence(key);
         let grant = self.lock_mirror().grants.get(key).cloned();
         let Some(g) = grant else {
-            return Ok(StatusView {
-                key: key.to_string(),
-                fence,
-                held: false,
-                fencing_token: None,
-                holder: None,
-                expires_in_ms: None,
-            });
+            return Ok(StatusView::free(key, fence));
         };
         let mut leases = self.client.lease_client();
         let ttl = bounded(self.timeout, "reading a lease", leases.time_to_live(g.lease, None)).await?;

@@ -354,7 +354,7 @@ fn forward_failure(
         }
         Some(Some(Failure::Aborted)) => {
             proxy.metrics.aborted_uploads.with_label_values(&[&route.name]).inc();
-            let fence = proxy.fences.fence(key);
+            let fence = proxy.fences().fence(key);
             (Error::StaleFencingToken { key: key.to_string(), token: token.unwrap_or(0), fence }, Outcome::Stale)
         }
         Some(None) | None => {

@@ -25,6 +25,7 @@ pub struct BodyOutcome(AtomicU8);
 
 const ABORTED: u8 = 1;
 const TOO_LARGE: u8 = 2;
+const CLIENT_BROKE: u8 = 3;
 
 impl BodyOutcome {
     /// A newer fence cut the upload off.
@@ -34,6 +35,11 @@ impl BodyOutcome {
     /// The body passed the route's size limit.
     pub fn too_large(&self) -> bool {
         self.0.load(Ordering::Acquire) == TOO_LARGE
+    }
+    /// The client's own body failed: malformed chunked framing, or the
+    /// client went away mid-body. A fault of the request, not the upstream.
+    pub fn client_broke(&self) -> bool {
+        self.0.load(Ordering::Acquire) == CLIENT_BROKE
     }
     fn set(&self, v: u8) {
         self.0.store(v, Ordering::Release);
@@ -111,7 +117,12 @@ impl Body for FencedBody {
                 self.finish();
                 Poll::Ready(None)
             }
-            other => other,
+            Poll::Ready(Some(Err(e))) => {
+                self.outcome.set(CLIENT_BROKE);
+                self.done = true;
+                Poll::Ready(Some(Err(e)))
+            }
+            Poll::Pending => Poll::Pending,
         }
     }
 

@@ -47,7 +47,7 @@ use crate::metrics::{Metrics, MutationCounters, Outcome};
 use crate::peer::Peer;
 use crate::store::{wait_durable, Store};
 use crate::template::Template;
-use fenced_body::FencedBody;
+use fenced_body::{BodyOutcome, FencedBody};
 use headers::{X_FENCING_SEQUENCE, X_FENCING_TOKEN};
 use s3::S3Kind;
 use upstream::{SendError, Upstream, UpstreamUrl};
@@ -139,7 +139,6 @@ pub struct Proxy {
     routes: Vec<Route>,
     auth: Arc<Auth>,
     authority: Leases,
-    fences: Arc<FenceTable>,
     store: Store,
     metrics: Arc<Metrics>,
 }
@@ -261,7 +260,6 @@ impl Proxy {
         metrics: Arc<Metrics>,
         auth: Arc<Auth>,
     ) -> Result<Proxy, Error> {
-        let fences = authority.fences().clone();
         let mut routes = Vec::new();
         for (i, rc) in cfg.effective_routes().iter().enumerate() {
             let bad = |e: String| Error::Internal(format!("routes[{i}]: {e}"));
@@ -317,7 +315,13 @@ impl Proxy {
         if routes.iter().any(|r: &Route| r.auth) && !auth.enabled() {
             return Err(Error::Config("a route has auth = true but auth.principals_file is not set".into()));
         }
-        Ok(Proxy { routes, authority, fences, store, metrics, auth })
+        Ok(Proxy { routes, authority, store, metrics, auth })
+    }
+
+    /// The fence table of the authority this proxy serves (embedded or
+    /// cluster): the one table every admission decision reads.
+    fn fences(&self) -> &Arc<FenceTable> {
+        self.authority.fences()
     }
 
     /// Serves one proxied request. Never panics on client input; every
@@ -489,7 +493,7 @@ impl Proxy {
         if !mutation {
             // A read with a stale token learns it at once.
             if let Some(t) = token {
-                let fence = self.fences.fence(key);
+                let fence = self.fences().fence(key);
                 if t < fence && route.enforce {
                     let error = Error::StaleFencingToken { key: key.to_string(), token: t, fence };
                     return Admit::Reject(ErrorReply { error, outcome: None });
@@ -508,8 +512,8 @@ impl Proxy {
             return Admit::NoToken(refused);
         };
         let admission = match sequence {
-            None => self.fences.admit(key, token, route.policy),
-            Some(seq) => self.fences.admit_sequenced(key, token, seq, route.policy, &self.store),
+            None => self.fences().admit(key, token, route.policy),
+            Some(seq) => self.fences().admit_sequenced(key, token, seq, route.policy, &self.store),
         };
         match admission {
             Ok(Admission::Admitted(guard)) => Admit::Forward(Some(guard)),
@@ -537,7 +541,7 @@ impl Proxy {
             Admit::Forward(Some(guard)) if route.policy.external => {
                 // Another request may be advancing to this very token:
                 // wait, as it does, for older in-flight mutations.
-                Box::pin(self.fences.barrier(key, guard.token(), route.upstream_timeout)).await;
+                Box::pin(self.fences().barrier(key, guard.token(), route.upstream_timeout)).await;
                 self.still_current(route, key, guard, client)?
             }
             Admit::Forward(guard) => guard,
@@ -551,11 +555,11 @@ impl Proxy {
                 // After the older writes of this holder (lower numbers, and
                 // after an unclean restart the quarantine): in order.
                 let (t, n) = (guard.token(), guard.sequence());
-                Box::pin(self.fences.barrier_for(key, t, n, route.upstream_timeout)).await;
+                Box::pin(self.fences().barrier_for(key, t, n, route.upstream_timeout)).await;
                 self.still_current(route, key, guard, client)?
             }
             Admit::Advance(token, sequence) => {
-                match self.fences.advance(key, token, sequence, route.policy, &self.store) {
+                match self.fences().advance(key, token, sequence, route.policy, &self.store) {
                     // Boxed: the rarer path, kept out of the common future.
                     Ok((guard, durable)) => {
                         let guard = Box::pin(self.activate(route, key, token, guard, durable)).await?;
@@ -596,10 +600,10 @@ impl Proxy {
                 tracing::error!(key = %key, token, error = %e, "fence advance not durable; request refused");
                 return Err(e.into());
             }
-            self.fences.mark_durable(key, token);
+            self.fences().mark_durable(key, token);
             self.metrics.fence_advances.inc();
         }
-        let outcome = self.fences.barrier_for(key, token, guard.sequence(), route.upstream_timeout).await;
+        let outcome = self.fences().barrier_for(key, token, guard.sequence(), route.upstream_timeout).await;
         self.metrics.activation_wait.observe(outcome.waited.as_secs_f64());
         if outcome.overrun {
             self.metrics.activation_overruns.inc();
@@ -618,9 +622,9 @@ impl Proxy {
         guard: InflightGuard,
         client: &Peer,
     ) -> Result<Option<InflightGuard>, ErrorReply> {
-        let fence = self.fences.fence(key);
+        let fence = self.fences().fence(key);
         let token = guard.token();
-        if !self.fences.is_current() {
+        if !self.fences().is_current() {
             // Cluster mode: the view went stale while this request waited.
             drop(guard);
             let why = "the gateway's view may have gone stale while the request waited";
@@ -659,7 +663,7 @@ impl Proxy {
         refused: ErrorReply,
         client: &Peer,
     ) -> Result<(), ErrorReply> {
-        let fence = self.fences.fence(key);
+        let fence = self.fences().fence(key);
         let holder = self.authority.holder_of(key);
         tracing::warn!(
             target: "fencegate::audit",
@@ -694,91 +698,24 @@ impl Proxy {
         guards: Vec<InflightGuard>,
         token: Option<u64>,
     ) -> Result<Response<BoxBody>, ErrorReply> {
-        let outcome_word = |o: Outcome| mutation.then_some(o);
-        let declared = content_length(req.headers());
-        if declared.is_some_and(|len| len > route.max_body_bytes) {
+        if content_length(req.headers()).is_some_and(|len| len > route.max_body_bytes) {
             Box::pin(crate::body::drain(req.into_body(), crate::body::DRAIN_MAX_BYTES, Duration::from_secs(2))).await;
             return Err(Error::PayloadTooLarge { limit_bytes: route.max_body_bytes }.into());
         }
         let (parts, body) = req.into_parts();
         // A body still streaming is cut off when the fence of (the first
         // of) its keys moves; the bodies of several-key requests are
-        // already read whole.
-        let ctl = guards.first().map(|g| g.ctl().clone());
+        // already read whole. Not in shadow mode, which reports and never
+        // refuses: there activation waits for the body (bounded by the
+        // upstream timeout) as for any write in flight.
+        let ctl = guards.first().filter(|_| route.enforce).map(|g| g.ctl().clone());
         let (body, body_outcome) = FencedBody::new(body, ctl, route.max_body_bytes);
         let mut up = Request::from_parts(parts, body);
         headers::prepare_request(&mut up, client, route.host_header, route.upstream.host(), route.forward_token);
         let started = Instant::now();
-        let sent = if guards.is_empty() {
-            route.upstream.send(up, object, token, route.upstream_timeout).await
-        } else {
-            // A registered mutation's exchange runs as its own task, which
-            // ends the registration (4.) only when the upstream has answered
-            // or failed — also when the client hangs up meanwhile and this
-            // future is dropped: activation must still wait for a write the
-            // upstream may yet apply.
-            //    On an S3 route the registration ends only with the response
-            //    body (or the route's upstream timeout): S3 answers some
-            //    writes `200` at once and applies them at the body's end.
-            let (upstream, object, timeout) = (route.upstream.clone(), object.to_string(), route.upstream_timeout);
-            let hold_body = route.is_s3();
-            let exchange = tokio::spawn(async move {
-                let deadline = tokio::time::Instant::now() + timeout;
-                let sent = upstream.send(up, &object, token, timeout).await;
-                match sent {
-                    Ok(resp) if hold_body => {
-                        Ok(resp.map(|b| BoxBody::new(held_body::HeldBody::new(b, guards, deadline))))
-                    }
-                    sent => {
-                        drop(guards);
-                        sent
-                    }
-                }
-            });
-            match exchange.await {
-                Ok(sent) => sent,
-                Err(e) => Err(SendError::Other(format!("the exchange task failed: {e}"))),
-            }
-        };
+        let sent = exchange(route, up, object, token, guards).await;
         route.upstream_duration.observe(started.elapsed().as_secs_f64());
-        let cut_short = |fallback: Error| -> ErrorReply {
-            if body_outcome.aborted() {
-                self.metrics.aborted_uploads.with_label_values(&[&route.name]).inc();
-                // The fence moved past this token while its body streamed:
-                // the upstream got a truncated request and cannot apply it.
-                let fence = self.fences.fence(key);
-                let error = Error::StaleFencingToken { key: key.to_string(), token: token.unwrap_or(0), fence };
-                return ErrorReply { error, outcome: outcome_word(Outcome::Stale) };
-            }
-            if body_outcome.too_large() {
-                return Error::PayloadTooLarge { limit_bytes: route.max_body_bytes }.into();
-            }
-            ErrorReply { error: fallback, outcome: outcome_word(Outcome::UpstreamError) }
-        };
         match sent {
-            Err(SendError::Timeout) => Err(ErrorReply {
-                error: Error::UpstreamTimeout {
-                    timeout_ms: u64::try_from(route.upstream_timeout.as_millis()).unwrap_or(u64::MAX),
-                },
-                outcome: outcome_word(Outcome::UpstreamError),
-            }),
-            Err(SendError::Connect(e)) => {
-                tracing::warn!(route = %route.name, error = %e, "upstream connect failed");
-                Err(cut_short(Error::UpstreamUnavailable("could not connect to the upstream".into())))
-            }
-            Err(SendError::Other(e)) => {
-                tracing::warn!(route = %route.name, error = %e, "upstream exchange failed");
-                Err(cut_short(Error::UpstreamUnavailable("the upstream exchange failed".into())))
-            }
-            Err(SendError::Refused(e)) => {
-                let mut refused = cut_short(e);
-                if refused.outcome == Some(Outcome::UpstreamError) && refused.error.status().is_client_error() {
-                    // The store answered the client's request (404, 412):
-                    // it was forwarded, just not applied.
-                    refused.outcome = outcome_word(Outcome::Forwarded);
-                }
-                Err(refused)
-            }
             Ok(mut resp) => {
                 headers::prepare_response(&mut resp);
                 if mutation {
@@ -786,6 +723,104 @@ impl Proxy {
                 }
                 Ok(resp)
             }
+            Err(e) => Err(self.failed_exchange(route, key, mutation, token, &body_outcome, e)),
         }
+    }
+
+    /// The reply to an exchange that did not bring back a response: a body
+    /// cut off by a newer fence is a stale write, one past the route's
+    /// limit is too large, anything else is the upstream's failure.
+    fn failed_exchange(
+        &self,
+        route: &Route,
+        key: &str,
+        mutation: bool,
+        token: Option<u64>,
+        body_outcome: &BodyOutcome,
+        failure: SendError,
+    ) -> ErrorReply {
+        let outcome_word = |o: Outcome| mutation.then_some(o);
+        let cut_short = |fallback: Error| -> ErrorReply {
+            if body_outcome.aborted() {
+                self.metrics.aborted_uploads.with_label_values(&[&route.name]).inc();
+                // The fence moved past this token while its body streamed:
+                // the upstream got a truncated request and cannot apply it.
+                let fence = self.fences().fence(key);
+                let error = Error::StaleFencingToken { key: key.to_string(), token: token.unwrap_or(0), fence };
+                return ErrorReply { error, outcome: outcome_word(Outcome::Stale) };
+            }
+            if body_outcome.too_large() {
+                return Error::PayloadTooLarge { limit_bytes: route.max_body_bytes }.into();
+            }
+            if body_outcome.client_broke() {
+                // The upstream got a truncated request: nothing applied,
+                // and the fault is the request's (docs/errors.md).
+                return Error::BadRequest("the request body is malformed or ended early".into()).into();
+            }
+            ErrorReply { error: fallback, outcome: outcome_word(Outcome::UpstreamError) }
+        };
+        match failure {
+            SendError::Timeout => ErrorReply {
+                error: Error::UpstreamTimeout {
+                    timeout_ms: u64::try_from(route.upstream_timeout.as_millis()).unwrap_or(u64::MAX),
+                },
+                outcome: outcome_word(Outcome::UpstreamError),
+            },
+            SendError::Connect(e) => {
+                tracing::warn!(route = %route.name, error = %e, "upstream connect failed");
+                cut_short(Error::UpstreamUnavailable("could not connect to the upstream".into()))
+            }
+            SendError::Other(e) => {
+                tracing::warn!(route = %route.name, error = %e, "upstream exchange failed");
+                cut_short(Error::UpstreamUnavailable("the upstream exchange failed".into()))
+            }
+            SendError::Refused(e) => {
+                let mut refused = cut_short(e);
+                if refused.outcome == Some(Outcome::UpstreamError) && refused.error.status().is_client_error() {
+                    // The store answered the client's request (404, 412):
+                    // it was forwarded, just not applied.
+                    refused.outcome = outcome_word(Outcome::Forwarded);
+                }
+                refused
+            }
+        }
+    }
+}
+
+/// Sends `up` to the route's upstream. A registered mutation's exchange
+/// runs as its own task, which ends the registration (docs/proxy.md, "in flight")
+/// only when the upstream has answered or failed — also when the client
+/// hangs up meanwhile and the caller's future is dropped: activation must
+/// still wait for a write the upstream may yet apply.
+///
+/// On an S3 route the registration ends only with the response body (or
+/// the route's upstream timeout): S3 answers some writes `200` at once and
+/// applies them at the body's end.
+async fn exchange(
+    route: &Route,
+    up: Request<FencedBody>,
+    object: &str,
+    token: Option<u64>,
+    guards: Vec<InflightGuard>,
+) -> Result<Response<BoxBody>, SendError> {
+    if guards.is_empty() {
+        return route.upstream.send(up, object, token, route.upstream_timeout).await;
+    }
+    let (upstream, object, timeout) = (route.upstream.clone(), object.to_string(), route.upstream_timeout);
+    let hold_body = route.is_s3();
+    let task = tokio::spawn(async move {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let sent = upstream.send(up, &object, token, timeout).await;
+        match sent {
+            Ok(resp) if hold_body => Ok(resp.map(|b| BoxBody::new(held_body::HeldBody::new(b, guards, deadline)))),
+            sent => {
+                drop(guards);
+                sent
+            }
+        }
+    });
+    match task.await {
+        Ok(sent) => sent,
+        Err(e) => Err(SendError::Other(format!("the exchange task failed: {e}"))),
     }
 }

@@ -116,13 +116,47 @@ async fn serve_conn<I>(
 }
 
 /// A stream that first gives back bytes already read from it (what the
-/// proxy's fast path read before it handed the connection over).
-struct Rewind {
+/// proxy's fast path, or [`sniff`], read before hyper took the connection).
+struct Rewind<S> {
     prefix: bytes::BytesMut,
-    inner: tokio::net::TcpStream,
+    inner: S,
 }
 
-impl tokio::io::AsyncRead for Rewind {
+/// The HTTP/2 connection preface (RFC 9113 §3.4).
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// Reads until the bytes in `buffered` tell HTTP/1.1 from HTTP/2 (they
+/// differ from the HTTP/2 preface, or hold all of it), within `limit`.
+/// hyper-util's auto builder reads these bytes with no timer of its own:
+/// without this, a client that sends nothing, or a part of the preface,
+/// would hold its connection (and a slot of the listener) for ever. After
+/// it, hyper's own timers bound the connection (the header read timeout on
+/// HTTP/1.1, PINGs on HTTP/2). False: close the connection (timed out, or
+/// it ended before saying anything usable).
+async fn sniff<S: tokio::io::AsyncRead + Unpin>(
+    stream: &mut S,
+    buffered: &mut bytes::BytesMut,
+    limit: Duration,
+) -> bool {
+    use tokio::io::AsyncReadExt;
+    let decided = |b: &[u8]| {
+        let n = b.len().min(H2_PREFACE.len());
+        n == H2_PREFACE.len() || b[..n] != H2_PREFACE[..n]
+    };
+    let read = async {
+        while !decided(buffered) {
+            buffered.reserve(H2_PREFACE.len());
+            match stream.read_buf(buffered).await {
+                Ok(0) | Err(_) => return false,
+                Ok(_) => {}
+            }
+        }
+        true
+    };
+    tokio::time::timeout(limit, read).await.unwrap_or(false)
+}
+
+impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Rewind<S> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
@@ -137,7 +171,7 @@ impl tokio::io::AsyncRead for Rewind {
     }
 }
 
-impl tokio::io::AsyncWrite for Rewind {
+impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Rewind<S> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
@@ -251,6 +285,9 @@ fn hyper_builder(limits: Limits) -> auto::Builder<TokioExecutor> {
         .http1()
         .timer(TokioTimer::new())
         .header_read_timeout(limits.header_read_timeout)
+        // A client that shuts its write side after its request (`nc -N`)
+        // still gets its answer, as on the fast path.
+        .half_close(true)
         // hyper's own hard limit sits above ours, so that most oversized
         // headers get our JSON 431 rather than hyper's bare one.
         .max_buf_size(limits.max_header_bytes.saturating_mul(2).max(64 * 1024));
@@ -292,14 +329,21 @@ async fn serve_accepted(
                 api_loop::serve_conn(&ctx.handler, stream, &client, conn_limits, *max_body_bytes, &ctx.shutdown).await
             }
         };
-        let Some(h) = handover else { return };
+        let Some(mut h) = handover else { return };
+        if !sniff(&mut h.stream, &mut h.buffered, limits.header_read_timeout).await {
+            return;
+        }
         let io = Rewind { prefix: h.buffered, inner: h.stream };
         serve_conn(name, &ctx.builder, watcher, TokioIo::new(io), client, ctx.handler.clone(), limits).await;
         return;
     };
     let accept = TlsAcceptor::from(config).accept(stream);
     match tokio::time::timeout(limits.header_read_timeout, accept).await {
-        Ok(Ok(tls_stream)) => {
+        Ok(Ok(mut tls_stream)) => {
+            let mut buffered = bytes::BytesMut::new();
+            if !sniff(&mut tls_stream, &mut buffered, limits.header_read_timeout).await {
+                return;
+            }
             let cert_cn = tls_stream
                 .get_ref()
                 .1
@@ -308,7 +352,7 @@ async fn serve_accepted(
                 .and_then(|c| subject_cn(c))
                 .map(Arc::from);
             let client = Peer::new(addr, true, cert_cn);
-            let io = TokioIo::new(tls_stream);
+            let io = TokioIo::new(Rewind { prefix: buffered, inner: tls_stream });
             serve_conn(name, &ctx.builder, watcher, io, client, ctx.handler.clone(), limits).await;
         }
         Ok(Err(e)) => tracing::debug!(listener = name, client = %addr, error = %e, "TLS handshake failed"),

@@ -376,3 +376,24 @@ impl Recorder {
         self.detached.lock().unwrap().insert(path.to_string());
     }
 }
+
+/// A PUT to `url` under `token` whose body the test feeds itself: it keeps
+/// streaming until `body` is dropped (an upload still in flight).
+pub struct StreamedUpload {
+    pub body: tokio::sync::mpsc::Sender<Result<http_body::Frame<Bytes>, std::io::Error>>,
+    pub response: tokio::task::JoinHandle<Result<Response<hyper::body::Incoming>, hyper_util::client::legacy::Error>>,
+}
+
+/// Starts a [`StreamedUpload`] and sends its first 64 KiB.
+pub async fn start_streamed_upload(url: &str, token: u64) -> StreamedUpload {
+    let (body, rx) = tokio::sync::mpsc::channel::<Result<http_body::Frame<Bytes>, std::io::Error>>(4);
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|x| (x, rx)) });
+    let client = Client::builder(TokioExecutor::new()).build_http();
+    let req = Request::put(url)
+        .header("x-fencing-token", token.to_string())
+        .body(http_body_util::StreamBody::new(Box::pin(stream)))
+        .unwrap();
+    let response = tokio::spawn(client.request(req));
+    body.send(Ok(http_body::Frame::data(Bytes::from(vec![b'a'; 64 * 1024])))).await.unwrap();
+    StreamedUpload { body, response }
+}

@@ -170,7 +170,7 @@ impl Proxy {
             }
         }
         let mut guards: Vec<InflightGuard> = Vec::with_capacity(pairs.len());
-        match self.fences.admit_all(&pairs, route.policy) {
+        match self.fences().admit_all(&pairs, route.policy) {
             Ok(admitted) => {
                 for (i, admission) in admitted {
                     let (key, token) = pairs[i];
@@ -181,7 +181,7 @@ impl Proxy {
                             return Err(Error::Internal("a sequenced admission without a sequence".into()).into())
                         }
                         Admission::MustAdvance => {
-                            match self.fences.advance(key, token, None, route.policy, &self.store) {
+                            match self.fences().advance(key, token, None, route.policy, &self.store) {
                                 Ok((g, durable)) => guards.push(self.activate(route, key, token, g, durable).await?),
                                 Err(refusal) => {
                                     // Every other registration ends here.
@@ -206,7 +206,7 @@ impl Proxy {
             let mut current = Vec::with_capacity(guards.len());
             for g in guards {
                 let key = g.key().to_string();
-                Box::pin(self.fences.barrier(&key, g.token(), route.upstream_timeout)).await;
+                Box::pin(self.fences().barrier(&key, g.token(), route.upstream_timeout)).await;
                 if let Some(g) = self.still_current(route, &key, g, client)? {
                     current.push(g);
                 }
