@@ -534,13 +534,16 @@ impl Authority {
         // reader was shown.
         let fence = self.fences.durable_fence(key);
         let now_ms = self.now_ms();
+        // Time left counts from now rounded up, as deadlines do: a
+        // client's estimate is never above the truth (never TTL + 1).
+        let now_up = self.deadline_base();
         // Copied out under the key's lock: the interned holder name is
         // never cloned outside a grant (see `Holders::release`).
         let held = self.keys.get(key).and_then(|st| {
             st.grant
                 .as_ref()
                 .filter(|g| g.durable && g.deadline_ms > now_ms)
-                .map(|g| (g.token, g.holder().to_string(), g.deadline_ms - now_ms))
+                .map(|g| (g.token, g.holder().to_string(), g.deadline_ms.saturating_sub(now_up)))
         });
         Ok(match held {
             Some((token, holder, expires_in_ms)) => StatusView {

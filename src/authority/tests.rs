@@ -559,3 +559,17 @@ async fn memory_per_held_lease_by_part() {
     // RocksDB's memtables stay within their write buffers, whatever N.
     assert!(f.store.memtables <= 20 << 20, "{}", f.report());
 }
+
+#[tokio::test(start_paused = true)]
+async fn time_left_is_never_above_the_ttl_mid_millisecond() {
+    let r = rig();
+    for (i, micros) in [0u64, 1, 300, 999].into_iter().enumerate() {
+        tokio::time::advance(Duration::from_micros(micros)).await;
+        let key = format!("mid/{i}");
+        let g = r.auth.acquire(acq(&key, 500, 0)).await.unwrap();
+        let left = r.auth.status(&key).unwrap().expires_in_ms.unwrap();
+        assert!(left <= 500, "{micros} µs into a millisecond: {left} ms left of a 500 ms lease");
+        assert!(left >= 499, "{micros} µs: {left}");
+        r.auth.release(ReleaseRequest { key, lease_id: g.lease_id }).unwrap();
+    }
+}
