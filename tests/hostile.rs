@@ -402,10 +402,12 @@ async fn a_connection_that_never_says_which_protocol_it_speaks_is_closed() {
 }
 
 /// A client that shuts its write side after its request (`nc -N`) gets its
-/// answer on the general path as on the fast path; a chunked body that
-/// cannot be parsed is the request's fault (400), not the upstream's.
+/// answer on the fast path (the general path treats it as a hang-up: hyper
+/// cannot tell the two apart, and a hang-up must drop an abandoned acquire
+/// from its queue); a chunked body that cannot be parsed is the request's
+/// fault (400), not the upstream's.
 #[tokio::test(flavor = "multi_thread")]
-async fn half_closed_requests_are_answered_and_broken_chunked_bodies_are_bad_requests() {
+async fn half_closed_requests_and_broken_chunked_bodies() {
     let rec = Recorder::start().await;
     for fast in [true, false] {
         let cfg = format!(
@@ -425,8 +427,11 @@ async fn half_closed_requests_are_answered_and_broken_chunked_bodies_are_bad_req
         let mut out = Vec::new();
         let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut out)).await;
         let out = String::from_utf8_lossy(&out);
-        assert!(out.starts_with("HTTP/1.1 200"), "fast={fast}: a half-closed request got {out:?}");
-        assert_eq!(complete(), before + 1);
+        if fast {
+            assert!(out.starts_with("HTTP/1.1 200"), "a half-closed request got {out:?}");
+        }
+        // Either way the write under a live token was applied once.
+        assert_eq!(complete(), before + 1, "fast={fast}");
 
         let req = format!(
             "PUT /k HTTP/1.1\r\nHost: x\r\nX-Fencing-Token: {}\r\nTransfer-Encoding: chunked\r\n\r\n\

@@ -285,9 +285,10 @@ fn hyper_builder(limits: Limits) -> auto::Builder<TokioExecutor> {
         .http1()
         .timer(TokioTimer::new())
         .header_read_timeout(limits.header_read_timeout)
-        // A client that shuts its write side after its request (`nc -N`)
-        // still gets its answer, as on the fast path.
-        .half_close(true)
+        // No half_close: hyper cannot tell a client that shut only its
+        // write side (`nc -N`) from one that hung up, and a hang-up must
+        // drop the request's future (an abandoned acquire leaves the
+        // queue). A half-closed request is treated as a hang-up here.
         // hyper's own hard limit sits above ours, so that most oversized
         // headers get our JSON 431 rather than hyper's bare one.
         .max_buf_size(limits.max_header_bytes.saturating_mul(2).max(64 * 1024));
