@@ -706,3 +706,44 @@ async fn concurrent_grants_shared_in_batches_stay_unique_ordered_and_exclusive()
         assert_eq!(s.put(gw, "/batch/hot", order[0]).await.error_code(), "stale_fencing_token");
     }
 }
+
+/// The token space's end: with the floor raised to just below u64::MAX,
+/// concurrent grants (several per shared transaction) must never share a
+/// token. Token arithmetic saturates, so every grant past the end would read
+/// as u64::MAX: such a grant is refused (503), never answered.
+#[tokio::test(flavor = "multi_thread")]
+async fn grants_at_the_end_of_the_token_space_are_refused_not_repeated() {
+    use std::sync::Arc;
+    let _one = ONE_AT_A_TIME.lock().await;
+    let s = Arc::new(setup(3).await);
+    let to = u64::MAX - 64 * 3 - 1;
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fencegate"))
+        .args(["cluster", "raise-floor", "--etcd", &s.etcd.endpoints().join(","), "--to", &to.to_string()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "raise-floor: {}", String::from_utf8_lossy(&out.stderr));
+    let mut tasks = Vec::new();
+    for n in 0..24 {
+        let s = s.clone();
+        tasks.push(tokio::spawn(async move { acquire(&s.http, &s.api(n % 3), &format!("end/{n}"), 5000, 0).await }));
+    }
+    let mut tokens = Vec::new();
+    for t in tasks {
+        match t.await.unwrap() {
+            Ok(g) => tokens.push(g.token),
+            Err(r) => assert!(
+                r.status == StatusCode::SERVICE_UNAVAILABLE || r.status == StatusCode::CONFLICT,
+                "an acquire at the end of the token space got {}: {:?}",
+                r.status,
+                String::from_utf8_lossy(&r.body)
+            ),
+        }
+    }
+    assert!(!tokens.contains(&u64::MAX), "u64::MAX was issued: {tokens:?}");
+    assert!(tokens.iter().all(|t| *t > to), "a token at or below the raised floor: {tokens:?}");
+    let n = tokens.len();
+    assert!(n < 24, "the end of the token space was never reached: {tokens:?}");
+    tokens.sort_unstable();
+    tokens.dedup();
+    assert_eq!(tokens.len(), n, "a token was issued twice: {tokens:?}");
+}

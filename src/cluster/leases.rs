@@ -282,6 +282,16 @@ impl Cluster {
         };
         let (rev, offset) = (committed.revision, committed.offset);
         let token = token_of(offset, rev, Some(committed.slot));
+        if token == u64::MAX {
+            // `token_of` saturates: every token past the end of the space
+            // reads as u64::MAX, so it can name no grant alone (a batch of
+            // several would all get it).
+            let _ = bounded(self.timeout, "revoking", leases.revoke(lease)).await;
+            return Err(Error::Unavailable(format!(
+                "the token space is exhausted (etcd revision {rev} with offset {offset} reaches u64::MAX): no token \
+                 can be issued without repeating one; the token floor was raised too far"
+            )));
+        }
         if token <= floor {
             // Withdrawn before anyone saw it: revoking ends the grant.
             let _ = bounded(self.timeout, "revoking", leases.revoke(lease)).await;
