@@ -52,6 +52,32 @@ async fn bounded<T, E: std::fmt::Display>(
     }
 }
 
+/// An etcd lease for a new grant, within `timeout`. A refused connection
+/// (a member down, or still restarting: the request never left, so no lease
+/// was made) is tried again, on whichever connection the client picks next:
+/// the other members may well form a quorum. Other errors are answered.
+async fn grant_lease(
+    leases: &mut etcd_client::LeaseClient,
+    timeout: Duration,
+    ttl_s: i64,
+) -> Result<etcd_client::LeaseGrantResponse, Error> {
+    let what = "granting a lease";
+    let deadline = Instant::now() + timeout;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, leases.grant(ttl_s, None)).await {
+            Ok(Ok(grant)) => return Ok(grant),
+            Ok(Err(e)) if e.to_string().contains("tcp connect error") && left > Duration::from_millis(100) => {
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+            Ok(Err(e)) => return Err(unavailable(what, e)),
+            Err(_) => {
+                return Err(Error::Unavailable(format!("etcd: {what}: no answer within {} ms", millis(timeout))));
+            }
+        }
+    }
+}
+
 /// Deletes this acquire's waiter entry (or revokes its unanswered grant)
 /// however the acquire ends, including a client that hung up.
 struct Cleanup {
@@ -248,7 +274,7 @@ impl Cluster {
     ) -> Result<Option<Granted>, Error> {
         let mut leases = self.client.lease_client();
         let lease_sent = Instant::now();
-        let grant = bounded(self.timeout, "granting a lease", leases.grant(ttl_s, None)).await?;
+        let grant = grant_lease(&mut leases, self.timeout, ttl_s).await?;
         let lease = grant.id();
         let granted_ms = u64::try_from(grant.ttl()).unwrap_or(0).saturating_mul(1000);
         // Every token seen before this transaction was committed earlier in
