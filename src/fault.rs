@@ -14,6 +14,10 @@
 //!   its membership and its watch, so it keeps admitting past its member
 //!   deadline, while partitioned from etcd or stopped, on a fence view that
 //!   may be stale (the property docs/cluster.md's self-fencing gives).
+//! - `slow-grant-answer`: in cluster mode every shared grant transaction is
+//!   answered to its acquires 1 s after etcd committed it. Not unsafe, only
+//!   slow: it opens the window in which a test's client hangs up while its
+//!   grant exists in etcd but is not yet answered.
 
 /// The environment variable that names the faults to inject (debug builds).
 pub const ENV: &str = "FENCEGATE_NEMESIS_BREAK";
@@ -23,12 +27,15 @@ pub const ENV: &str = "FENCEGATE_NEMESIS_BREAK";
 pub enum Fault {
     /// Cluster mode admits mutations without proving its membership.
     NoSelfFencing,
+    /// Cluster mode answers each committed grant transaction 1 s late.
+    SlowGrantAnswer,
 }
 
 impl Fault {
     fn name(self) -> &'static str {
         match self {
             Fault::NoSelfFencing => "no-self-fencing",
+            Fault::SlowGrantAnswer => "slow-grant-answer",
         }
     }
 }
@@ -53,11 +60,11 @@ fn named(list: &str, fault: Fault) -> bool {
 
 /// Logs, once at start, every fault injected into this process.
 pub fn announce() {
-    for fault in [Fault::NoSelfFencing] {
+    for fault in [Fault::NoSelfFencing, Fault::SlowGrantAnswer] {
         if enabled(fault) {
             tracing::error!(
                 fault = fault.name(),
-                "{ENV} injects a deliberately broken behaviour into this gateway (nemesis self-test only): it is NOT safe"
+                "{ENV} injects a deliberately broken or slowed behaviour into this gateway (tests only): do not use it"
             );
         }
     }

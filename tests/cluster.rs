@@ -319,6 +319,64 @@ async fn killing_the_etcd_leader_keeps_grants_and_fenced_writes_working() {
     );
 }
 
+/// Losing one member of three loses nothing: once the gateways are current
+/// again, every acquire, renew, fenced write and release through every
+/// gateway succeeds, though each gateway's client still has the dead
+/// member's endpoint and keeps being handed its refused connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_one_etcd_member_down_every_request_succeeds() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut s = setup(3).await;
+    let before = acquire(&s.http, &s.api(0), "minority/before", 60_000, 0).await.unwrap();
+    let leader = s.etcd.leader().await;
+    let follower = (leader + 1) % 3;
+    let killed = Instant::now();
+    s.etcd.kill9(follower);
+    let mut all_current = Duration::ZERO;
+    for i in 0..3 {
+        all_current = all_current.max(s.wait_current(i, Duration::from_secs(20)).await);
+    }
+    let mut failures = Vec::new();
+    let cycles = 60usize;
+    for n in 0..cycles {
+        let (a, b) = (n % 3, (n + 1) % 3);
+        let key = format!("minority/{n}");
+        let g = match acquire(&s.http, &s.api(a), &key, 10_000, 0).await {
+            Ok(g) => g,
+            Err(r) => {
+                failures.push(format!("acquire {n} via {a}: {} {}", r.status, String::from_utf8_lossy(&r.body)));
+                continue;
+            }
+        };
+        let renew = s
+            .http
+            .post_json(&format!("{}/v1/locks/renew", s.api(b)), serde_json::json!({"key": key, "lease_id": g.lease_id}))
+            .await;
+        if renew.status != StatusCode::OK {
+            failures.push(format!("renew {n} via {b}: {} {}", renew.status, String::from_utf8_lossy(&renew.body)));
+        }
+        let w = s.put(b, &format!("/{key}"), g.token).await;
+        if w.status != StatusCode::OK {
+            failures.push(format!("write {n} via {b}: {} {}", w.status, String::from_utf8_lossy(&w.body)));
+        }
+        let r = release(&s.http, &s.api(b), &g).await;
+        if r.status != StatusCode::OK {
+            failures.push(format!("release {n} via {b}: {} {}", r.status, String::from_utf8_lossy(&r.body)));
+        }
+    }
+    assert!(failures.is_empty(), "{} of {cycles} cycles had a failure: {failures:#?}", failures.len());
+    // The grant made before the loss is still there and still fences.
+    assert_eq!(s.put(2, "/minority/before", before.token).await.status, StatusCode::OK);
+    let stale = s.put(1, "/minority/0", 1).await;
+    assert_eq!(stale.error_code(), "stale_fencing_token", "{:?}", stale.body);
+    println!(
+        "FIGURE one etcd follower kill -9: all 3 gateways current after {} ms; then {cycles} acquire/renew/write/\
+         release cycles across the gateways, 0 failures ({} ms)",
+        all_current.as_millis(),
+        killed.elapsed().saturating_sub(all_current).as_millis()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_gateway_refuses_mutations_as_not_current_and_the_others_grant() {
     let _one = ONE_AT_A_TIME.lock().await;
@@ -759,4 +817,74 @@ async fn grants_at_the_end_of_the_token_space_are_refused_not_repeated() {
     tokens.sort_unstable();
     tokens.dedup();
     assert_eq!(tokens.len(), n, "a token was issued twice: {tokens:?}");
+}
+
+/// A client that hangs up while its grant transaction is in flight leaves
+/// no grant held for nobody: the acquire, dropped, revokes the grant's
+/// lease, so the key is free at once rather than at the end of its TTL.
+/// (The debug-build fault `slow-grant-answer` answers each committed
+/// grant transaction 1 s late: the hang-up lands in that window.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acquire_whose_client_hung_up_during_its_grant_transaction_leaves_the_key_free() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = EtcdCluster::start(dir.path(), 3).await;
+    let rec = Recorder::start().await;
+    let slow = Gateway::start(
+        &dir.path().join("slow"),
+        Opts {
+            config: Some(gateway_config(&etcd, "slow", &rec.url())),
+            env: vec![("FENCEGATE_NEMESIS_BREAK", "slow-grant-answer".into())],
+            ..Opts::default()
+        },
+    );
+    let peer = Gateway::start(
+        &dir.path().join("peer"),
+        Opts { config: Some(gateway_config(&etcd, "peer", &rec.url())), ..Opts::default() },
+    );
+    let http = Http::default();
+    let held = |gw: &Gateway| {
+        let url = format!("{}/v1/locks/status?key=hungup", gw.api_url(""));
+        let http = http.clone();
+        async move { http.get(&url).await.json()["held"].as_bool() }
+    };
+    // Wait until both serve grants (a first acquire through the peer).
+    let started = Instant::now();
+    let first = loop {
+        match acquire(&http, &peer.api_url(""), "warm-up", 5000, 0).await {
+            Ok(g) => break g,
+            Err(_) => assert!(started.elapsed() < Duration::from_secs(20), "no grant: {}", peer.log_text()),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    release(&http, &peer.api_url(""), &first).await;
+    // The acquire through the slow gateway: the client gives up after 300 ms,
+    // while the committed grant waits for its answer.
+    let url = format!("{}/v1/locks/acquire", slow.api_url(""));
+    let body = serde_json::json!({"key": "hungup", "ttl_ms": 30_000, "wait_ms": 0, "holder": "gone"});
+    let gave_up = tokio::time::timeout(Duration::from_millis(300), http.post_json(&url, body)).await;
+    assert!(gave_up.is_err(), "the slowed acquire was answered within 300 ms: {:?}", gave_up.map(|r| r.status));
+    // The grant was made in etcd (seen held), then ended by the hang-up:
+    // free again within a few seconds, not after its 30 s TTL.
+    let hung_up = Instant::now();
+    let mut seen_held = false;
+    loop {
+        match held(&peer).await {
+            Some(true) => seen_held = true,
+            Some(false) if seen_held || hung_up.elapsed() > Duration::from_secs(2) => break,
+            _ => {}
+        }
+        assert!(hung_up.elapsed() < Duration::from_secs(8), "the abandoned grant is still held: {}", slow.log_text());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let freed = hung_up.elapsed();
+    // And it is grantable at once, with a token above the abandoned one.
+    let next = acquire(&http, &peer.api_url(""), "hungup", 5000, 0).await.unwrap();
+    assert!(next.token > first.token);
+    println!(
+        "FIGURE an acquire abandoned during its shared grant transaction: key free {} ms after the hang-up (seen held \
+         meanwhile: {seen_held}); TTL 30 s",
+        freed.as_millis()
+    );
+    drop(etcd);
 }

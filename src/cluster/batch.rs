@@ -162,18 +162,15 @@ impl Cluster {
         let txn = Txn::new()
             .when(vec![Compare::mod_revision(self.keys.offset(), CompareOp::Equal, offset_rev)])
             .and_then(subs);
-        let mut kv = self.client.kv_client();
-        let done = match tokio::time::timeout(self.timeout, kv.txn(txn)).await {
-            Ok(Ok(d)) => d,
-            Ok(Err(e)) => {
-                let msg = format!("etcd: granting: {e}");
-                for (_, reply) in live {
-                    let _ = reply.send(Err(Error::Unavailable(msg.clone())));
-                }
-                return;
-            }
-            Err(_) => {
-                let msg = format!("etcd: granting: no answer within {} ms", self.timeout.as_millis());
+        let done = match super::call(self.timeout, "granting", || {
+            let (mut kv, txn) = (self.client.kv_client(), txn.clone());
+            async move { kv.txn(txn).await }
+        })
+        .await
+        {
+            Ok(d) => d,
+            Err(e) => {
+                let msg = e.to_string();
                 for (_, reply) in live {
                     let _ = reply.send(Err(Error::Unavailable(msg.clone())));
                 }
@@ -182,11 +179,17 @@ impl Cluster {
         };
         let revision = done.header().map_or(0, |h| h.revision());
         if !done.succeeded() {
-            // The offset moved (raise-floor): nothing was granted.
+            // The offset moved (raise-floor): nothing was granted, and the
+            // key may well be free — not `locked`: try again.
             for (_, reply) in live {
-                let _ = reply.send(Ok(None));
+                let _ = reply.send(Err(Error::Unavailable(
+                    "the token offset moved while granting (`raise-floor` ran): nothing was granted; retry".into(),
+                )));
             }
             return;
+        }
+        if crate::fault::enabled(crate::fault::Fault::SlowGrantAnswer) {
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
         }
         let outcomes = done.op_responses();
         for (n, (slot, reply)) in live.into_iter().enumerate() {

@@ -13,7 +13,7 @@ use std::time::Duration;
 use etcd_client::{EventType, GetOptions, KeyValue, PutOptions, WatchOptions};
 
 use super::mirror::{GrantEntry, GrantValue, MemberEntry};
-use super::{token_of, unavailable, Cluster, Kind};
+use super::{call, token_of, Cluster, Kind};
 use crate::error::Error;
 
 /// Keys per page of a reload (each page well under gRPC's 4 MiB).
@@ -25,7 +25,6 @@ impl Cluster {
     pub(super) async fn load(&self) -> Result<i64, Error> {
         // Pages of keys, all read at the revision of the first page (one
         // consistent view however many fences there are).
-        let mut kv = self.client.kv_client();
         let mut end = self.keys.prefix.clone().into_bytes();
         if let Some(last) = end.last_mut() {
             *last = last.saturating_add(1);
@@ -38,11 +37,11 @@ impl Cluster {
             if revision > 0 {
                 opts = opts.with_revision(revision);
             }
-            let get = kv.get(start.clone(), Some(opts));
-            let mut resp = match tokio::time::timeout(self.timeout * 4, get).await {
-                Ok(r) => r.map_err(|e| unavailable("loading the fences", e))?,
-                Err(_) => return Err(Error::Unavailable("etcd: loading the fences: timed out".into())),
-            };
+            let mut resp = call(self.timeout * 4, "loading the fences", || {
+                let (mut kv, start, opts) = (self.client.kv_client(), start.clone(), opts.clone());
+                async move { kv.get(start, Some(opts)).await }
+            })
+            .await?;
             if revision == 0 {
                 let header = resp.header().ok_or_else(|| Error::Unavailable("etcd: no response header".into()))?;
                 (revision, cluster_id) = (header.revision(), header.cluster_id());
@@ -329,13 +328,11 @@ impl Cluster {
             return Err(Error::Unavailable("not a member".into()));
         };
         let target = self.ack_target().max(*last);
-        let mut kv = self.client.kv_client();
-        let put =
-            kv.put(self.keys.ack(&self.gateway_id), target.to_string(), Some(PutOptions::new().with_lease(lease)));
-        let resp = match tokio::time::timeout(self.timeout, put).await {
-            Ok(r) => r.map_err(|e| unavailable("acknowledging", e))?,
-            Err(_) => return Err(Error::Unavailable("etcd: acknowledging: timed out".into())),
-        };
+        let resp = call(self.timeout, "acknowledging", || {
+            let (mut kv, key) = (self.client.kv_client(), self.keys.ack(&self.gateway_id));
+            async move { kv.put(key, target.to_string(), Some(PutOptions::new().with_lease(lease))).await }
+        })
+        .await?;
         *last = target;
         Ok(resp.header().map_or(0, |h| h.revision()))
     }

@@ -26,7 +26,7 @@ use tokio::time::Instant;
 
 use super::batch::Attempt;
 use super::mirror::GrantValue;
-use super::{token_of, unavailable, Cluster};
+use super::{call, token_of, Cluster};
 use crate::authority::types::{new_lease_id, secret_eq, validate_ttl};
 use crate::authority::{validate_key, AcquireRequest, GrantView, ReleaseRequest, RenewRequest, RenewView, StatusView};
 use crate::error::Error;
@@ -38,44 +38,6 @@ fn sha256_hex(s: &str) -> String {
 
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
-}
-
-/// Bounds an etcd call by the request deadline.
-async fn bounded<T, E: std::fmt::Display>(
-    timeout: Duration,
-    what: &str,
-    f: impl std::future::Future<Output = Result<T, E>>,
-) -> Result<T, Error> {
-    match tokio::time::timeout(timeout, f).await {
-        Ok(r) => r.map_err(|e| unavailable(what, e)),
-        Err(_) => Err(Error::Unavailable(format!("etcd: {what}: no answer within {} ms", millis(timeout)))),
-    }
-}
-
-/// An etcd lease for a new grant, within `timeout`. A refused connection
-/// (a member down, or still restarting: the request never left, so no lease
-/// was made) is tried again, on whichever connection the client picks next:
-/// the other members may well form a quorum. Other errors are answered.
-async fn grant_lease(
-    leases: &mut etcd_client::LeaseClient,
-    timeout: Duration,
-    ttl_s: i64,
-) -> Result<etcd_client::LeaseGrantResponse, Error> {
-    let what = "granting a lease";
-    let deadline = Instant::now() + timeout;
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match tokio::time::timeout(left, leases.grant(ttl_s, None)).await {
-            Ok(Ok(grant)) => return Ok(grant),
-            Ok(Err(e)) if e.to_string().contains("tcp connect error") && left > Duration::from_millis(100) => {
-                tokio::time::sleep(Duration::from_millis(25)).await;
-            }
-            Ok(Err(e)) => return Err(unavailable(what, e)),
-            Err(_) => {
-                return Err(Error::Unavailable(format!("etcd: {what}: no answer within {} ms", millis(timeout))));
-            }
-        }
-    }
 }
 
 /// Deletes this acquire's waiter entry (or revokes its unanswered grant)
@@ -95,12 +57,14 @@ impl Drop for Cleanup {
         let c = self.cluster.clone();
         tokio::spawn(async move {
             if let Some(q) = queue_key {
-                let mut kv = c.client.kv_client();
-                let _ = bounded(c.timeout, "leaving the queue", kv.delete(q, None)).await;
+                let _ = call(c.timeout, "leaving the queue", || {
+                    let (mut kv, q) = (c.client.kv_client(), q.clone());
+                    async move { kv.delete(q, None).await }
+                })
+                .await;
             }
             if let Some(l) = lease {
-                let mut leases = c.client.lease_client();
-                let _ = bounded(c.timeout, "revoking", leases.revoke(l)).await;
+                let _ = c.revoke(l).await;
             }
         });
     }
@@ -161,8 +125,7 @@ impl Cluster {
             first = false;
             if may_try {
                 let queued = cleanup.queue_key.as_deref().zip(mine);
-                if let Some(g) = self.try_grant(key, &holder, &secret, ttl_s, queued).await? {
-                    cleanup.lease = Some(g.lease);
+                if let Some(g) = self.try_grant(key, &holder, &secret, ttl_s, queued, &mut cleanup.lease).await? {
                     break (g.token, g.revision, g.granted_ms, g.lease, g.lease_sent);
                 }
             }
@@ -229,8 +192,11 @@ impl Cluster {
             }
         }
         // One last keepalive: the full TTL from now.
-        let mut leases = self.client.lease_client();
-        let _ = bounded(self.timeout, "renewing the new grant", leases.keep_alive(etcd_lease)).await;
+        let _ = call(self.timeout, "renewing the new grant", || {
+            let mut leases = self.client.lease_client();
+            async move { leases.keep_alive(etcd_lease).await }
+        })
+        .await;
         cleanup.lease = None;
         Ok(GrantView { key: req.key, fencing_token: token, lease_id, ttl_ms: granted_ms, holder })
     }
@@ -263,7 +229,11 @@ impl Cluster {
 
     /// One attempt: the grant on success, `None` when the key is taken or
     /// an older waiter is queued. `queued`: this acquire's waiter entry and
-    /// its revision.
+    /// its revision. `unanswered` holds the attempt's etcd lease from the
+    /// moment it exists until the attempt has ended it itself: an acquire
+    /// dropped meanwhile (its client hung up while the shared transaction
+    /// was in flight) then revokes it, which ends a grant made for nobody
+    /// at once instead of at its TTL.
     async fn try_grant(
         &self,
         key: &str,
@@ -271,11 +241,16 @@ impl Cluster {
         secret: &str,
         ttl_s: i64,
         queued: Option<(&str, i64)>,
+        unanswered: &mut Option<i64>,
     ) -> Result<Option<Granted>, Error> {
-        let mut leases = self.client.lease_client();
         let lease_sent = Instant::now();
-        let grant = grant_lease(&mut leases, self.timeout, ttl_s).await?;
+        let grant = call(self.timeout, "granting a lease", || {
+            let mut leases = self.client.lease_client();
+            async move { leases.grant(ttl_s, None).await }
+        })
+        .await?;
         let lease = grant.id();
+        *unanswered = Some(lease);
         let granted_ms = u64::try_from(grant.ttl()).unwrap_or(0).saturating_mul(1000);
         // Every token seen before this transaction was committed earlier in
         // etcd's history, so its revision is above them all — unless that
@@ -296,13 +271,17 @@ impl Cluster {
         let committed = match self.grant_in_batch(attempt, answer).await {
             Ok(Some(c)) => c,
             Ok(None) => {
-                let _ = bounded(self.timeout, "revoking", leases.revoke(lease)).await;
+                if self.revoke(lease).await.is_ok() {
+                    *unanswered = None;
+                }
                 return Ok(None);
             }
             Err(e) => {
                 // Unknown outcome: the lease, if granted, is revoked, which
                 // ends such a grant at once.
-                let _ = bounded(self.timeout, "revoking", leases.revoke(lease)).await;
+                if self.revoke(lease).await.is_ok() {
+                    *unanswered = None;
+                }
                 return Err(e);
             }
         };
@@ -312,7 +291,9 @@ impl Cluster {
             // `token_of` saturates: every token past the end of the space
             // reads as u64::MAX, so it can name no grant alone (a batch of
             // several would all get it).
-            let _ = bounded(self.timeout, "revoking", leases.revoke(lease)).await;
+            if self.revoke(lease).await.is_ok() {
+                *unanswered = None;
+            }
             return Err(Error::Unavailable(format!(
                 "the token space is exhausted (etcd revision {rev} with offset {offset} reaches u64::MAX): no token \
                  can be issued without repeating one; the token floor was raised too far"
@@ -320,7 +301,9 @@ impl Cluster {
         }
         if token <= floor {
             // Withdrawn before anyone saw it: revoking ends the grant.
-            let _ = bounded(self.timeout, "revoking", leases.revoke(lease)).await;
+            if self.revoke(lease).await.is_ok() {
+                *unanswered = None;
+            }
             return Err(Error::Unavailable(format!(
                 "etcd's revision {rev} (token {token} with offset {offset}) is not above the token floor {floor}: \
                  etcd was restored or replaced, and granting now could issue a token twice; an operator must run \
@@ -337,9 +320,11 @@ impl Cluster {
         };
         let id = new_lease_id()?;
         let qkey = format!("{}{}-{}", self.keys.queue_prefix(key), self.gateway_id, &id[..16]);
-        let mut kv = self.client.kv_client();
-        let put = kv.put(qkey.clone(), "", Some(PutOptions::new().with_lease(member)));
-        let resp = bounded(self.timeout, "queueing", put).await?;
+        let resp = call(self.timeout, "queueing", || {
+            let (mut kv, qkey) = (self.client.kv_client(), qkey.clone());
+            async move { kv.put(qkey, "", Some(PutOptions::new().with_lease(member))).await }
+        })
+        .await?;
         let rev = resp.header().map_or(0, |h| h.revision());
         Ok((qkey, rev))
     }
@@ -349,8 +334,11 @@ impl Cluster {
     /// The grant of `key` as etcd has it now (a consistent read), if its
     /// lease id hashes to the stored one.
     async fn own_grant(&self, key: &str, lease_id: &str) -> Result<Option<(GrantValue, i64, u64)>, Error> {
-        let mut kv = self.client.kv_client();
-        let resp = bounded(self.timeout, "reading a grant", kv.get(self.keys.grant(key), None)).await?;
+        let resp = call(self.timeout, "reading a grant", || {
+            let (mut kv, gkey) = (self.client.kv_client(), self.keys.grant(key));
+            async move { kv.get(gkey, None).await }
+        })
+        .await?;
         let Some(found) = resp.kvs().first() else { return Ok(None) };
         let Ok(value) = serde_json::from_slice::<GrantValue>(found.value()) else { return Ok(None) };
         if !secret_eq(&value.s, &sha256_hex(lease_id)) {
@@ -386,12 +374,22 @@ impl Cluster {
         let Some((value, lease, token)) = self.own_grant(&req.key, &req.lease_id).await? else {
             return Err(lost());
         };
-        let mut leases = self.client.lease_client();
-        match tokio::time::timeout(self.timeout, leases.keep_alive(lease)).await {
-            Ok(Ok(_)) => Ok(RenewView { key: req.key, fencing_token: token, ttl_ms: value.t }),
-            Ok(Err(etcd_client::Error::LeaseKeepAliveError(m))) if m.contains("not found") => Err(lost()),
-            Ok(Err(e)) => Err(unavailable("renewing", e)),
-            Err(_) => Err(Error::Unavailable("etcd: renewing: timed out".into())),
+        let renewed = call(self.timeout, "renewing", || {
+            let mut leases = self.client.lease_client();
+            async move {
+                match leases.keep_alive(lease).await {
+                    // Gone: an answer, not a failure of the request.
+                    Err(etcd_client::Error::LeaseKeepAliveError(m)) if m.contains("not found") => Ok(false),
+                    Err(e) => Err(e),
+                    Ok(_) => Ok(true),
+                }
+            }
+        })
+        .await?;
+        if renewed {
+            Ok(RenewView { key: req.key, fencing_token: token, ttl_ms: value.t })
+        } else {
+            Err(lost())
         }
     }
 
@@ -429,12 +427,22 @@ impl Cluster {
                 None => return Err(not_owner()),
             },
         };
-        let mut leases = self.client.lease_client();
-        match tokio::time::timeout(self.timeout, leases.revoke(lease)).await {
-            Ok(Ok(_)) => Ok(()),
-            Ok(Err(e)) if e.to_string().contains("not found") => Err(not_owner()),
-            Ok(Err(e)) => Err(unavailable("releasing", e)),
-            Err(_) => Err(Error::Unavailable("etcd: releasing: timed out".into())),
+        let revoked = call(self.timeout, "releasing", || {
+            let mut leases = self.client.lease_client();
+            async move {
+                match leases.revoke(lease).await {
+                    // Gone: an answer, not a failure of the request.
+                    Err(e) if e.to_string().contains("not found") => Ok(false),
+                    Err(e) => Err(e),
+                    Ok(_) => Ok(true),
+                }
+            }
+        })
+        .await?;
+        if revoked {
+            Ok(())
+        } else {
+            Err(not_owner())
         }
     }
 
@@ -447,8 +455,11 @@ impl Cluster {
         let Some(g) = grant else {
             return Ok(StatusView::free(key, fence));
         };
-        let mut leases = self.client.lease_client();
-        let ttl = bounded(self.timeout, "reading a lease", leases.time_to_live(g.lease, None)).await?;
+        let ttl = call(self.timeout, "reading a lease", || {
+            let mut leases = self.client.lease_client();
+            async move { leases.time_to_live(g.lease, None).await }
+        })
+        .await?;
         let left = u64::try_from(ttl.ttl()).unwrap_or(0).saturating_mul(1000);
         Ok(StatusView {
             key: key.to_string(),

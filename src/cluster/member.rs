@@ -19,13 +19,15 @@ use std::time::Duration;
 use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp};
 use tokio::time::Instant;
 
-use super::{unavailable, Cluster};
+use super::{call, Cluster};
 use crate::error::Error;
 
 /// ε: the share of the TTL given up to clock-rate differences.
 const EPSILON: f64 = 0.1;
 /// Margin for scheduling delays between the check and the forward.
 const MARGIN: Duration = Duration::from_millis(200);
+/// Pause before a failed keepalive round is tried again.
+const RETRY: Duration = Duration::from_millis(100);
 
 impl Cluster {
     /// The local deadline after a keepalive sent at `sent` got `ttl`.
@@ -80,14 +82,21 @@ impl Cluster {
         // The join itself is the first round: prove the watch current.
         let mut next_deadline = Some(deadline);
         loop {
+            // A round that failed (a keepalive or the proof unanswered: a
+            // member down, an election) is tried again soon, not a third
+            // of the TTL later: two failures in a row must not cost the
+            // membership while the rest of the quorum answers.
+            let mut failed = true;
             if let Some(d) = next_deadline.take() {
                 if self.prove_current(d).await && self.member_lost.load(std::sync::atomic::Ordering::Acquire) != lease {
                     deadline = d;
+                    failed = false;
                     self.fences.set_current_until(d);
                     self.metrics.cluster_current.set(1);
                 }
             }
-            let wake = (Instant::now() + interval).min(deadline);
+            let pause = if failed { RETRY.min(interval) } else { interval };
+            let wake = (Instant::now() + pause).min(deadline);
             tokio::select! {
                 () = tokio::time::sleep_until(wake) => {}
                 () = self.member_lost_kick.notified() => {}
@@ -101,7 +110,10 @@ impl Cluster {
             // One keepalive in flight, bounded by the deadline. Opening
             // the stream sends the first one and reads its answer.
             let sent = Instant::now();
-            let budget = deadline.saturating_duration_since(sent).min(self.timeout);
+            // A healthy quorum answers a keepalive in milliseconds; one
+            // that hangs (its member paused) is given up after half a
+            // period and sent again on another connection.
+            let budget = deadline.saturating_duration_since(sent).min(self.timeout).min(interval / 2);
             let round = async {
                 match keeper.as_mut() {
                     None => {
@@ -133,31 +145,31 @@ impl Cluster {
     /// restarted before its lease expired) must be seen to leave by every
     /// peer, which then quarantines it, before this one joins.
     async fn join(&self, ttl_s: i64) -> Result<(i64, Duration), Error> {
-        let mut leases = self.client.lease_client();
-        let grant = match tokio::time::timeout(self.timeout, leases.grant(ttl_s, None)).await {
-            Ok(r) => r.map_err(|e| unavailable("granting the membership lease", e))?,
-            Err(_) => return Err(Error::Unavailable("etcd: granting the membership lease: timed out".into())),
-        };
+        let grant = call(self.timeout, "granting the membership lease", || {
+            let mut leases = self.client.lease_client();
+            async move { leases.grant(ttl_s, None).await }
+        })
+        .await?;
         let lease = grant.id();
         let granted = Duration::from_secs(u64::try_from(grant.ttl()).unwrap_or(0));
-        let mut kv = self.client.kv_client();
         let key = self.keys.member(&self.gateway_id);
         let txn = Txn::new()
             .when(vec![Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
             .and_then(vec![TxnOp::put(key, "up", Some(PutOptions::new().with_lease(lease)))]);
-        let created = match tokio::time::timeout(self.timeout, kv.txn(txn)).await {
-            Ok(Ok(r)) => r.succeeded(),
-            Ok(Err(e)) => {
-                let _ = tokio::time::timeout(self.timeout, leases.revoke(lease)).await;
-                return Err(unavailable("joining", e));
-            }
-            Err(_) => {
-                let _ = tokio::time::timeout(self.timeout, leases.revoke(lease)).await;
-                return Err(Error::Unavailable("etcd: joining: timed out".into()));
+        let created = call(self.timeout, "joining", || {
+            let (mut kv, txn) = (self.client.kv_client(), txn.clone());
+            async move { kv.txn(txn).await }
+        })
+        .await;
+        let created = match created {
+            Ok(r) => r.succeeded(),
+            Err(e) => {
+                let _ = self.revoke(lease).await;
+                return Err(e);
             }
         };
         if !created {
-            let _ = tokio::time::timeout(self.timeout, leases.revoke(lease)).await;
+            let _ = self.revoke(lease).await;
             return Err(Error::Unavailable(format!(
                 "etcd: joining: `m/{}` is still held by an earlier incarnation (or another gateway with this id)",
                 self.gateway_id
@@ -176,12 +188,11 @@ impl Cluster {
         let limit = Instant::now() + self.member_ttl * 2 + self.timeout;
         let mut logged = false;
         loop {
-            let mut kv = self.client.kv_client();
-            let get = kv.get(self.keys.member(&self.gateway_id), Some(GetOptions::new().with_keys_only()));
-            let resp = match tokio::time::timeout(self.timeout, get).await {
-                Ok(r) => r.map_err(|e| unavailable("reading the member key", e))?,
-                Err(_) => return Err(Error::Unavailable("etcd: reading the member key: timed out".into())),
-            };
+            let resp = call(self.timeout, "reading the member key", || {
+                let (mut kv, key) = (self.client.kv_client(), self.keys.member(&self.gateway_id));
+                async move { kv.get(key, Some(GetOptions::new().with_keys_only())).await }
+            })
+            .await?;
             if resp.kvs().is_empty() {
                 return Ok(());
             }

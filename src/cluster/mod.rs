@@ -124,6 +124,44 @@ fn unavailable(what: &str, e: impl std::fmt::Display) -> Error {
     Error::Unavailable(format!("etcd: {what}: {e}"))
 }
 
+/// Whether an etcd request certainly never reached etcd's state machine,
+/// so asking again cannot apply it twice: the connection the client picked
+/// was refused (a member down or restarting: the client's balancer keeps
+/// handing out its endpoint), or the member answered that it has no leader
+/// (with `require_leader`, checked before the request is handled).
+fn never_applied(e: &etcd_client::Error) -> bool {
+    let m = e.to_string();
+    m.contains("tcp connect error") || m.contains("error trying to connect") || m.contains("etcdserver: no leader")
+}
+
+/// One etcd request, within `timeout` in all: `attempt` makes it (with a
+/// client handle of its own, cheap to clone), and is called again while
+/// the answer proves that the request was never applied — another member
+/// of the quorum may well answer. Any other error, and the deadline, are
+/// answered as 503 (fail closed).
+pub(crate) async fn call<T, Fut>(timeout: Duration, what: &str, mut attempt: impl FnMut() -> Fut) -> Result<T, Error>
+where
+    Fut: std::future::Future<Output = Result<T, etcd_client::Error>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    let no_answer = || Error::Unavailable(format!("etcd: {what}: no answer within {} ms", timeout.as_millis()));
+    let mut pause = Duration::from_millis(10);
+    loop {
+        match tokio::time::timeout_at(deadline, attempt()).await {
+            Ok(Ok(r)) => return Ok(r),
+            Ok(Err(e)) if never_applied(&e) => {
+                if tokio::time::Instant::now() + pause >= deadline {
+                    return Err(unavailable(what, e));
+                }
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_millis(100));
+            }
+            Ok(Err(e)) => return Err(unavailable(what, e)),
+            Err(_) => return Err(no_answer()),
+        }
+    }
+}
+
 /// A revision as a number (revisions are positive).
 fn rev_u64(rev: i64) -> u64 {
     u64::try_from(rev).unwrap_or(0)
@@ -244,10 +282,10 @@ impl Cluster {
     pub async fn start(s: Start) -> Result<Arc<Cluster>, Error> {
         let client = connect(&s.cfg).await?;
         let floor = Arc::new(floor::Floor::open(&s.data_dir)?);
+        crate::fault::announce();
         if crate::fault::enabled(crate::fault::Fault::NoSelfFencing) {
             // Nemesis self-test only (debug builds, src/fault.rs): mutations
             // are admitted whatever the membership and the watch say.
-            crate::fault::announce();
         } else {
             s.fences.gate_on_currency();
         }
@@ -312,6 +350,15 @@ impl Cluster {
         self.membership.lock().unwrap_or_else(std::sync::PoisonError::into_inner).lease = lease;
     }
 
+    /// Revokes an etcd lease (ending every key on it).
+    async fn revoke(&self, lease: i64) -> Result<etcd_client::LeaseRevokeResponse, Error> {
+        call(self.timeout, "revoking", || {
+            let mut leases = self.client.lease_client();
+            async move { leases.revoke(lease).await }
+        })
+        .await
+    }
+
     fn feed_is_ok(&self) -> bool {
         self.feed_ok.load(Ordering::Acquire)
     }
@@ -320,15 +367,13 @@ impl Cluster {
     /// for it) and ends its membership. Called once nothing is in flight.
     pub async fn leave(&self) {
         let Some(lease) = self.member_lease() else { return };
-        let mut kv = self.client.kv_client();
-        let put = kv.put(
-            self.keys.member(&self.gateway_id),
-            "drained",
-            Some(etcd_client::PutOptions::new().with_lease(lease)),
-        );
-        let _ = tokio::time::timeout(self.timeout, put).await;
-        let mut leases = self.client.lease_client();
-        let _ = tokio::time::timeout(self.timeout, leases.revoke(lease)).await;
+        let key = self.keys.member(&self.gateway_id);
+        let _ = call(self.timeout, "leaving", || {
+            let (mut kv, key) = (self.client.kv_client(), key.clone());
+            async move { kv.put(key, "drained", Some(etcd_client::PutOptions::new().with_lease(lease))).await }
+        })
+        .await;
+        let _ = self.revoke(lease).await;
         self.set_member_lease(None);
         tracing::info!(gateway = %self.gateway_id, "left the cluster");
     }

@@ -41,6 +41,8 @@ pub struct Opts {
     /// one-CPU container would: the gateway then runs a current-thread
     /// runtime.
     pub one_cpu: Option<u32>,
+    /// Extra environment of the child (e.g. a debug-build fault, src/fault.rs).
+    pub env: Vec<(&'static str, String)>,
 }
 
 impl Gateway {
@@ -100,6 +102,9 @@ impl Gateway {
         }
         let logfile = std::fs::File::create(&log).unwrap();
         cmd.stdout(Stdio::null()).stderr(logfile).env("RUST_LOG", "info");
+        for (k, v) in &opts.env {
+            cmd.env(k, v);
+        }
         let child = cmd.spawn().expect("spawning fencegate");
         Gateway { child, proxy, api, data_dir: data_dir.to_path_buf(), log }
     }
