@@ -8,7 +8,7 @@ use std::sync::Arc;
 use criterion::{criterion_group, criterion_main, Criterion};
 use fencegate::authority::{AcquireRequest, Authority, ReleaseRequest};
 use fencegate::config::LocksConfig;
-use fencegate::fence::{token::parse_one, Admission, CheckPolicy, FenceTable};
+use fencegate::fence::{token::parse_one, Admission, CheckPolicy, FenceTable, GrantLiveness};
 use fencegate::http1::wire::{parse_head, parse_response, Head, Parsed, RespHead, RespParsed};
 use fencegate::metrics::Metrics;
 use fencegate::proxy::path::check_path;
@@ -35,7 +35,12 @@ fn hot_paths(c: &mut Criterion) {
     for i in 0..100_000u64 {
         table.load(&format!("orders/{i}"), 5);
     }
-    table.set_live("orders/777", 5, true);
+    // Strict admission asks the authority whether the grant is live (a map
+    // lookup there, as here).
+    let live = Arc::new(LiveGrants(dashmap::DashMap::new()));
+    live.0.insert("orders/777".to_string(), 5);
+    let weak: std::sync::Weak<dyn GrantLiveness> = Arc::downgrade(&live) as std::sync::Weak<dyn GrantLiveness>;
+    table.derive_liveness_from(weak);
     let policy = CheckPolicy::embedded(true);
     c.bench_function("fence_check_and_register", |b| {
         b.iter(|| match table.admit("orders/777", 5, policy) {
@@ -81,3 +86,12 @@ fn fast_path_heads(c: &mut Criterion) {
 
 criterion_group!(benches, hot_paths, fast_path_heads);
 criterion_main!(benches);
+
+/// Stands in for the authority: which grant of each key is live.
+struct LiveGrants(dashmap::DashMap<String, u64>);
+
+impl GrantLiveness for LiveGrants {
+    fn is_live(&self, key: &str, token: u64) -> bool {
+        self.0.get(key).is_some_and(|t| *t == token)
+    }
+}

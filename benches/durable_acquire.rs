@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use fencegate::authority::{AcquireRequest, Authority, ReleaseRequest};
 use fencegate::config::LocksConfig;
-use fencegate::fence::{Admission, CheckPolicy, FenceTable};
+use fencegate::fence::{Admission, CheckPolicy, FenceTable, GrantLiveness};
 use fencegate::metrics::Metrics;
 use fencegate::store::{wait_durable, Store, SyncObserver, WriterOptions};
 
@@ -94,10 +94,15 @@ fn sequenced(c: &mut Criterion) {
     let noop: SyncObserver = Arc::new(|_, _| {});
     let store = Store::open(dir.path(), WriterOptions { group_commit: true, max_batch: 1024, nice: 10 }, noop).unwrap();
     let table = FenceTable::new();
+    // Strict admission asks the authority whether the grant is live (a map
+    // lookup there, as here).
+    let live = Arc::new(LiveGrants(dashmap::DashMap::new()));
+    let weak: std::sync::Weak<dyn GrantLiveness> = Arc::downgrade(&live) as std::sync::Weak<dyn GrantLiveness>;
+    table.derive_liveness_from(weak);
     for c in 0..64 {
         let key = format!("bench/{c}");
         table.load(&key, 5);
-        table.set_live(&key, 5, true);
+        live.0.insert(key, 5);
     }
     let next = Arc::new(std::sync::atomic::AtomicU64::new(1));
     for sequenced in [false, true] {
@@ -131,3 +136,12 @@ fn sequenced(c: &mut Criterion) {
 
 criterion_group!(benches, durable, sequenced);
 criterion_main!(benches);
+
+/// Stands in for the authority: which grant of each key is live.
+struct LiveGrants(dashmap::DashMap<String, u64>);
+
+impl GrantLiveness for LiveGrants {
+    fn is_live(&self, key: &str, token: u64) -> bool {
+        self.0.get(key).is_some_and(|t| *t == token)
+    }
+}

@@ -121,8 +121,11 @@ impl Setup {
     async fn wait_current(&self, i: usize, limit: Duration) -> Duration {
         let started = Instant::now();
         loop {
-            let r = self.put(i, "/probe/current", u64::MAX).await;
-            if r.status != StatusCode::SERVICE_UNAVAILABLE {
+            // A pooled connection the gateway closed meanwhile (it was
+            // paused past its idle timeout) fails the send: asked again.
+            let probe = self.gws[i].proxy_url("/probe/current");
+            let sent = self.http.try_send(Method::PUT, &probe, &[("x-fencing-token", &u64::MAX.to_string())], "").await;
+            if sent.is_ok_and(|r| r.status != StatusCode::SERVICE_UNAVAILABLE) {
                 return started.elapsed();
             }
             assert!(started.elapsed() < limit, "gateway {i} not current after {limit:?}: {}", self.gws[i].log_text());

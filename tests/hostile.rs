@@ -432,7 +432,10 @@ async fn half_closed_requests_and_broken_chunked_bodies() {
             assert_eq!(complete(), before + 1);
         } else {
             // A hang-up: dropped before or after its exchange began, as any
-            // client that goes away (never applied twice).
+            // client that goes away (never applied twice). An exchange that
+            // began may still reach the upstream after the client saw the
+            // close: its fate settles before the next count is taken.
+            tokio::time::sleep(Duration::from_millis(1000)).await;
             assert!(complete() <= before + 1);
         }
         let before = complete();

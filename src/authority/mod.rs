@@ -204,6 +204,17 @@ pub struct Authority {
     next_waiter: AtomicU64,
 }
 
+impl crate::fence::GrantLiveness for Authority {
+    /// Live: `key`'s grant has `token` and its deadline has not passed —
+    /// whether or not the expiry task has reached it yet.
+    fn is_live(&self, key: &str, token: u64) -> bool {
+        let now_ms = self.now_ms();
+        self.keys
+            .get(key)
+            .is_some_and(|st| st.grant.as_ref().is_some_and(|g| g.token == token && g.deadline_ms > now_ms))
+    }
+}
+
 impl std::fmt::Debug for Authority {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Authority").field("keys", &self.keys.len()).finish()
@@ -241,6 +252,10 @@ impl Authority {
             expiry_wake: Notify::new(),
             next_waiter: AtomicU64::new(1),
         });
+        // Strict routes ask this authority whether a grant is live.
+        let liveness: std::sync::Weak<dyn crate::fence::GrantLiveness> =
+            Arc::downgrade(&auth) as std::sync::Weak<dyn crate::fence::GrantLiveness>;
+        auth.fences.derive_liveness_from(liveness);
         let now = auth.deadline_base();
         for (key, rec) in auth.store.grants()? {
             let Some(lease_id) = LeaseId::parse(&rec.lease_id) else {
@@ -251,7 +266,7 @@ impl Authority {
             };
             // Live again if its token is still the fence (else a newer
             // fence superseded it); one copy of the key for both maps.
-            let Some(key) = auth.fences.restore_live(&key, rec.token) else {
+            let Some(key) = auth.fences.restore_grant(&key, rec.token) else {
                 continue;
             };
             let mut st = new_state();
@@ -607,7 +622,6 @@ impl Authority {
     fn end_locked(&self, key: &Arc<str>, st: &mut KeyState, why: Ended) {
         let Some(grant) = st.grant.take() else { return };
         let was_published = grant.durable;
-        self.fences.set_live(key, grant.token, false);
         self.metrics.leases_active.dec();
         let held_ms = self.now_ms().saturating_sub(grant.granted_ms);
         self.metrics.lease_holds.observe(Duration::from_millis(held_ms).as_secs_f64());

@@ -6,7 +6,7 @@ use std::time::Duration;
 use tokio::time::{advance, sleep, Instant};
 
 use super::*;
-use crate::fence::{Admission, CheckPolicy};
+use crate::fence::{Admission, CheckPolicy, Refusal};
 use crate::shutdown;
 
 struct Rig {
@@ -572,4 +572,35 @@ async fn time_left_is_never_above_the_ttl_mid_millisecond() {
         assert!(left >= 499, "{micros} µs: {left}");
         r.auth.release(ReleaseRequest { key, lease_id: g.lease_id }).unwrap();
     }
+}
+
+/// A strict route refuses a token whose grant's deadline has passed, at
+/// once, although nothing has ended the grant yet (here no expiry task runs
+/// at all; under a mass expiry the task can be seconds behind): liveness is
+/// the authority's deadline, asked at admission, not a copy in the fence
+/// table that the expiry task clears when it gets there.
+#[tokio::test(start_paused = true)]
+async fn a_strict_route_refuses_a_grant_past_its_deadline_before_the_expiry_task_ends_it() {
+    let metrics = Arc::new(Metrics::new().unwrap());
+    let fences = FenceTable::new();
+    let auth = Authority::restore(fences.clone(), Store::memory(), metrics.clone(), LocksConfig::default()).unwrap();
+    let g = auth.acquire(acq("k", 1000, 0)).await.unwrap();
+    let strict = CheckPolicy::embedded(true);
+    assert!(matches!(fences.admit("k", g.fencing_token, strict), Ok(Admission::Admitted(_))));
+    advance(Duration::from_millis(999)).await;
+    assert!(matches!(fences.admit("k", g.fencing_token, strict), Ok(Admission::Admitted(_))), "live until its TTL");
+    advance(Duration::from_millis(1)).await;
+    assert!(matches!(fences.admit("k", g.fencing_token, strict), Err(Refusal::LeaseExpired { .. })));
+    assert_eq!(metrics.leases_active.get(), 1, "the grant was not ended (no expiry task ran)");
+    // A non-strict route still admits the fence's own token.
+    assert!(matches!(fences.admit("k", g.fencing_token, CheckPolicy::embedded(false)), Ok(Admission::Admitted(_))));
+    // A renewal before the deadline keeps it live past the first deadline.
+    let h = auth.acquire(acq("r", 1000, 0)).await.unwrap();
+    advance(Duration::from_millis(900)).await;
+    auth.renew(RenewRequest { key: "r".into(), lease_id: h.lease_id.clone(), ttl_ms: None }).unwrap();
+    advance(Duration::from_millis(500)).await;
+    assert!(matches!(fences.admit("r", h.fencing_token, strict), Ok(Admission::Admitted(_))));
+    // A release ends it at once.
+    auth.release(ReleaseRequest { key: "r".into(), lease_id: h.lease_id }).unwrap();
+    assert!(matches!(fences.admit("r", h.fencing_token, strict), Err(Refusal::LeaseExpired { .. })));
 }

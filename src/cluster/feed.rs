@@ -57,18 +57,13 @@ impl Cluster {
             }
         }
         self.floor.observe_cluster(cluster_id, revision);
-        let old_grants: Vec<(String, u64)> = {
+        {
             let mut m = self.lock_mirror();
-            let old = m.grants.iter().map(|(k, g)| (k.clone(), g.token)).collect();
             // Departures already seen keep their quarantine; the load
-            // itself starts one for whoever left unseen.
+            // itself starts one for whoever left unseen. Grants that ended
+            // while the watch was down are gone with the old mirror.
             let departed = std::mem::take(&mut m.departed);
             *m = super::mirror::Mirror { departed, loaded_at: Some(tokio::time::Instant::now()), ..Default::default() };
-            old
-        };
-        for (key, token) in old_grants {
-            // Ended while the watch was down (a fresh grant comes back below).
-            self.fences.set_live(&key, token, false);
         }
         let kvs = &kvs;
         // The offset first: fences and grants are read with it.
@@ -114,7 +109,6 @@ impl Cluster {
                 let token = token_of(value.o, kv.create_revision(), value.i);
                 let entry = GrantEntry { token, lease: kv.lease(), value };
                 self.lock_mirror().grants.insert(key.to_string(), entry);
-                self.fences.set_live(key, token, true);
             }
             Kind::Fence(key) => {
                 // `offset/slot` (a batched grant) or `offset` (one grant per
@@ -124,8 +118,7 @@ impl Cluster {
                 let offset = o.parse::<u64>().unwrap_or(0);
                 let slot = slot.map(|i| i.parse::<u64>().unwrap_or(0));
                 let token = token_of(offset, kv.mod_revision(), slot);
-                let live = self.lock_mirror().grants.get(key).is_some_and(|g| g.token == token);
-                if let Err(e) = self.fences.install(key, token, live) {
+                if let Err(e) = self.fences.install(key, token) {
                     // A fence that cannot be installed must not be acknowledged.
                     tracing::error!(key, token, error = %e, "cannot install a fence; this gateway stops admitting");
                     self.fences.set_not_current("a fence from etcd could not be installed (fence quota)");
@@ -156,10 +149,7 @@ impl Cluster {
     fn apply_delete(&self, raw: &[u8]) {
         match self.keys.kind(raw) {
             Kind::Grant(key) => {
-                let ended = self.lock_mirror().grants.remove(key);
-                if let Some(g) = ended {
-                    self.fences.set_live(key, g.token, false);
-                }
+                self.lock_mirror().grants.remove(key);
             }
             Kind::Queue(_) => self.lock_mirror().remove_waiter(raw),
             Kind::Member(gw) => {

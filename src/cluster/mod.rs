@@ -218,6 +218,14 @@ struct Membership {
     lease: Option<i64>,
 }
 
+impl crate::fence::GrantLiveness for Cluster {
+    /// Live: this gateway's mirror of etcd holds `key`'s grant with `token`
+    /// (a grant ends in etcd with its lease, and the watch deletes it here).
+    fn is_live(&self, key: &str, token: u64) -> bool {
+        self.lock_mirror().grants.get(key).is_some_and(|g| g.token == token)
+    }
+}
+
 /// The cluster-mode authority of one gateway.
 pub struct Cluster {
     client: Client,
@@ -283,10 +291,10 @@ impl Cluster {
         let client = connect(&s.cfg).await?;
         let floor = Arc::new(floor::Floor::open(&s.data_dir)?);
         crate::fault::announce();
-        if crate::fault::enabled(crate::fault::Fault::NoSelfFencing) {
-            // Nemesis self-test only (debug builds, src/fault.rs): mutations
-            // are admitted whatever the membership and the watch say.
-        } else {
+        // The fault `no-self-fencing` (nemesis self-test only, debug builds,
+        // src/fault.rs) admits mutations whatever the membership and the
+        // watch say.
+        if !crate::fault::enabled(crate::fault::Fault::NoSelfFencing) {
             s.fences.gate_on_currency();
         }
         s.fences.set_not_current("the gateway has not joined its cluster yet");
@@ -315,6 +323,10 @@ impl Cluster {
             batches,
             stop: s.stop,
         });
+        // Strict routes ask the mirror whether a grant is live.
+        let liveness: std::sync::Weak<dyn crate::fence::GrantLiveness> =
+            Arc::downgrade(&cluster) as std::sync::Weak<dyn crate::fence::GrantLiveness>;
+        cluster.fences.derive_liveness_from(liveness);
         // The first load is part of the start: an unreachable etcd fails it
         // loudly instead of serving nothing.
         cluster.wait_for_id_free().await?;

@@ -1,5 +1,6 @@
-//! The in-memory fence table: per key, the fence, whether the grant behind
-//! it is live, and the mutations in flight under each token.
+//! The in-memory fence table: per key, the fence and the mutations in
+//! flight under each token. Whether the grant behind a fence is live is
+//! asked of the authority that issued it ([`GrantLiveness`]), not copied.
 //!
 //! Every operation takes the key's shard lock for a few instructions and
 //! never across an `.await`. The compare and the registration of a request
@@ -10,7 +11,7 @@
 //! refused.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use dashmap::DashMap;
@@ -18,6 +19,7 @@ use futures_util::task::AtomicWaker;
 use tokio::sync::{oneshot, Notify};
 use tokio::time::Instant;
 
+use super::GrantLiveness;
 use crate::error::Error;
 use crate::store::{FenceRecord, Op, Store};
 
@@ -160,8 +162,6 @@ impl Rare {
     }
 }
 
-/// `Slot::state`: whether the grant behind the fence is live.
-const LIVE: u64 = 1 << 63;
 /// `Slot::state`: the fence was set by an external authority's token: no
 /// grant of this gateway stands behind it, so embedded routes never admit it.
 const EXTERNAL: u64 = 1 << 62;
@@ -178,20 +178,12 @@ struct Slot {
     /// a token above it (a crash would bring back the older fence, and the
     /// token could be issued again).
     durable: u64,
-    /// [`LIVE`], [`EXTERNAL`] and [`MOVED_MS`] in one word.
+    /// [`EXTERNAL`] and [`MOVED_MS`] in one word.
     state: u64,
     rare: Option<Box<Rare>>,
 }
 
 impl Slot {
-    fn live(&self) -> bool {
-        self.state & LIVE != 0
-    }
-
-    fn set_live(&mut self, live: bool) {
-        self.state = if live { self.state | LIVE } else { self.state & !LIVE };
-    }
-
     fn external(&self) -> bool {
         self.state & EXTERNAL != 0
     }
@@ -231,9 +223,8 @@ impl Slot {
     }
 
     /// Raises the fence and aborts older uploads still streaming.
-    fn raise(&mut self, token: u64, live: bool) {
+    fn raise(&mut self, token: u64) {
         self.fence = token;
-        self.set_live(live);
         self.set_last_sequence(None);
         self.state = (self.state & !MOVED_MS) | (clock_ms() & MOVED_MS);
         for e in self.entries().iter().filter(|e| e.token < token) {
@@ -304,7 +295,7 @@ pub struct BarrierOutcome {
     pub overrun: bool,
 }
 
-/// Per key: the fence, its liveness and the in-flight mutations.
+/// Per key: the fence and the in-flight mutations.
 pub struct FenceTable {
     /// Boxed: at the map's usual load (a half to seven eighths of its
     /// buckets full) an 8-byte bucket value wastes less than a 48-byte one.
@@ -330,6 +321,10 @@ pub struct FenceTable {
     /// prove its fences are current ([`Currency`]). Off in single-node mode,
     /// where the check costs one relaxed load.
     currency: Currency,
+    /// Who answers whether a grant is live (strict routes): the authority
+    /// over this table, set once when it is made. Weak: the authority
+    /// owns the table. Unset or gone: no grant is live (fail closed).
+    liveness: std::sync::OnceLock<Weak<dyn GrantLiveness>>,
 }
 
 /// Whether this gateway's view of the fences may be trusted (cluster mode):
@@ -408,6 +403,7 @@ impl FenceTable {
             fence_count: AtomicUsize::new(0),
             max_fences: AtomicUsize::new(usize::MAX),
             currency: Currency::new(),
+            liveness: std::sync::OnceLock::new(),
         }
     }
 
@@ -448,18 +444,27 @@ impl FenceTable {
         }
     }
 
+    /// The authority that answers whether a grant is live (set once; a
+    /// second call is ignored).
+    pub fn derive_liveness_from(&self, source: Weak<dyn GrantLiveness>) {
+        let _ = self.liveness.set(source);
+    }
+
+    /// Whether the grant behind `token` is live, as its authority says.
+    fn grant_is_live(&self, key: &str, token: u64) -> bool {
+        self.liveness.get().and_then(Weak::upgrade).is_some_and(|source| source.is_live(key, token))
+    }
+
     /// Cluster mode: installs a fence the shared authority issued (read
     /// from etcd, so durable). Raises the fence if `token` is above it
-    /// (aborting older uploads still streaming) and marks the grant behind
-    /// it live or ended. A fence never moves down: after an etcd restore a
-    /// lower stored fence is ignored. Refused only by the fence quota.
-    pub fn install(&self, key: &str, token: u64, live: bool) -> Result<(), Error> {
+    /// (aborting older uploads still streaming). A fence never moves down:
+    /// after an etcd restore a lower stored fence is ignored. Refused only
+    /// by the fence quota.
+    pub fn install(&self, key: &str, token: u64) -> Result<(), Error> {
         let mut slot = self.slot_or_new(key, None).map_err(|limit| Error::FenceQuota { scope: "gateway", limit })?;
         if token > slot.fence {
-            slot.raise(token, live);
+            slot.raise(token);
             slot.set_external(false);
-        } else if token == slot.fence {
-            slot.set_live(live);
         }
         if slot.fence > slot.durable {
             slot.durable = slot.fence;
@@ -533,16 +538,12 @@ impl FenceTable {
         }
     }
 
-    /// Start-up: a stored grant of `token` on `key` comes back live if
-    /// `token` is still the key's fence; its copy of the key is returned
-    /// (for the authority's map to share). `None`: the grant was superseded.
-    pub fn restore_live(&self, key: &str, token: u64) -> Option<Arc<str>> {
-        let mut slot = self.slots.get_mut(key)?;
-        if slot.fence != token {
-            return None;
-        }
-        slot.set_live(true);
-        Some(slot.key().clone())
+    /// Start-up: a stored grant of `token` on `key` comes back if `token`
+    /// is still the key's fence; its copy of the key is returned (for the
+    /// authority's map to share). `None`: the grant was superseded.
+    pub fn restore_grant(&self, key: &str, token: u64) -> Option<Arc<str>> {
+        let slot = self.slots.get(key)?;
+        (slot.fence == token).then(|| slot.key().clone())
     }
 
     /// The table's own copy of `key`, if it has a slot: a map that keeps
@@ -621,20 +622,15 @@ impl FenceTable {
         }
     }
 
-    /// Marks the grant behind `token` live or ended. Ignored when the fence
-    /// has moved past `token` already.
-    pub fn set_live(&self, key: &str, token: u64, live: bool) {
-        if let Some(mut slot) = self.slots.get_mut(key) {
-            if slot.fence == token {
-                slot.set_live(live);
-            }
-        }
-    }
-
     /// The fence check of docs/proxy.md and, when it passes, the registration of
     /// the request as in flight — one atomic step per key.
     pub fn admit(self: &Arc<Self>, key: &str, token: u64, policy: CheckPolicy) -> Result<Admission, Refusal> {
         self.currency.check()?;
+        // Asked before the slot is locked: the authority takes its own lock
+        // and, when it grants, takes this table's (never the other way
+        // round). A grant that ends between this answer and the admission
+        // is no different from one that ends just after it.
+        let live = !policy.strict || policy.external || self.grant_is_live(key, token);
         let Some(mut slot) = self.slots.get_mut(key) else {
             // Never fenced: fence 0. Nothing was ever issued for this key.
             if policy.external && token > 0 {
@@ -668,7 +664,7 @@ impl FenceTable {
             }
             return Err(Refusal::Unissued { token, fence: slot.durable });
         }
-        if policy.strict && !policy.external && !slot.live() {
+        if !live {
             return Err(Refusal::LeaseExpired { token });
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
@@ -781,7 +777,7 @@ impl FenceTable {
             // route on the same key refuses it (lease_expired), and the
             // embedded sequence moves past it, so no grant of another key
             // is ever issued this number.
-            slot.raise(token, false);
+            slot.raise(token);
             slot.set_external(true);
             self.next_token.fetch_max(token.saturating_add(1), Ordering::AcqRel);
         }
@@ -803,7 +799,7 @@ impl FenceTable {
     }
 
     /// Embedded authority: issues the next token of the one sequence (above
-    /// `key`'s fence), installs it as the fence (live), aborts older uploads
+    /// `key`'s fence), installs it as the fence, aborts older uploads
     /// still streaming, and submits `ops(token)` to the store under the
     /// slot lock. Tokens are unique across keys, so `token == fence` proves
     /// a token was issued for this key.
@@ -836,7 +832,7 @@ impl FenceTable {
     ) -> Result<(u64, oneshot::Receiver<Result<(), Error>>), Error> {
         let mut slot = self.slot_or_new(key, shared).map_err(|limit| Error::FenceQuota { scope: "gateway", limit })?;
         let token = self.take_token(slot.fence).ok_or_else(|| Error::Internal("token space exhausted".into()))?;
-        slot.raise(token, true);
+        slot.raise(token);
         slot.set_external(false);
         let durable = store.submit(ops(slot.key(), token));
         Ok((token, durable))
@@ -1001,10 +997,45 @@ mod tests {
     const LAX: CheckPolicy = CheckPolicy::embedded(false);
     const EXT: CheckPolicy = CheckPolicy { strict: true, external: true, max_step: 1000 };
 
-    fn table_with(key: &str, fence: u64, live: bool) -> Arc<FenceTable> {
+    /// The grants an authority would report live, per table (a test's
+    /// stand-in for the authority; kept for the whole test run).
+    #[derive(Default)]
+    struct TestGrants(std::sync::Mutex<std::collections::HashMap<String, u64>>);
+
+    impl GrantLiveness for TestGrants {
+        fn is_live(&self, key: &str, token: u64) -> bool {
+            self.0.lock().unwrap().get(key) == Some(&token)
+        }
+    }
+
+    type Sources = std::sync::Mutex<std::collections::HashMap<usize, Arc<TestGrants>>>;
+    static SOURCES: std::sync::LazyLock<Sources> = std::sync::LazyLock::new(Sources::default);
+
+    /// A table whose strict checks ask a [`TestGrants`] of its own.
+    fn new_table() -> Arc<FenceTable> {
         let t = FenceTable::new();
+        let grants = Arc::new(TestGrants::default());
+        let weak: Weak<dyn GrantLiveness> = Arc::downgrade(&grants) as Weak<dyn GrantLiveness>;
+        t.derive_liveness_from(weak);
+        SOURCES.lock().unwrap().insert(Arc::as_ptr(&t) as usize, grants);
+        t
+    }
+
+    /// What the authority would say: `key`'s grant of `token` is live or not.
+    fn set_live(t: &Arc<FenceTable>, key: &str, token: u64, live: bool) {
+        let grants = SOURCES.lock().unwrap().get(&(Arc::as_ptr(t) as usize)).cloned().unwrap();
+        let mut g = grants.0.lock().unwrap();
+        if live {
+            g.insert(key.to_string(), token);
+        } else if g.get(key) == Some(&token) {
+            g.remove(key);
+        }
+    }
+
+    fn table_with(key: &str, fence: u64, live: bool) -> Arc<FenceTable> {
+        let t = new_table();
         t.load(key, fence);
-        t.set_live(key, fence, live);
+        set_live(&t, key, fence, live);
         t
     }
 
@@ -1012,7 +1043,7 @@ mod tests {
     fn several_keys_are_admitted_all_or_none() {
         let t = table_with("a", 5, true);
         t.load("b", 7);
-        t.set_live("b", 7, true);
+        set_live(&t, "b", 7, true);
         let Ok(all) = t.admit_all(&[("b", 7), ("a", 5), ("b", 7)], STRICT) else { panic!() };
         assert_eq!(all.len(), 2, "a key named twice is registered once");
         assert_eq!((t.inflight("a"), t.inflight("b")), (1, 1));
@@ -1055,18 +1086,20 @@ mod tests {
     }
 
     #[test]
-    fn installed_fences_only_rise_and_carry_liveness() {
-        let t = FenceTable::new();
-        t.install("k", 10, true).unwrap();
+    fn installed_fences_only_rise_and_liveness_is_the_authoritys() {
+        let t = new_table();
+        t.install("k", 10).unwrap();
+        set_live(&t, "k", 10, true);
         assert_eq!((t.fence("k"), t.durable_fence("k")), (10, 10));
         assert!(matches!(t.admit("k", 10, STRICT), Ok(Admission::Admitted(_))));
         let Ok(Admission::Admitted(old)) = t.admit("k", 10, STRICT) else { panic!() };
-        t.install("k", 7, true).unwrap();
+        t.install("k", 7).unwrap();
         assert_eq!(t.fence("k"), 10, "a restored lower fence is ignored");
-        t.install("k", 12, false).unwrap();
+        t.install("k", 12).unwrap();
         assert!(old.ctl().is_aborted(), "a newer fence aborts older uploads");
         assert!(matches!(t.admit("k", 12, STRICT), Err(Refusal::LeaseExpired { .. })));
-        t.install("k", 12, true).unwrap();
+        set_live(&t, "k", 12, true);
+        assert!(matches!(t.admit("k", 12, STRICT), Ok(Admission::Admitted(_))));
         assert!(matches!(t.admit("k", 12, STRICT), Ok(Admission::Admitted(_))));
         assert!(matches!(t.admit("k", 10, STRICT), Err(Refusal::Stale { .. })));
     }
@@ -1120,14 +1153,12 @@ mod tests {
         let mut s = Slot::default();
         assert_eq!(s.superseded_for(), Duration::ZERO, "never moved");
         s.set_external(true);
-        s.raise(3, true);
-        assert!(s.live() && s.external());
+        s.raise(3);
+        assert!(s.external());
         assert_ne!(s.state & MOVED_MS, 0);
         assert!(s.superseded_for() < Duration::from_secs(5));
-        s.set_live(false);
-        assert!(!s.live() && s.external());
         s.set_external(false);
-        assert!(!s.live() && !s.external());
+        assert!(!s.external());
         assert_ne!(s.state & MOVED_MS, 0, "the time survives the flags");
         // A sequence lives in the rare part, which goes when nothing is in it.
         assert!(s.rare.is_none());
@@ -1155,7 +1186,7 @@ mod tests {
     #[test]
     fn the_authority_and_the_table_share_one_copy_of_a_key() {
         let store = Store::memory();
-        let t = FenceTable::new();
+        let t = new_table();
         let key: Arc<str> = Arc::from("shared");
         t.issue_shared(&key, &store, |k, token| vec![Op::Fence { key: k.clone(), token }]).unwrap();
         assert!(Arc::ptr_eq(&t.shared_key("shared").unwrap(), &key));
@@ -1171,7 +1202,7 @@ mod tests {
         let t = table_with("k", 5, true);
         let Ok(Admission::Admitted(old)) = t.admit("k", 5, STRICT) else { panic!() };
         // A newer fence: the barrier for 6 must wait for the token-5 mutation.
-        t.slots.get_mut("k").unwrap().raise(6, true);
+        t.slots.get_mut("k").unwrap().raise(6);
         let t2 = t.clone();
         let waiter = tokio::spawn(async move { t2.barrier("k", 6, Duration::from_secs(10)).await });
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -1196,7 +1227,7 @@ mod tests {
         let Ok(Admission::Admitted(streaming)) = t.admit("k", 5, STRICT) else { panic!() };
         let Ok(Admission::Admitted(sent)) = t.admit("k", 5, STRICT) else { panic!() };
         sent.ctl().mark_body_done();
-        t.slots.get_mut("k").unwrap().raise(6, true);
+        t.slots.get_mut("k").unwrap().raise(6);
         assert!(streaming.ctl().is_aborted());
         assert!(!sent.ctl().is_aborted());
     }
@@ -1255,7 +1286,7 @@ mod tests {
     async fn wait_idle_waits_for_every_key_and_gives_up_at_its_bound() {
         let t = table_with("a", 5, true);
         t.load("b", 7);
-        t.set_live("b", 7, true);
+        set_live(&t, "b", 7, true);
         let Ok(Admission::Admitted(ga)) = t.admit("a", 5, STRICT) else { panic!() };
         let Ok(Admission::Admitted(gb)) = t.admit("b", 7, STRICT) else { panic!() };
         assert_eq!(t.inflight_total(), 2);
@@ -1283,7 +1314,7 @@ mod tests {
     #[test]
     fn tokens_are_one_sequence_across_keys_and_above_every_fence() {
         let store = Store::memory();
-        let t = FenceTable::new();
+        let t = new_table();
         t.load("a", 3);
         t.load("b", 7);
         let issue = |key: &str| t.issue(key, &store, |k, token| vec![Op::Fence { key: k.clone(), token }]).unwrap().0;
@@ -1299,11 +1330,12 @@ mod tests {
     #[test]
     fn a_live_token_of_one_key_is_never_admitted_on_another() {
         let store = Store::memory();
-        let t = FenceTable::new();
+        let t = new_table();
         let mut tokens = Vec::new();
         for key in ["bkt", "bkt/obj1", "bkt/obj2"] {
             let (token, _rx) = t.issue(key, &store, |k, token| vec![Op::Fence { key: k.clone(), token }]).unwrap();
             t.mark_durable(key, token);
+            set_live(&t, key, token, true);
             tokens.push((key, token));
         }
         for (key, _) in &tokens {
@@ -1317,7 +1349,7 @@ mod tests {
     #[test]
     fn concurrent_issues_never_share_a_token() {
         let store = Store::memory();
-        let t = FenceTable::new();
+        let t = new_table();
         t.load("x", 50);
         let seen = std::sync::Mutex::new(std::collections::HashSet::new());
         std::thread::scope(|s| {
@@ -1349,16 +1381,17 @@ mod tests {
         // A stale token is refused as stale, whatever its sequence.
         assert!(matches!(t.admit_sequenced("k", 4, 99, STRICT, &store), Err(Refusal::Stale { .. })));
         // A new token starts a new sequence.
-        t.slots.get_mut("k").unwrap().raise(6, true);
+        t.slots.get_mut("k").unwrap().raise(6);
+        set_live(&t, "k", 6, true);
         t.mark_durable("k", 6);
         assert!(matches!(t.admit_sequenced("k", 6, 0, STRICT, &store), Ok(Admission::AdmittedAfter(..))));
     }
 
     #[test]
     fn a_stored_sequence_comes_back_with_its_fence() {
-        let t = FenceTable::new();
+        let t = new_table();
         t.load_record("k", FenceRecord { token: 5, sequence: Some(7), external: false });
-        t.set_live("k", 5, true);
+        set_live(&t, "k", 5, true);
         let store = Store::memory();
         assert!(matches!(
             t.admit_sequenced("k", 5, 7, STRICT, &store),
@@ -1381,7 +1414,7 @@ mod tests {
     #[test]
     fn an_external_token_is_never_issued_again_nor_live_for_embedded_routes() {
         let store = Store::memory();
-        let t = FenceTable::new();
+        let t = new_table();
         let (_g, _rx) = t.advance("e", 3, None, EXT, &store).unwrap();
         t.mark_durable("e", 3);
         let issue = |key: &str| t.issue(key, &store, |k, token| vec![Op::Fence { key: k.clone(), token }]).unwrap().0;
@@ -1393,7 +1426,7 @@ mod tests {
     #[test]
     fn new_keys_beyond_max_fences_are_refused_and_known_ones_still_work() {
         let store = Store::memory();
-        let t = FenceTable::new();
+        let t = new_table();
         t.load("a", 3);
         t.set_max_fences(2);
         let issue = |key: &str| t.issue(key, &store, |k, token| vec![Op::Fence { key: k.clone(), token }]);
@@ -1456,7 +1489,7 @@ mod tests {
     #[test]
     fn an_external_fence_is_never_admitted_on_an_embedded_route_even_lax_or_after_restart() {
         let store = Store::memory();
-        let t = FenceTable::new();
+        let t = new_table();
         let (_g, _rx) = t.advance("mx", 5, None, EXT, &store).unwrap();
         t.mark_durable("mx", 5);
         assert!(matches!(t.admit("mx", 5, LAX), Err(Refusal::Unissued { token: 5, .. })));
