@@ -170,7 +170,10 @@ impl Cluster {
         {
             Ok(d) => d,
             Err(e) => {
-                let msg = e.to_string();
+                let msg = match e {
+                    Error::Unavailable(m) => m,
+                    other => other.to_string(),
+                };
                 for (_, reply) in live {
                     let _ = reply.send(Err(Error::Unavailable(msg.clone())));
                 }

@@ -44,28 +44,60 @@ fn millis(d: Duration) -> u64 {
 /// however the acquire ends, including a client that hung up.
 struct Cleanup {
     cluster: Arc<Cluster>,
-    queue_key: Option<String>,
+    /// The waiter entry and the membership lease it is put on: recorded
+    /// before the put is sent, since a put that timed out may still have
+    /// been applied.
+    queue: Option<(String, i64)>,
     lease: Option<i64>,
 }
 
+/// How long a cleanup keeps trying (with backoff) while etcd does not answer.
+const CLEANUP_FOR: Duration = Duration::from_secs(600);
+
 impl Drop for Cleanup {
     fn drop(&mut self) {
-        let (queue_key, lease) = (self.queue_key.take(), self.lease.take());
-        if queue_key.is_none() && lease.is_none() {
+        let (queue, lease) = (self.queue.take(), self.lease.take());
+        if queue.is_none() && lease.is_none() {
             return;
         }
         let c = self.cluster.clone();
         tokio::spawn(async move {
-            if let Some(q) = queue_key {
-                let _ = call(c.timeout, "leaving the queue", || {
-                    let (mut kv, q) = (c.client.kv_client(), q.clone());
-                    async move { kv.delete(q, None).await }
-                })
-                .await;
-            }
-            if let Some(l) = lease {
-                let _ = c.revoke(l).await;
-            }
+            let give_up = Instant::now() + CLEANUP_FOR;
+            // An entry left behind would be the oldest waiter of its key
+            // for as long as this gateway stays a member, and no grant of
+            // the key could pass it: tried until it is gone, or gone with
+            // the membership lease it lives on.
+            let leave_queue = async {
+                let Some((q, member)) = queue else { return };
+                let mut pause = Duration::from_millis(100);
+                while c.member_lease() == Some(member) && !c.stop.is_triggered() && Instant::now() < give_up {
+                    let deleted = call(c.timeout, "leaving the queue", || {
+                        let (mut kv, q) = (c.client.kv_client(), q.clone());
+                        async move { kv.delete(q, None).await }
+                    })
+                    .await;
+                    if deleted.is_ok() {
+                        return;
+                    }
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(2));
+                }
+            };
+            // An unanswered grant would hold its key for its whole TTL.
+            let end_grant = async {
+                let Some(l) = lease else { return };
+                let mut pause = Duration::from_millis(100);
+                while !c.stop.is_triggered() && Instant::now() < give_up {
+                    match c.revoke(l).await {
+                        Ok(_) => return,
+                        Err(e) if e.to_string().contains("not found") => return,
+                        Err(_) => {}
+                    }
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(2));
+                }
+            };
+            tokio::join!(leave_queue, end_grant);
         });
     }
 }
@@ -116,7 +148,7 @@ impl Cluster {
         let secret = sha256_hex(&lease_id);
         let ttl_s = i64::try_from(req.ttl_ms.div_ceil(1000)).unwrap_or(i64::MAX);
         let key = req.key.as_str();
-        let mut cleanup = Cleanup { cluster: self.clone(), queue_key: None, lease: None };
+        let mut cleanup = Cleanup { cluster: self.clone(), queue: None, lease: None };
         let mut mine: Option<i64> = None;
         let mut applied = self.applied.subscribe();
         let mut first = true;
@@ -124,7 +156,7 @@ impl Cluster {
             let may_try = first || self.lock_mirror().may_take(key, mine);
             first = false;
             if may_try {
-                let queued = cleanup.queue_key.as_deref().zip(mine);
+                let queued = cleanup.queue.as_ref().map(|(q, _)| q.as_str()).zip(mine);
                 if let Some(g) = self.try_grant(key, &holder, &secret, ttl_s, queued, &mut cleanup.lease).await? {
                     break (g.token, g.revision, g.granted_ms, g.lease, g.lease_sent);
                 }
@@ -133,9 +165,9 @@ impl Cluster {
                 return Err(self.locked(key));
             }
             if mine.is_none() {
-                let (qkey, rev) = self.enqueue(key).await?;
-                cleanup.queue_key = Some(qkey);
-                mine = Some(rev);
+                let (qkey, member) = self.new_waiter_entry(key)?;
+                cleanup.queue = Some((qkey.clone(), member));
+                mine = Some(self.enqueue(&qkey, member).await?);
                 continue;
             }
             if let Some(q) = mine {
@@ -152,7 +184,7 @@ impl Cluster {
             }
         };
         // The grant exists; it is this acquire's to lose until answered.
-        cleanup.queue_key = None;
+        cleanup.queue = None;
         // The client's TTL counts from the answer: the gateway keeps the
         // grant's lease alive while activation waits (ended on any return).
         let _keeper = self.keep_alive_while_activating(etcd_lease, granted_ms);
@@ -313,20 +345,25 @@ impl Cluster {
         Ok(Some(Granted { token, revision: rev, granted_ms, lease, lease_sent }))
     }
 
-    /// Queues a waiter for `key` on this gateway's membership lease.
-    async fn enqueue(&self, key: &str) -> Result<(String, i64), Error> {
+    /// A new waiter entry's key for `key`, and the membership lease it
+    /// goes on.
+    fn new_waiter_entry(&self, key: &str) -> Result<(String, i64), Error> {
         let Some(member) = self.member_lease() else {
             return Err(Error::Unavailable("this gateway has not joined its cluster; retry".into()));
         };
         let id = new_lease_id()?;
-        let qkey = format!("{}{}-{}", self.keys.queue_prefix(key), self.gateway_id, &id[..16]);
+        Ok((format!("{}{}-{}", self.keys.queue_prefix(key), self.gateway_id, &id[..16]), member))
+    }
+
+    /// Puts the waiter entry `qkey` on the membership lease `member`;
+    /// returns its create revision (its place in the queue).
+    async fn enqueue(&self, qkey: &str, member: i64) -> Result<i64, Error> {
         let resp = call(self.timeout, "queueing", || {
-            let (mut kv, qkey) = (self.client.kv_client(), qkey.clone());
+            let (mut kv, qkey) = (self.client.kv_client(), qkey.to_string());
             async move { kv.put(qkey, "", Some(PutOptions::new().with_lease(member))).await }
         })
         .await?;
-        let rev = resp.header().map_or(0, |h| h.revision());
-        Ok((qkey, rev))
+        Ok(resp.header().map_or(0, |h| h.revision()))
     }
 }
 

@@ -187,8 +187,13 @@ fn token_of(offset: u64, rev: i64, slot: Option<u64>) -> u64 {
 pub async fn connect(cfg: &ClusterConfig) -> Result<Client, Error> {
     let mut opts = ConnectOptions::new()
         .with_connect_timeout(Duration::from_millis(cfg.etcd_timeout_ms))
-        .with_keep_alive(Duration::from_secs(1), Duration::from_millis(cfg.etcd_timeout_ms))
-        .with_keep_alive_while_idle(true)
+        // HTTP/2 pings no more often than etcd accepts: a server on its
+        // defaults (`--grpc-keepalive-min-time` 5 s, no pings without a
+        // stream) answers more frequent ones with GOAWAY "too_many_pings",
+        // failing the requests in flight on that connection. A member that
+        // hangs is found by each request's own deadline anyway.
+        .with_keep_alive(Duration::from_secs(6), Duration::from_millis(cfg.etcd_timeout_ms))
+        .with_keep_alive_while_idle(false)
         // A member without a leader refuses instead of serving stale data.
         .with_require_leader(true);
     if cfg.ca_file.is_some() || cfg.cert_file.is_some() {
