@@ -971,3 +971,72 @@ async fn no_waiter_entry_outlives_its_acquire_across_an_etcd_leader_kill() {
         cleared.as_millis()
     );
 }
+
+/// An etcd cluster replaced (or restored from a snapshot) numbers its
+/// revisions from low again: a gateway that kept its data dir refuses to
+/// grant (503, naming the floor and the command), rather than issue a token
+/// twice, until an operator raises the floor; then tokens start above it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_new_etcd_cluster_grants_wait_for_raise_floor_and_then_start_above_it() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let rec = Recorder::start().await;
+    let http = Http::default();
+    let data = dir.path().join("gw");
+    for d in ["old", "new"] {
+        std::fs::create_dir(dir.path().join(d)).unwrap();
+    }
+    let old = EtcdCluster::start(&dir.path().join("old"), 3).await;
+    let gw = Gateway::start(&data, Opts { config: Some(gateway_config(&old, "gw", &rec.url())), ..Opts::default() });
+    let mut issued = Vec::new();
+    let started = Instant::now();
+    while issued.len() < 20 {
+        match acquire(&http, &gw.api_url(""), &format!("restore/{}", issued.len()), 60_000, 0).await {
+            Ok(g) => issued.push(g.token),
+            Err(r) => assert!(started.elapsed() < Duration::from_secs(20), "no grant: {:?}", r.body),
+        }
+    }
+    let highest = *issued.iter().max().unwrap();
+    assert_eq!(gw.terminate().code(), Some(0));
+    drop(old);
+    // A new cluster: its revisions start at 1 again.
+    let new = EtcdCluster::start(&dir.path().join("new"), 3).await;
+    let gw = Gateway::start(&data, Opts { config: Some(gateway_config(&new, "gw", &rec.url())), ..Opts::default() });
+    let started = Instant::now();
+    let refusal = loop {
+        match acquire(&http, &gw.api_url(""), "restore/after", 60_000, 0).await {
+            Ok(g) => panic!("granted token {} on the new cluster below the floor (highest issued {highest})", g.token),
+            Err(r) if String::from_utf8_lossy(&r.body).contains("raise-floor") => break r,
+            Err(r) => assert!(started.elapsed() < Duration::from_secs(20), "{} {:?}", r.status, r.body),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(refusal.status, StatusCode::SERVICE_UNAVAILABLE);
+    let message = String::from_utf8_lossy(&refusal.body).into_owned();
+    let floor: u64 = message
+        .split("the token floor ")
+        .nth(1)
+        .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("the refusal names no floor: {message}"));
+    assert!(floor >= highest, "floor {floor} below the highest token issued {highest}");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fencegate"))
+        .args(["cluster", "raise-floor", "--etcd", &new.endpoints().join(","), "--to", &floor.to_string()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "raise-floor: {}", String::from_utf8_lossy(&out.stderr));
+    let started = Instant::now();
+    let after = loop {
+        match acquire(&http, &gw.api_url(""), "restore/after", 60_000, 0).await {
+            Ok(g) => break g,
+            Err(r) => assert!(started.elapsed() < Duration::from_secs(20), "{} {:?}", r.status, r.body),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(after.token > floor, "token {} not above the raised floor {floor}", after.token);
+    println!(
+        "FIGURE a new etcd cluster: grants refused (503) until raise-floor --to {floor}; the next token {} (highest \
+         issued before: {highest})",
+        after.token
+    );
+}
