@@ -1040,3 +1040,87 @@ async fn on_a_new_etcd_cluster_grants_wait_for_raise_floor_and_then_start_above_
         after.token
     );
 }
+
+/// Writes a CA, a certificate for 127.0.0.1 (etcd's server side) and one
+/// for a client, all signed by the CA, under `dir`.
+fn write_pki(dir: &std::path::Path) -> (etcd::Tls, etcd::Tls) {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.distinguished_name.push(DnType::CommonName, "fencegate test etcd CA");
+    let ca_key = KeyPair::generate().unwrap();
+    std::fs::write(dir.join("ca.pem"), ca.self_signed(&ca_key).unwrap().pem()).unwrap();
+    let issuer = Issuer::new(ca, ca_key);
+    let issue = |name: &str, sans: Vec<String>| {
+        let mut params = CertificateParams::new(sans).unwrap();
+        params.distinguished_name.push(DnType::CommonName, name);
+        let key = KeyPair::generate().unwrap();
+        let cert = params.signed_by(&key, &issuer).unwrap();
+        let (c, k) = (dir.join(format!("{name}.pem")), dir.join(format!("{name}.key")));
+        std::fs::write(&c, cert.pem()).unwrap();
+        std::fs::write(&k, key.serialize_pem()).unwrap();
+        etcd::Tls { ca: dir.join("ca.pem"), cert: c, key: k }
+    };
+    (issue("etcd-server", vec!["127.0.0.1".into(), "localhost".into()]), issue("gateway", vec!["gateway".into()]))
+}
+
+/// The etcd client's TLS settings are used: against members that serve
+/// https and require a client certificate of their CA, a gateway with
+/// `ca_file`, `cert_file` and `key_file` grants and fences; one without a
+/// client certificate cannot start (etcd refuses it), and says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_mode_speaks_mutual_tls_to_etcd() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (server, client) = write_pki(dir.path());
+    let etcd_dir = dir.path().join("etcd");
+    std::fs::create_dir(&etcd_dir).unwrap();
+    let etcd = EtcdCluster::start_tls(&etcd_dir, 3, server).await;
+    assert!(etcd.endpoints().iter().all(|e| e.starts_with("https://")));
+    let rec = Recorder::start().await;
+    let tls_lines = format!(
+        "ca_file = {:?}\ncert_file = {:?}\nkey_file = {:?}\n",
+        client.ca.display().to_string(),
+        client.cert.display().to_string(),
+        client.key.display().to_string()
+    );
+    let with_tls =
+        gateway_config(&etcd, "tls", &rec.url()).replacen("[cluster]\n", &format!("[cluster]\n{tls_lines}"), 1);
+    let gw = Gateway::start(&dir.path().join("gw"), Opts { config: Some(with_tls), ..Opts::default() });
+    let http = Http::default();
+    let started = Instant::now();
+    let g = loop {
+        match acquire(&http, &gw.api_url(""), "tls/key", 10_000, 0).await {
+            Ok(g) => break g,
+            Err(r) => assert!(started.elapsed() < Duration::from_secs(20), "{} {:?}", r.status, r.body),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let (url, live) = (gw.proxy_url("/tls/key"), g.token.to_string());
+    let ok = http.try_send(Method::PUT, &url, &[("x-fencing-token", &live)], "x").await;
+    assert_eq!(ok.unwrap().status, StatusCode::OK);
+    let stale = (g.token - 1).to_string();
+    let refused = http.try_send(Method::PUT, &url, &[("x-fencing-token", &stale)], "x").await;
+    assert!(refused.unwrap().status.is_client_error());
+    // Only the CA, no client certificate: etcd refuses the handshake.
+    let ca_only = gateway_config(&etcd, "no-cert", &rec.url()).replacen(
+        "[cluster]\n",
+        &format!("[cluster]\nca_file = {:?}\n", client.ca.display().to_string()),
+        1,
+    );
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fencegate"))
+        .args(["serve", "--data-dir"])
+        .arg(dir.path().join("no-cert"))
+        .args(["--listen", "127.0.0.1:0", "--api-listen", "127.0.0.1:0", "--config"])
+        .arg({
+            let p = dir.path().join("no-cert.toml");
+            std::fs::write(&p, ca_only).unwrap();
+            p
+        })
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "a gateway without a client certificate started");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("etcd"), "the failure does not name etcd: {err}");
+    println!("FIGURE etcd over mutual TLS: granted token {}; without a client certificate: {}", g.token, err.trim());
+}

@@ -23,6 +23,16 @@ pub struct EtcdCluster {
     pub members: Vec<Member>,
     initial_cluster: String,
     token: String,
+    tls: Option<Tls>,
+}
+
+/// Client TLS of a cluster started by [`EtcdCluster::start_tls`]: members
+/// serve https and ask every client for a certificate of `ca`.
+#[derive(Clone)]
+pub struct Tls {
+    pub ca: PathBuf,
+    pub cert: PathBuf,
+    pub key: PathBuf,
 }
 
 fn etcd_binary() -> &'static str {
@@ -38,12 +48,24 @@ fn etcd_binary() -> &'static str {
 impl EtcdCluster {
     /// Starts `n` members under `dir` and waits until they have a leader.
     pub async fn start(dir: &Path, n: usize) -> EtcdCluster {
+        Self::start_with(dir, n, None).await
+    }
+
+    /// [`EtcdCluster::start`] with client TLS: https client URLs, server
+    /// certificate `tls.cert`/`tls.key` (for 127.0.0.1), and client
+    /// certificates required (`--client-cert-auth`, signed by `tls.ca`).
+    pub async fn start_tls(dir: &Path, n: usize, tls: Tls) -> EtcdCluster {
+        Self::start_with(dir, n, Some(tls)).await
+    }
+
+    async fn start_with(dir: &Path, n: usize, tls: Option<Tls>) -> EtcdCluster {
         etcd_binary();
+        let scheme = if tls.is_some() { "https" } else { "http" };
         let mut members = Vec::new();
         for i in 0..n {
             let name = format!("e{i}");
             members.push(Member {
-                client_url: format!("http://127.0.0.1:{}", free_port()),
+                client_url: format!("{scheme}://127.0.0.1:{}", free_port()),
                 peer_url: format!("http://127.0.0.1:{}", free_port()),
                 data_dir: dir.join(format!("{name}.etcd")),
                 log: dir.join(format!("{name}.etcd.log")),
@@ -54,7 +76,7 @@ impl EtcdCluster {
         let initial_cluster =
             members.iter().map(|m| format!("{}={}", m.name, m.peer_url)).collect::<Vec<_>>().join(",");
         let token = format!("fg-test-{}", free_port());
-        let mut c = EtcdCluster { members, initial_cluster, token };
+        let mut c = EtcdCluster { members, initial_cluster, token, tls };
         for i in 0..n {
             c.spawn(i);
         }
@@ -65,7 +87,12 @@ impl EtcdCluster {
     fn spawn(&mut self, i: usize) {
         let m = &self.members[i];
         let log = std::fs::OpenOptions::new().create(true).append(true).open(&m.log).unwrap();
-        let child = Command::new(etcd_binary())
+        let mut cmd = Command::new(etcd_binary());
+        if let Some(tls) = &self.tls {
+            cmd.arg("--cert-file").arg(&tls.cert).arg("--key-file").arg(&tls.key);
+            cmd.arg("--trusted-ca-file").arg(&tls.ca).arg("--client-cert-auth");
+        }
+        let child = cmd
             .arg("--name")
             .arg(&m.name)
             .arg("--data-dir")
@@ -106,10 +133,18 @@ impl EtcdCluster {
     pub async fn client(&self) -> etcd_client::Client {
         let eps: Vec<String> =
             self.members.iter().filter(|m| m.child.is_some()).map(|m| m.client_url.clone()).collect();
-        let opts = etcd_client::ConnectOptions::new()
+        let mut opts = etcd_client::ConnectOptions::new()
             .with_connect_timeout(Duration::from_secs(1))
             .with_timeout(Duration::from_secs(2))
             .with_require_leader(true);
+        if let Some(tls) = &self.tls {
+            let pem = |p: &Path| std::fs::read(p).unwrap();
+            opts = opts.with_tls(
+                etcd_client::TlsOptions::new()
+                    .ca_certificate(etcd_client::Certificate::from_pem(pem(&tls.ca)))
+                    .identity(etcd_client::Identity::from_pem(pem(&tls.cert), pem(&tls.key))),
+            );
+        }
         etcd_client::Client::connect(eps, Some(opts)).await.unwrap()
     }
 
