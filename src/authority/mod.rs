@@ -186,6 +186,8 @@ enum Ended {
     Released,
     Expired,
     Failed,
+    /// Its key's fence moved past its token (an external route).
+    Superseded,
 }
 
 /// The lease authority of one gateway.
@@ -488,6 +490,16 @@ impl Authority {
         if !grant.lease_id.matches(&req.lease_id) {
             return Err(lost());
         }
+        if self.fences.fence(&key) > grant.token {
+            // An external route on this key raised its fence past the
+            // grant: every write under it is refused as stale, so the grant
+            // is over (and the key free for a grant above that fence).
+            self.end_locked(&key, &mut st, Ended::Superseded);
+            return Err(lost());
+        }
+        let Some(grant) = st.grant.as_mut() else {
+            return Err(lost());
+        };
         let margin_ms = grant.deadline_ms.saturating_sub(now_ms);
         let margin = Duration::from_millis(margin_ms).as_secs_f64();
         self.metrics.renew_margin.observe(margin);
@@ -631,6 +643,9 @@ impl Authority {
                 tracing::info!(key = %key, token = grant.token, holder = %grant.holder(), "lease expired");
             }
             Ended::Released => tracing::debug!(key = %key, token = grant.token, "lease released"),
+            Ended::Superseded => {
+                tracing::info!(key = %key, token = grant.token, "lease superseded by a higher fence (external token)");
+            }
             Ended::Failed => {}
         }
         let ended = grant.record();

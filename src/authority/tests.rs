@@ -604,3 +604,17 @@ async fn a_strict_route_refuses_a_grant_past_its_deadline_before_the_expiry_task
     auth.release(ReleaseRequest { key: "r".into(), lease_id: h.lease_id }).unwrap();
     assert!(matches!(fences.admit("r", h.fencing_token, strict), Err(Refusal::LeaseExpired { .. })));
 }
+
+/// A grant whose key's fence an external route raised past its token is
+/// over: its renewal answers lease_lost (its writes would all be refused as
+/// stale), and the key can be granted again, above that fence.
+#[tokio::test(start_paused = true)]
+async fn a_grant_superseded_by_an_external_fence_is_lost_on_renewal() {
+    let r = rig();
+    let g = r.auth.acquire(acq("k", 10_000, 0)).await.unwrap();
+    r.auth.fences().install("k", g.fencing_token + 5).unwrap();
+    let renewed = r.auth.renew(RenewRequest { key: "k".into(), lease_id: g.lease_id, ttl_ms: None });
+    assert!(matches!(renewed, Err(Error::LeaseLost { .. })), "{renewed:?}");
+    let next = r.auth.acquire(acq("k", 10_000, 0)).await.unwrap();
+    assert!(next.fencing_token > g.fencing_token + 5);
+}
