@@ -221,11 +221,13 @@ impl Gateway {
             );
             clean = false;
         }
-        if let Leases::Cluster(c) = &self.authority {
-            if clean {
-                // Peers need not quarantine a member that drained.
-                c.leave().await;
-            }
+        match &self.authority {
+            // Peers need not quarantine a member that drained.
+            Leases::Cluster(c) if clean => c.leave().await,
+            Leases::Cluster(_) => {}
+            // Ended before the clean stop is written: a restart must not
+            // bring back a lease already refused as expired.
+            Leases::Embedded(a) => a.end_overdue(),
         }
         if !clean {
             tracing::warn!("not every request drained: the next start will wait out the upstream timeout");

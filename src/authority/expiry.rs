@@ -96,6 +96,15 @@ impl Authority {
         }
     }
 
+    /// At a clean stop, once nothing is served any more: ends every grant
+    /// whose deadline has passed, so that its drop record is written before
+    /// the clean stop is. A restart restores each stored grant with a full
+    /// TTL; without this, a lease the gateway had already refused as
+    /// expired (the expiry task was behind) came back live.
+    pub fn end_overdue(&self) {
+        while self.expire_some(self.now_ms(), EXPIRE_PER_TURN) {}
+    }
+
     /// Ends up to `max` grants whose deadline is at or before `now_ms`;
     /// true when more keys are due.
     pub(super) fn expire_some(&self, now_ms: u64, max: usize) -> bool {

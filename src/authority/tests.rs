@@ -618,3 +618,25 @@ async fn a_grant_superseded_by_an_external_fence_is_lost_on_renewal() {
     let next = r.auth.acquire(acq("k", 10_000, 0)).await.unwrap();
     assert!(next.fencing_token > g.fencing_token + 5);
 }
+
+/// A grant whose deadline passed before a clean stop, not yet reached by
+/// the expiry task (here none runs), is ended at the stop: the restart
+/// does not bring back a lease the gateway had already refused as expired.
+/// A grant still live at the stop comes back.
+#[tokio::test(start_paused = true)]
+async fn a_grant_past_its_deadline_at_a_clean_stop_does_not_come_back() {
+    let store = Store::memory();
+    {
+        let metrics = Arc::new(Metrics::new().unwrap());
+        let auth = Authority::restore(FenceTable::new(), store.clone(), metrics, LocksConfig::default()).unwrap();
+        auth.acquire(acq("overdue", 1000, 0)).await.unwrap();
+        auth.acquire(acq("live", 60_000, 0)).await.unwrap();
+        advance(Duration::from_millis(1500)).await;
+        assert!(!auth.status("overdue").unwrap().held, "past its deadline: not held");
+        auth.end_overdue();
+        store.mark_clean().await.unwrap();
+    }
+    let r = rig_with(store);
+    assert!(!r.auth.status("overdue").unwrap().held, "an expired lease came back after the clean stop");
+    assert!(r.auth.status("live").unwrap().held);
+}
