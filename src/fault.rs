@@ -18,6 +18,12 @@
 //!   answered to its acquires 1 s after etcd committed it. Not unsafe, only
 //!   slow: it opens the window in which a test's client hangs up while its
 //!   grant exists in etcd but is not yet answered.
+//! - `stale-expiry-view`: in cluster mode the gateway's feed does not apply
+//!   renewals (a put of a grant key it already holds with the same create
+//!   revision), so its expiry deadlines stay those of each grant's first
+//!   put. Not unsafe as long as every expiry compares the grant's
+//!   `mod_revision` (a renewal committed first wins): the test that the
+//!   compare is there (src/cluster/expiry.rs).
 
 /// The environment variable that names the faults to inject (debug builds).
 pub const ENV: &str = "FENCEGATE_NEMESIS_BREAK";
@@ -29,6 +35,8 @@ pub enum Fault {
     NoSelfFencing,
     /// Cluster mode answers each committed grant transaction 1 s late.
     SlowGrantAnswer,
+    /// Cluster mode's feed ignores renewals of grants it already holds.
+    StaleExpiryView,
 }
 
 impl Fault {
@@ -36,6 +44,7 @@ impl Fault {
         match self {
             Fault::NoSelfFencing => "no-self-fencing",
             Fault::SlowGrantAnswer => "slow-grant-answer",
+            Fault::StaleExpiryView => "stale-expiry-view",
         }
     }
 }
@@ -60,7 +69,7 @@ fn named(list: &str, fault: Fault) -> bool {
 
 /// Logs, once at start, every fault injected into this process.
 pub fn announce() {
-    for fault in [Fault::NoSelfFencing, Fault::SlowGrantAnswer] {
+    for fault in [Fault::NoSelfFencing, Fault::SlowGrantAnswer, Fault::StaleExpiryView] {
         if enabled(fault) {
             tracing::error!(
                 fault = fault.name(),

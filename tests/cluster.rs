@@ -1124,3 +1124,249 @@ async fn cluster_mode_speaks_mutual_tls_to_etcd() {
     assert!(err.contains("etcd"), "the failure does not name etcd: {err}");
     println!("FIGURE etcd over mutual TLS: granted token {}; without a client certificate: {}", g.token, err.trim());
 }
+
+/// Renews `g` through `api`: the status and the body.
+async fn renew(http: &Http, api: &str, g: &common::Grant) -> common::Reply {
+    http.post_json(&format!("{api}/v1/locks/renew"), serde_json::json!({"key": g.key, "lease_id": g.lease_id})).await
+}
+
+/// Acquires `key` through `api` (wait 0) every 50 ms until it is granted,
+/// within `limit`; the grant and when it was answered.
+async fn acquire_when_free(
+    http: &Http,
+    api: &str,
+    key: &str,
+    ttl_ms: u64,
+    limit: Duration,
+) -> (common::Grant, Instant) {
+    let started = Instant::now();
+    loop {
+        match acquire(http, api, key, ttl_ms, 0).await {
+            Ok(g) => return (g, Instant::now()),
+            Err(r) => {
+                let code = r.error_code();
+                assert!(code == "locked" || code == "unavailable", "{:?}", r.body);
+            }
+        }
+        assert!(started.elapsed() < limit, "{key} still not grantable after {limit:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Acquires and answers the TTL the gateway promised (`ttl_ms`).
+async fn acquire_ttl(http: &Http, api: &str, key: &str, ttl_ms: u64) -> (common::Grant, u64, Instant) {
+    let r = http
+        .post_json(&format!("{api}/v1/locks/acquire"), serde_json::json!({"key": key, "ttl_ms": ttl_ms, "holder": "t"}))
+        .await;
+    let answered = Instant::now();
+    assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
+    let v = r.json();
+    let g = common::Grant {
+        key: key.to_string(),
+        token: v["fencing_token"].as_u64().unwrap(),
+        lease_id: v["lease_id"].as_str().unwrap().to_string(),
+    };
+    (g, v["ttl_ms"].as_u64().unwrap(), answered)
+}
+
+/// Grants have no etcd lease of their own: the gateways expire them. A
+/// grant not renewed becomes grantable through another gateway no sooner
+/// than the TTL its answer promised and within TTL·1.1 + 1.5 s of it (the
+/// expiry loop's look, the shared transaction, the next grant's own
+/// transaction and activation); a grant renewed through yet another
+/// gateway outlives several TTLs; and a release through a gateway that did
+/// not grant it frees the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_not_renewed_expires_and_a_renewed_one_lives_on_released_through_another_gateway() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let s = setup(3).await;
+    // Past the quarantine every gateway applies after its first load.
+    tokio::time::sleep(Duration::from_millis(UPSTREAM_TIMEOUT_MS + 600)).await;
+    let (kept, _, _) = acquire_ttl(&s.http, &s.api(1), "kept", 2000).await;
+    let (lapsed, promised, answered) = acquire_ttl(&s.http, &s.api(0), "lapsed", 2000).await;
+    assert!(promised <= 2000 && promised >= 1000, "promised {promised} ms");
+    // Renew `kept` through gw2 every 500 ms while `lapsed` expires.
+    let (h, a, k) = (s.http.clone(), s.api(2), kept.clone());
+    let renewer = tokio::spawn(async move {
+        let started = Instant::now();
+        while started.elapsed() < Duration::from_secs(7) {
+            let r = renew(&h, &a, &k).await;
+            assert_eq!(r.status, StatusCode::OK, "renewal of a live grant: {:?}", r.body);
+            assert_eq!(r.json()["fencing_token"].as_u64(), Some(k.token));
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    });
+    let (next, at) = acquire_when_free(&s.http, &s.api(2), "lapsed", 2000, Duration::from_secs(10)).await;
+    let after = at.duration_since(answered);
+    assert!(after >= Duration::from_millis(promised), "granted again {after:?} after a grant promised {promised} ms");
+    assert!(after <= Duration::from_millis(2200 + 1500), "expired only {after:?} after the answer");
+    assert!(next.token > lapsed.token);
+    // The old holder's renewal and writes are refused.
+    assert_eq!(renew(&s.http, &s.api(0), &lapsed).await.error_code(), "lease_lost");
+    assert_eq!(s.put(1, "/lapsed", lapsed.token).await.error_code(), "stale_fencing_token");
+    renewer.await.unwrap();
+    // `kept` was renewed for 7 s (3.5 TTLs): still held, still its token.
+    let status = s.http.get(&format!("{}/v1/locks/status?key=kept", s.api(0))).await.json();
+    assert_eq!(status["fencing_token"].as_u64(), Some(kept.token), "{status}");
+    assert!(status["expires_in_ms"].as_u64().unwrap() <= 2000);
+    assert_eq!(acquire(&s.http, &s.api(0), "kept", 2000, 0).await.unwrap_err().error_code(), "locked");
+    assert_eq!(s.put(2, "/kept", kept.token).await.status, StatusCode::OK);
+    // Released through gw0, granted by gw1: free at once.
+    let released = Instant::now();
+    assert!(release(&s.http, &s.api(0), &kept).await.status.is_success());
+    let (again, _) = acquire_when_free(&s.http, &s.api(2), "kept", 2000, Duration::from_secs(5)).await;
+    assert!(again.token > kept.token);
+    assert!(released.elapsed() < Duration::from_millis(1500), "{:?}", released.elapsed());
+    assert_eq!(release(&s.http, &s.api(1), &kept).await.error_code(), "not_owner");
+    println!(
+        "FIGURE a grant not renewed (TTL 2 s, {promised} ms promised): granted again through another gateway {} ms \
+         after its answer",
+        after.as_millis()
+    );
+}
+
+/// The expirer (the lowest gateway_id, gw0) killed with -9: its peers
+/// expire grants anyway, within TTL·1.1 + the member TTL + the next
+/// grant's quarantine for the dead gateway + 2 s after the answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn when_the_expiring_gateway_is_killed_its_peers_expire_grants() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut s = setup(3).await;
+    tokio::time::sleep(Duration::from_millis(UPSTREAM_TIMEOUT_MS + 600)).await;
+    let (old, promised, answered) = acquire_ttl(&s.http, &s.api(1), "orphaned", 2000).await;
+    s.gws.remove(0).kill9();
+    // gws are now gw1 (index 0) and gw2 (index 1).
+    let (next, at) = acquire_when_free(&s.http, &s.api(1), "orphaned", 2000, Duration::from_secs(15)).await;
+    let after = at.duration_since(answered);
+    assert!(after >= Duration::from_millis(promised), "{after:?}");
+    let bound = Duration::from_millis(2200 + MEMBER_TTL_MS + UPSTREAM_TIMEOUT_MS + 500 + 2000);
+    assert!(after <= bound, "expired {after:?} after the answer (bound {bound:?})");
+    assert!(next.token > old.token);
+    assert_eq!(s.put(0, "/orphaned", old.token).await.error_code(), "stale_fencing_token");
+    println!(
+        "FIGURE the expiring gateway kill -9'd: a 2 s grant granted again {} ms after its answer",
+        after.as_millis()
+    );
+}
+
+/// A renewal racing the grant's expiry never leaves two holders: once the
+/// key has been granted to another holder, the old holder's renewal is
+/// `lease_lost` (410); and in rounds where the renewal is sent right at
+/// the expiry deadline, a renewal answered OK is never followed by a grant
+/// of the key to another holder within the renewed TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewal_racing_expiry_never_yields_two_holders() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let s = setup(3).await;
+    tokio::time::sleep(Duration::from_millis(UPSTREAM_TIMEOUT_MS + 600)).await;
+    for round in 0..4u64 {
+        let key = format!("race{round}");
+        let (a, _, answered) = acquire_ttl(&s.http, &s.api(1), &key, 2000).await;
+        // Around the expirer's deadline (TTL·1.1 after it saw the put).
+        tokio::time::sleep(Duration::from_millis(2100 + round * 50).saturating_sub(answered.elapsed())).await;
+        let (h, api, g) = (s.http.clone(), s.api(2), a.clone());
+        let renewal = tokio::spawn(async move {
+            let sent = Instant::now();
+            let r = renew(&h, &api, &g).await;
+            (r.status, sent, Instant::now())
+        });
+        let (b, b_at) = acquire_when_free(&s.http, &s.api(0), &key, 2000, Duration::from_secs(10)).await;
+        let (status, sent, renewed_at) = renewal.await.unwrap();
+        assert!(b.token > a.token);
+        if status == StatusCode::OK {
+            // A's renewal won: B only after A's renewed TTL ran out again.
+            assert!(b_at > sent, "B was granted before A's successful renewal was sent");
+            let apart = b_at.saturating_duration_since(renewed_at);
+            assert!(apart >= Duration::from_millis(1500), "B granted {apart:?} after A's renewal was answered");
+        } else {
+            assert_eq!(status, StatusCode::GONE, "lease_lost");
+        }
+        // B holds it now: A's renewal is lost, whichever gateway asks.
+        for i in 0..3 {
+            let r = renew(&s.http, &s.api(i), &a).await;
+            assert_eq!(r.status, StatusCode::GONE, "{:?}", r.body);
+            assert_eq!(r.error_code(), "lease_lost");
+        }
+        assert!(release(&s.http, &s.api(0), &b).await.status.is_success());
+    }
+}
+
+/// The expiry's compare on the grant's `mod_revision` is what lets a
+/// renewal win: the expiring gateway (gw0, the lowest id) runs with the
+/// debug fault `stale-expiry-view`, so its mirror never sees renewals and
+/// its deadline stays the grant's first put's. Its expiries then name a
+/// stale `mod_revision` and must fail; without the compare they would
+/// delete the renewed grant after ~2.2 s, and this test would see the key
+/// granted to another holder (or the renewal lost).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewed_grant_survives_an_expirer_that_never_saw_the_renewals() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = EtcdCluster::start(dir.path(), 3).await;
+    let rec = Recorder::start().await;
+    let mut gws = Vec::new();
+    for i in 0..3 {
+        let env = if i == 0 { vec![("FENCEGATE_NEMESIS_BREAK", "stale-expiry-view".to_string())] } else { vec![] };
+        let config = Some(gateway_config(&etcd, &format!("gw{i}"), &rec.url()));
+        gws.push(Gateway::start(&dir.path().join(format!("gw{i}")), Opts { config, env, ..Opts::default() }));
+    }
+    let s = Setup { etcd, gws, rec, http: Http::default(), _dir: dir };
+    for i in 0..3 {
+        s.wait_current(i, Duration::from_secs(20)).await;
+    }
+    assert!(s.gws[0].log_text().contains("stale-expiry-view"), "the fault is not on: a release build?");
+    tokio::time::sleep(Duration::from_millis(UPSTREAM_TIMEOUT_MS + 600)).await;
+    let (g, _, _) = acquire_ttl(&s.http, &s.api(1), "renewed", 2000).await;
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(7) {
+        let r = renew(&s.http, &s.api(1), &g).await;
+        assert_eq!(r.status, StatusCode::OK, "renewed grant lost after {:?}: {:?}", started.elapsed(), r.body);
+        let other = acquire(&s.http, &s.api(2), "renewed", 2000, 0).await;
+        assert_eq!(other.map(|o| o.token).unwrap_err().error_code(), "locked", "granted twice");
+        tokio::time::sleep(Duration::from_millis(400)).await;
+    }
+    assert_eq!(s.put(2, "/renewed", g.token).await.status, StatusCode::OK);
+}
+
+/// Every gateway killed -9 and restarted within the grant's TTL: the grant
+/// is still held (it lives at least the TTL its answer promised) and still
+/// fences; after it, the key is granted again and the old token refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_outlives_every_gateway_killed_and_restarted_within_its_ttl() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut s = setup(3).await;
+    let (g, promised, answered) = acquire_ttl(&s.http, &s.api(0), "survivor", 15_000).await;
+    for gw in std::mem::take(&mut s.gws) {
+        gw.kill9();
+    }
+    let mut starts = Vec::new();
+    for i in 0..3 {
+        let (data, config) = (s.dir().join(format!("gw{i}")), gateway_config(&s.etcd, &format!("gw{i}"), &s.rec.url()));
+        starts.push(tokio::task::spawn_blocking(move || {
+            Gateway::start(&data, Opts { config: Some(config), ..Opts::default() })
+        }));
+    }
+    for st in starts {
+        s.gws.push(st.await.unwrap());
+    }
+    for i in 0..3 {
+        s.wait_current(i, Duration::from_secs(20)).await;
+    }
+    let restarted = answered.elapsed();
+    assert!(restarted < Duration::from_millis(promised), "the restart took {restarted:?}, past the TTL");
+    for i in 0..3 {
+        assert_eq!(acquire(&s.http, &s.api(i), "survivor", 2000, 0).await.unwrap_err().error_code(), "locked");
+        assert_eq!(s.put(i, "/survivor", g.token).await.status, StatusCode::OK);
+        let older = s.put(i, "/survivor", g.token - 1).await;
+        assert!(older.status.is_client_error(), "a token below the holder's was admitted: {:?}", older.status);
+    }
+    let (next, at) = acquire_when_free(&s.http, &s.api(1), "survivor", 2000, Duration::from_secs(30)).await;
+    assert!(at.duration_since(answered) >= Duration::from_millis(promised));
+    assert!(next.token > g.token);
+    assert_eq!(s.put(2, "/survivor", g.token).await.error_code(), "stale_fencing_token");
+    println!(
+        "FIGURE every gateway kill -9'd and restarted ({} ms after the answer): a 15 s grant held until {} ms",
+        restarted.as_millis(),
+        at.duration_since(answered).as_millis()
+    );
+}

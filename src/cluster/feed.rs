@@ -60,12 +60,25 @@ impl Cluster {
         {
             let mut m = self.lock_mirror();
             // Departures already seen keep their quarantine; the load
-            // itself starts one for whoever left unseen. Grants that ended
-            // while the watch was down are gone with the old mirror.
+            // itself starts one for whoever left unseen.
             let departed = std::mem::take(&mut m.departed);
+            // Grants already seen keep their expiry deadline (a put seen
+            // again counts from when it was first seen).
+            let seen = std::mem::take(&mut m.grants);
             *m = super::mirror::Mirror { departed, loaded_at: Some(tokio::time::Instant::now()), ..Default::default() };
+            m.grants = seen;
         }
         let kvs = &kvs;
+        // The grants this read does not hold are gone; the others are
+        // replaced by what it read (keeping a deadline of a put seen before).
+        let read: std::collections::HashMap<&str, i64> = kvs
+            .iter()
+            .filter_map(|kv| match self.keys.kind(kv.key()) {
+                Kind::Grant(k) => Some((k, kv.mod_revision())),
+                _ => None,
+            })
+            .collect();
+        self.lock_mirror().grants.retain(|k, g| read.get(k.as_str()) == Some(&g.modified));
         // The offset first: fences and grants are read with it.
         for kv in kvs {
             if self.keys.kind(kv.key()) == Kind::Offset {
@@ -107,8 +120,20 @@ impl Cluster {
                     return;
                 };
                 let token = token_of(value.o, kv.create_revision(), value.i);
-                let entry = GrantEntry { token, lease: kv.lease(), value };
-                self.lock_mirror().grants.insert(key.to_string(), entry);
+                let (created, modified) = (kv.create_revision(), kv.mod_revision());
+                let mut m = self.lock_mirror();
+                if crate::fault::enabled(crate::fault::Fault::StaleExpiryView)
+                    && m.grants.get(key).is_some_and(|g| g.created == created)
+                {
+                    // Test only (src/fault.rs): a renewal not seen here.
+                    return;
+                }
+                // The deadline counts from when this gateway first saw this
+                // very put (a reload keeps what was seen before it).
+                let seen = m.grants.get(key).filter(|g| g.modified == modified).map(|g| g.deadline);
+                let deadline =
+                    seen.unwrap_or_else(|| super::expiry::deadline_from(tokio::time::Instant::now(), value.t));
+                m.grants.insert(key.to_string(), GrantEntry { token, created, modified, deadline, value });
             }
             Kind::Fence(key) => {
                 // `offset/slot` (a batched grant) or `offset` (one grant per

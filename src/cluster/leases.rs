@@ -1,22 +1,24 @@
 //! The lease API over etcd: acquire, renew, release, status, watch, with
 //! the same bodies and errors as the embedded authority (docs/lease-api.md).
 //!
-//! - acquire: a fresh etcd lease L, then one transaction: `g/KEY` absent,
-//!   no older waiter, the offset unchanged → put `g/KEY` on L, put `f/KEY`,
-//!   drop this waiter's entry (a sub-transaction of a transaction shared
-//!   with the attempts queued meanwhile, see `batch`). A waiter queues
+//! - acquire: one transaction: `g/KEY` absent, no older waiter, the
+//!   offset unchanged → put `g/KEY` (no etcd lease), put `f/KEY`, drop
+//!   this waiter's entry (a sub-transaction of a transaction shared with
+//!   the operations queued meanwhile, see `batch`). A waiter queues
 //!   `q/KEY\0ID` on its gateway's membership lease and tries again only
 //!   when its mirror says the key is free and it is the oldest waiter, so a
 //!   release wakes only the next waiter in the whole cluster. Then
 //!   activation (every live member acknowledged) and the durable floor,
 //!   before the answer. An activation over within a third of the TTL is
-//!   answered at once with the time left of the lease's certain lifetime;
-//!   a longer one is kept alive, read back and renewed before its answer.
-//! - renew: the grant's lease-id hash compared, then one keepalive of L.
-//! - release: the hash compared (with the mirror's copy, or etcd's when
-//!   the mirror has not seen the grant), then L revoked (which deletes
-//!   `g/KEY`).
-//! - status and watch: from the mirror, which the watch keeps current.
+//!   answered at once with the time left of the grant's certain lifetime;
+//!   a longer one is renewed meanwhile and once more before its answer.
+//! - renew: the grant's lease-id hash compared (with the mirror's copy, or
+//!   etcd's when the mirror has not seen the grant), then `g/KEY` put again
+//!   if its create revision is still the grant's (shared transaction).
+//! - release: the hash compared likewise, then `g/KEY` deleted if its
+//!   create revision is still the grant's (shared transaction).
+//! - status and watch: from the mirror, which the watch keeps current
+//!   (the time left from this gateway's expiry deadline).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,12 +26,19 @@ use std::time::Duration;
 use etcd_client::PutOptions;
 use tokio::time::Instant;
 
-use super::batch::Attempt;
+use super::batch::{Attempt, Orphan};
 use super::mirror::GrantValue;
 use super::{call, token_of, Cluster};
 use crate::authority::types::{new_lease_id, secret_eq, validate_ttl};
 use crate::authority::{validate_key, AcquireRequest, GrantView, ReleaseRequest, RenewRequest, RenewView, StatusView};
 use crate::error::Error;
+
+/// The shortest TTL a grant gets in cluster mode: its answer counts from
+/// before the grant transaction, less ε and a 200 ms margin (the
+/// membership deadline's), which leave a shorter TTL little or nothing to
+/// answer with. (etcd's own lease floor on default settings, which grants
+/// had when each had an etcd lease.)
+const MIN_GRANT_TTL_MS: u64 = 2000;
 
 fn sha256_hex(s: &str) -> String {
     let d = ring::digest::digest(&ring::digest::SHA256, s.as_bytes());
@@ -40,7 +49,7 @@ fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
-/// Deletes this acquire's waiter entry (or revokes its unanswered grant)
+/// Deletes this acquire's waiter entry (and ends its unanswered grant)
 /// however the acquire ends, including a client that hung up.
 struct Cleanup {
     cluster: Arc<Cluster>,
@@ -48,7 +57,8 @@ struct Cleanup {
     /// before the put is sent, since a put that timed out may still have
     /// been applied.
     queue: Option<(String, i64)>,
-    lease: Option<i64>,
+    /// A grant committed for this acquire and not answered yet.
+    orphan: Orphan,
 }
 
 /// How long a cleanup keeps trying (with backoff) while etcd does not answer.
@@ -56,48 +66,29 @@ const CLEANUP_FOR: Duration = Duration::from_secs(600);
 
 impl Drop for Cleanup {
     fn drop(&mut self) {
-        let (queue, lease) = (self.queue.take(), self.lease.take());
-        if queue.is_none() && lease.is_none() {
-            return;
-        }
+        // Ends the grant (through the shared transaction) unless answered.
+        self.orphan.abandon(&self.cluster.batches);
+        let Some((q, member)) = self.queue.take() else { return };
         let c = self.cluster.clone();
         tokio::spawn(async move {
-            let give_up = Instant::now() + CLEANUP_FOR;
             // An entry left behind would be the oldest waiter of its key
             // for as long as this gateway stays a member, and no grant of
             // the key could pass it: tried until it is gone, or gone with
             // the membership lease it lives on.
-            let leave_queue = async {
-                let Some((q, member)) = queue else { return };
-                let mut pause = Duration::from_millis(100);
-                while c.member_lease() == Some(member) && !c.stop.is_triggered() && Instant::now() < give_up {
-                    let deleted = call(c.timeout, "leaving the queue", || {
-                        let (mut kv, q) = (c.client.kv_client(), q.clone());
-                        async move { kv.delete(q, None).await }
-                    })
-                    .await;
-                    if deleted.is_ok() {
-                        return;
-                    }
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(Duration::from_secs(2));
+            let give_up = Instant::now() + CLEANUP_FOR;
+            let mut pause = Duration::from_millis(100);
+            while c.member_lease() == Some(member) && !c.stop.is_triggered() && Instant::now() < give_up {
+                let deleted = call(c.timeout, "leaving the queue", || {
+                    let (mut kv, q) = (c.client.kv_client(), q.clone());
+                    async move { kv.delete(q, None).await }
+                })
+                .await;
+                if deleted.is_ok() {
+                    return;
                 }
-            };
-            // An unanswered grant would hold its key for its whole TTL.
-            let end_grant = async {
-                let Some(l) = lease else { return };
-                let mut pause = Duration::from_millis(100);
-                while !c.stop.is_triggered() && Instant::now() < give_up {
-                    match c.revoke(l).await {
-                        Ok(_) => return,
-                        Err(e) if e.to_string().contains("not found") => return,
-                        Err(_) => {}
-                    }
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(Duration::from_secs(2));
-                }
-            };
-            tokio::join!(leave_queue, end_grant);
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(2));
+            }
         });
     }
 }
@@ -105,14 +96,13 @@ impl Drop for Cleanup {
 /// A grant just made by [`Cluster::try_grant`], not yet activated.
 struct Granted {
     token: u64,
-    /// The revision of the granting transaction.
+    /// The revision of the granting transaction (the grant's create revision).
     revision: i64,
-    /// The TTL etcd granted the lease, in ms.
-    granted_ms: u64,
-    lease: i64,
-    /// When the lease was asked for: etcd keeps it at least until
-    /// `lease_sent + TTL`.
-    lease_sent: Instant,
+    /// The grant's value as written (renewals put it again).
+    value: Vec<u8>,
+    /// When its transaction was handed to the batcher: every gateway's
+    /// expiry deadline falls after `sent + TTL`.
+    sent: Instant,
 }
 
 /// Aborts its task when dropped.
@@ -146,19 +136,19 @@ impl Cluster {
         let wait_until = started + Duration::from_millis(req.wait_ms);
         let lease_id = new_lease_id()?;
         let secret = sha256_hex(&lease_id);
-        let ttl_s = i64::try_from(req.ttl_ms.div_ceil(1000)).unwrap_or(i64::MAX);
+        let granted_ms = req.ttl_ms.max(MIN_GRANT_TTL_MS);
         let key = req.key.as_str();
-        let mut cleanup = Cleanup { cluster: self.clone(), queue: None, lease: None };
+        let mut cleanup = Cleanup { cluster: self.clone(), queue: None, orphan: Orphan::default() };
         let mut mine: Option<i64> = None;
         let mut applied = self.applied.subscribe();
         let mut first = true;
-        let (token, txn_rev, granted_ms, etcd_lease, lease_sent) = loop {
+        let granted = loop {
             let may_try = first || self.lock_mirror().may_take(key, mine);
             first = false;
             if may_try {
                 let queued = cleanup.queue.as_ref().map(|(q, _)| q.as_str()).zip(mine);
-                if let Some(g) = self.try_grant(key, &holder, &secret, ttl_s, queued, &mut cleanup.lease).await? {
-                    break (g.token, g.revision, g.granted_ms, g.lease, g.lease_sent);
+                if let Some(g) = self.try_grant(key, &holder, &secret, granted_ms, queued, &cleanup.orphan).await? {
+                    break g;
                 }
             }
             if req.wait_ms == 0 {
@@ -183,13 +173,16 @@ impl Cluster {
                 return Err(self.locked(key));
             }
         };
-        // The grant exists; it is this acquire's to lose until answered.
+        // The grant exists; it is this acquire's to lose until answered
+        // (`cleanup.orphan` ends it on every path that does not answer).
         cleanup.queue = None;
-        // The client's TTL counts from the answer: the gateway keeps the
-        // grant's lease alive while activation waits (ended on any return).
-        let _keeper = self.keep_alive_while_activating(etcd_lease, granted_ms);
+        let token = granted.token;
+        let ttl = Duration::from_millis(granted_ms);
+        // The client's TTL counts from the answer: the gateway renews the
+        // grant while activation waits (ended on any return).
+        let _keeper = self.renew_while_activating(key, granted.revision, &granted.value, granted_ms);
         let activation = Instant::now();
-        let waited = self.activate(txn_rev).await;
+        let waited = self.activate(granted.revision).await;
         self.metrics.activation_wait.observe(activation.elapsed().as_secs_f64());
         self.metrics.grants.inc();
         waited?;
@@ -197,57 +190,48 @@ impl Cluster {
         tokio::time::timeout(self.timeout, self.floor.wait_persisted(token))
             .await
             .map_err(|_| Error::Store("the token floor was not written in time".into()))??;
-        // The common case: activation took a small part of the TTL. etcd
-        // keeps a lease at least TTL from when its grant was asked for (a
-        // leader change only extends it), so up to `safe_until` — the same
-        // ε and margin as the gateway's own membership deadline — the lease
-        // lives, and the grant key on it with it: fencegate deletes a grant
-        // key only by ending its lease. The answer then carries the time
-        // left to `safe_until`, counted from the answer, and costs no
-        // further etcd round trip (no read-back, no keepalive).
-        let safe_until = Self::deadline_after(lease_sent, Duration::from_millis(granted_ms));
+        // The common case: activation took a small part of the TTL. No
+        // gateway expires the grant before its feed saw the grant's put plus
+        // TTL·(1 + ε), and the put was committed after `sent`; fencegate
+        // deletes a grant otherwise only on its holder's release. So up to
+        // `safe_until` — the same ε and margin as the gateway's own
+        // membership deadline — the grant lives. The answer carries the
+        // time left to `safe_until`, counted from the answer, and costs no
+        // further etcd round trip.
+        let safe_until = Self::deadline_after(granted.sent, ttl);
         let left = safe_until.saturating_duration_since(Instant::now());
-        let still_mine = self.lock_mirror().grants.get(key).is_some_and(|g| g.lease == etcd_lease && g.token == token);
+        let still_mine = self.lock_mirror().grants.get(key).is_some_and(|g| g.token == token);
         if still_mine && left.as_millis() * 3 >= u128::from(granted_ms) * 2 {
-            cleanup.lease = None;
+            cleanup.orphan.answered();
             return Ok(GrantView { key: req.key, fencing_token: token, lease_id, ttl_ms: millis(left), holder });
         }
-        // Activation may have outlasted the grant's own lease, and another
-        // acquire may then hold the key: answer only a grant that is still
-        // this one in etcd (a consistent read; the key goes with its lease).
-        match self.own_grant(key, &lease_id).await? {
-            Some((_, l, t)) if l == etcd_lease && t == token => {}
-            _ => {
-                return Err(Error::Unavailable(
-                    "the grant's lease ended while the grant was being activated (its keepalive failed); retry".into(),
-                ))
-            }
+        // Activation took long (the renewals kept the grant meanwhile, but a
+        // renewal may have failed and the grant expired): one renewal now,
+        // which succeeds only if the grant is still this one, and the answer
+        // counts from before it.
+        let sent = Instant::now();
+        if !self.renew_grant(key, granted.revision, granted.value.clone()).await? {
+            return Err(Error::Unavailable(
+                "the grant expired while it was being activated (a renewal failed); retry".into(),
+            ));
         }
-        // One last keepalive: the full TTL from now.
-        let _ = call(self.timeout, "renewing the new grant", || {
-            let mut leases = self.client.lease_client();
-            async move { leases.keep_alive(etcd_lease).await }
-        })
-        .await;
-        cleanup.lease = None;
-        Ok(GrantView { key: req.key, fencing_token: token, lease_id, ttl_ms: granted_ms, holder })
+        let left = Self::deadline_after(sent, ttl).saturating_duration_since(Instant::now());
+        cleanup.orphan.answered();
+        Ok(GrantView { key: req.key, fencing_token: token, lease_id, ttl_ms: millis(left), holder })
     }
 
-    /// Keeps `lease` alive every third of its TTL until the returned guard
+    /// Renews the new grant every third of its TTL until the returned guard
     /// is dropped.
-    fn keep_alive_while_activating(&self, lease: i64, granted_ms: u64) -> AbortOnDrop {
-        let client = self.client.clone();
-        let period = Duration::from_millis((granted_ms / 3).max(300));
+    fn renew_while_activating(self: &Arc<Self>, key: &str, created: i64, value: &[u8], granted_ms: u64) -> AbortOnDrop {
+        let (c, key, value) = (self.clone(), key.to_string(), value.to_vec());
+        let period = Duration::from_millis((granted_ms / 3).max(100));
         AbortOnDrop(tokio::spawn(async move {
-            // The lease was just granted with its full TTL: the first
-            // keepalive is due only a third of it later (an activation that
-            // ends sooner costs no keepalive stream at all).
-            tokio::time::sleep(period).await;
-            let mut leases = client.lease_client();
-            let Ok((mut keeper, mut stream)) = leases.keep_alive(lease).await else { return };
+            // The grant was just written: the first renewal is due only a
+            // third of its TTL later (an activation that ends sooner costs
+            // none).
             loop {
                 tokio::time::sleep(period).await;
-                if keeper.keep_alive().await.is_err() || !matches!(stream.message().await, Ok(Some(_))) {
+                if !matches!(c.renew_grant(&key, created, value.clone()).await, Ok(true)) {
                     return;
                 }
             }
@@ -261,29 +245,20 @@ impl Cluster {
 
     /// One attempt: the grant on success, `None` when the key is taken or
     /// an older waiter is queued. `queued`: this acquire's waiter entry and
-    /// its revision. `unanswered` holds the attempt's etcd lease from the
-    /// moment it exists until the attempt has ended it itself: an acquire
-    /// dropped meanwhile (its client hung up while the shared transaction
-    /// was in flight) then revokes it, which ends a grant made for nobody
-    /// at once instead of at its TTL.
+    /// its revision. `orphan` receives the committed grant from the batch,
+    /// so that an acquire dropped at any point (its client hung up while
+    /// the shared transaction was in flight) or failing below ends the
+    /// grant made for nobody at once instead of at its TTL.
     async fn try_grant(
         &self,
         key: &str,
         holder: &str,
         secret: &str,
-        ttl_s: i64,
+        granted_ms: u64,
         queued: Option<(&str, i64)>,
-        unanswered: &mut Option<i64>,
+        orphan: &Orphan,
     ) -> Result<Option<Granted>, Error> {
-        let lease_sent = Instant::now();
-        let grant = call(self.timeout, "granting a lease", || {
-            let mut leases = self.client.lease_client();
-            async move { leases.grant(ttl_s, None).await }
-        })
-        .await?;
-        let lease = grant.id();
-        *unanswered = Some(lease);
-        let granted_ms = u64::try_from(grant.ttl()).unwrap_or(0).saturating_mul(1000);
+        let sent = Instant::now();
         // Every token seen before this transaction was committed earlier in
         // etcd's history, so its revision is above them all — unless that
         // history was rolled back (a restore, a new cluster).
@@ -296,53 +271,32 @@ impl Cluster {
             secret: secret.to_string(),
             holder: holder.to_string(),
             granted_ms,
-            lease,
             queued: queued.map(|(q, r)| (q.to_string(), r)),
+            orphan: orphan.clone(),
             reply,
         };
-        let committed = match self.grant_in_batch(attempt, answer).await {
-            Ok(Some(c)) => c,
-            Ok(None) => {
-                if self.revoke(lease).await.is_ok() {
-                    *unanswered = None;
-                }
-                return Ok(None);
-            }
-            Err(e) => {
-                // Unknown outcome: the lease, if granted, is revoked, which
-                // ends such a grant at once.
-                if self.revoke(lease).await.is_ok() {
-                    *unanswered = None;
-                }
-                return Err(e);
-            }
-        };
+        // On an unknown outcome the batch itself ends such a grant.
+        let Some(committed) = self.grant_in_batch(attempt, answer).await? else { return Ok(None) };
         let (rev, offset) = (committed.revision, committed.offset);
         let token = token_of(offset, rev, Some(committed.slot));
         if token == u64::MAX {
             // `token_of` saturates: every token past the end of the space
             // reads as u64::MAX, so it can name no grant alone (a batch of
-            // several would all get it).
-            if self.revoke(lease).await.is_ok() {
-                *unanswered = None;
-            }
+            // several would all get it). The grant is ended by `orphan`.
             return Err(Error::Unavailable(format!(
                 "the token space is exhausted (etcd revision {rev} with offset {offset} reaches u64::MAX): no token \
                  can be issued without repeating one; the token floor was raised too far"
             )));
         }
         if token <= floor {
-            // Withdrawn before anyone saw it: revoking ends the grant.
-            if self.revoke(lease).await.is_ok() {
-                *unanswered = None;
-            }
+            // Withdrawn before anyone saw it: `orphan` ends the grant.
             return Err(Error::Unavailable(format!(
                 "etcd's revision {rev} (token {token} with offset {offset}) is not above the token floor {floor}: \
                  etcd was restored or replaced, and granting now could issue a token twice; an operator must run \
                  `fencegate cluster raise-floor --to {floor}`"
             )));
         }
-        Ok(Some(Granted { token, revision: rev, granted_ms, lease, lease_sent }))
+        Ok(Some(Granted { token, revision: rev, value: committed.value, sent }))
     }
 
     /// A new waiter entry's key for `key`, and the membership lease it
@@ -368,6 +322,24 @@ impl Cluster {
 }
 
 impl Cluster {
+    /// The grant of `key` the caller's lease id names: from this gateway's
+    /// mirror when it holds the key with the id's hash (the hash is of a
+    /// random id, so the grant there is this one), else as etcd has it now
+    /// (a consistent read). Its value, create revision and token.
+    async fn find_grant(&self, key: &str, lease_id: &str) -> Result<Option<(GrantValue, i64, u64)>, Error> {
+        let hashed = sha256_hex(lease_id);
+        let known = self
+            .lock_mirror()
+            .grants
+            .get(key)
+            .filter(|g| secret_eq(&g.value.s, &hashed))
+            .map(|g| (g.value.clone(), g.created, g.token));
+        match known {
+            Some(k) => Ok(Some(k)),
+            None => self.own_grant(key, lease_id).await,
+        }
+    }
+
     /// The grant of `key` as etcd has it now (a consistent read), if its
     /// lease id hashes to the stored one.
     async fn own_grant(&self, key: &str, lease_id: &str) -> Result<Option<(GrantValue, i64, u64)>, Error> {
@@ -382,12 +354,13 @@ impl Cluster {
             return Ok(None);
         }
         let token = token_of(value.o, found.create_revision(), value.i);
-        Ok(Some((value, found.lease(), token)))
+        Ok(Some((value, found.create_revision(), token)))
     }
 
-    /// `POST /v1/locks/renew`: one keepalive of the grant's etcd lease. An
-    /// etcd lease's TTL is fixed when it is granted, so a renewal always
-    /// extends by the granted TTL (`ttl_ms` in the answer), whatever it asks.
+    /// `POST /v1/locks/renew`: `g/KEY` put again if it is still this grant
+    /// (its create revision), which restarts every gateway's expiry
+    /// deadline. A renewal extends by the grant's TTL (`ttl_ms` in the
+    /// answer); a `ttl_ms` in the request is checked but does not change it.
     pub async fn renew(&self, req: RenewRequest) -> Result<RenewView, Error> {
         let result = self.renew_inner(req).await;
         let outcome = match &result {
@@ -408,30 +381,19 @@ impl Cluster {
             validate_ttl(ttl_ms, &self.limits)?;
         }
         let lost = || Error::LeaseLost { key: req.key.clone() };
-        let Some((value, lease, token)) = self.own_grant(&req.key, &req.lease_id).await? else {
+        let Some((value, created, token)) = self.find_grant(&req.key, &req.lease_id).await? else {
             return Err(lost());
         };
-        let renewed = call(self.timeout, "renewing", || {
-            let mut leases = self.client.lease_client();
-            async move {
-                match leases.keep_alive(lease).await {
-                    // Gone: an answer, not a failure of the request.
-                    Err(etcd_client::Error::LeaseKeepAliveError(m)) if m.contains("not found") => Ok(false),
-                    Err(e) => Err(e),
-                    Ok(_) => Ok(true),
-                }
-            }
-        })
-        .await?;
-        if renewed {
+        let bytes = serde_json::to_vec(&value).map_err(|e| Error::Internal(format!("encoding a grant: {e}")))?;
+        if self.renew_grant(&req.key, created, bytes).await? {
             Ok(RenewView { key: req.key, fencing_token: token, ttl_ms: value.t })
         } else {
             Err(lost())
         }
     }
 
-    /// `POST /v1/locks/release`: revokes the grant's etcd lease, which
-    /// deletes the grant key in the same step.
+    /// `POST /v1/locks/release`: deletes `g/KEY` if it is still this grant
+    /// (its create revision).
     pub async fn release(&self, req: ReleaseRequest) -> Result<(), Error> {
         let result = self.release_inner(&req).await;
         let outcome = match &result {
@@ -449,42 +411,21 @@ impl Cluster {
     async fn release_inner(&self, req: &ReleaseRequest) -> Result<(), Error> {
         validate_key(&req.key)?;
         let not_owner = || Error::NotOwner { key: req.key.clone() };
-        // One lease per grant, and the stored hash is of that grant's
-        // random lease id: when this gateway's mirror holds the key with a
-        // matching hash, its lease is this grant's, and revoking it ends
-        // exactly this grant (or answers "not found" if it has ended) — no
-        // consistent read first. Otherwise (the mirror has not seen the
-        // grant yet, or saw a different one) etcd is asked.
-        let hashed = sha256_hex(&req.lease_id);
-        let known = self.lock_mirror().grants.get(&req.key).filter(|g| secret_eq(&g.value.s, &hashed)).map(|g| g.lease);
-        let lease = match known {
-            Some(l) => l,
-            None => match self.own_grant(&req.key, &req.lease_id).await? {
-                Some((_, l, _)) => l,
-                None => return Err(not_owner()),
-            },
+        // The stored hash is of the grant's random lease id, so the grant
+        // found is this one: deleting it by its create revision ends exactly
+        // this grant, or finds it already ended.
+        let Some((_, created, _)) = self.find_grant(&req.key, &req.lease_id).await? else {
+            return Err(not_owner());
         };
-        let revoked = call(self.timeout, "releasing", || {
-            let mut leases = self.client.lease_client();
-            async move {
-                match leases.revoke(lease).await {
-                    // Gone: an answer, not a failure of the request.
-                    Err(e) if e.to_string().contains("not found") => Ok(false),
-                    Err(e) => Err(e),
-                    Ok(_) => Ok(true),
-                }
-            }
-        })
-        .await?;
-        if revoked {
+        if self.end_grant(&req.key, created).await? {
             Ok(())
         } else {
             Err(not_owner())
         }
     }
 
-    /// `GET /v1/locks/status` from this gateway's mirror, with the lease's
-    /// remaining time asked of etcd.
+    /// `GET /v1/locks/status` from this gateway's mirror; the time left is
+    /// to this gateway's expiry deadline, never above the TTL.
     pub async fn status(&self, key: &str) -> Result<StatusView, Error> {
         validate_key(key)?;
         let fence = self.fences.durable_fence(key);
@@ -492,19 +433,14 @@ impl Cluster {
         let Some(g) = grant else {
             return Ok(StatusView::free(key, fence));
         };
-        let ttl = call(self.timeout, "reading a lease", || {
-            let mut leases = self.client.lease_client();
-            async move { leases.time_to_live(g.lease, None).await }
-        })
-        .await?;
-        let left = u64::try_from(ttl.ttl()).unwrap_or(0).saturating_mul(1000);
+        let left = millis(g.deadline.saturating_duration_since(Instant::now())).min(g.value.t);
         Ok(StatusView {
             key: key.to_string(),
             fence: fence.max(g.token),
-            held: ttl.ttl() > 0,
-            fencing_token: (ttl.ttl() > 0).then_some(g.token),
-            holder: (ttl.ttl() > 0).then_some(g.value.h.clone()),
-            expires_in_ms: (ttl.ttl() > 0).then_some(left),
+            held: true,
+            fencing_token: Some(g.token),
+            holder: Some(g.value.h.clone()),
+            expires_in_ms: Some(left),
         })
     }
 

@@ -23,7 +23,7 @@ use super::{call, Cluster};
 use crate::error::Error;
 
 /// ε: the share of the TTL given up to clock-rate differences.
-const EPSILON: f64 = 0.1;
+pub(super) const EPSILON: f64 = 0.1;
 /// Margin for scheduling delays between the check and the forward.
 const MARGIN: Duration = Duration::from_millis(200);
 /// Pause before a failed keepalive round is tried again.

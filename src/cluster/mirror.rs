@@ -8,14 +8,16 @@ use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
 /// A grant's value in etcd. The lease id itself is never stored: only its
-/// SHA-256, which renew and release compare against.
+/// SHA-256, which renew and release compare against. A grant key has no
+/// etcd lease: it ends when the gateways delete it (release, or expiry by
+/// the gateways' own deadlines, see `expiry`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct GrantValue {
     /// SHA-256 of the lease id, hex.
     pub s: String,
     /// Holder label.
     pub h: String,
-    /// TTL granted by etcd, ms.
+    /// The grant's TTL, ms.
     pub t: u64,
     /// Token offset in effect when granted.
     pub o: u64,
@@ -29,8 +31,17 @@ pub(crate) struct GrantValue {
 #[derive(Debug, Clone)]
 pub(crate) struct GrantEntry {
     pub token: u64,
-    /// The etcd lease the grant key is bound to.
-    pub lease: i64,
+    /// `create_revision` of the grant key: names this grant (renew and
+    /// release compare it).
+    pub created: i64,
+    /// `mod_revision` of its last put (the grant or its last renewal):
+    /// expiry deletes the key only if it is still this one.
+    pub modified: i64,
+    /// When this gateway may expire it: when ITS feed first saw the last
+    /// put, plus the TTL·(1 + ε). The put was committed before this
+    /// gateway saw it, and the holder counts its TTL from before the
+    /// commit, so this is always later than the holder's own deadline.
+    pub deadline: Instant,
     pub value: GrantValue,
 }
 
@@ -79,6 +90,13 @@ impl Mirror {
         }
         let first = self.queues.get(key).and_then(|q| q.first().copied());
         first == mine
+    }
+
+    /// The gateway that expires grants: the lowest `gateway_id` among the
+    /// live members not draining, as this mirror sees them. Two gateways
+    /// that both believe they are it only repeat each other's compares.
+    pub fn expirer(&self) -> Option<&str> {
+        self.members.iter().filter(|(_, m)| !m.drained).map(|(gw, _)| gw.as_str()).min()
     }
 
     /// The current holder's token of `key`, 0 for none.
@@ -131,5 +149,17 @@ mod tests {
         assert!(m.may_take("k", Some(12)));
         m.remove_waiter(b"q2");
         assert!(m.queues.is_empty() && m.queue_index.is_empty());
+    }
+
+    #[test]
+    fn the_expirer_is_the_lowest_live_member_not_draining() {
+        let mut m = Mirror::default();
+        assert_eq!(m.expirer(), None);
+        m.members.insert("gw1".into(), MemberEntry { lease: 1, drained: false });
+        m.members.insert("gw0".into(), MemberEntry { lease: 2, drained: true });
+        m.members.insert("gw2".into(), MemberEntry { lease: 3, drained: false });
+        assert_eq!(m.expirer(), Some("gw1"));
+        m.remove_member("gw1");
+        assert_eq!(m.expirer(), Some("gw2"));
     }
 }

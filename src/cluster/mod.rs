@@ -6,7 +6,7 @@
 //!
 //! | key | value | lease | meaning |
 //! |---|---|---|---|
-//! | `P g/KEY` | holder, ttl, hash of the lease id, offset | the grant's own | the live grant of KEY |
+//! | `P g/KEY` | holder, ttl, hash of the lease id, offset, slot | none | the live grant of KEY |
 //! | `P f/KEY` | `offset/slot` | none | KEY's fence: `offset + mod_revision · 64 + slot` |
 //! | `P q/KEY \0 ID` | empty | the waiting gateway's membership | a waiter, ordered by create revision |
 //! | `P m/GW` | `up` or `drained` | GW's membership | gateway GW is a live member |
@@ -14,13 +14,16 @@
 //! | `P meta/offset` | u64 | none | added to revisions (raised by `fencegate cluster raise-floor`) |
 //!
 //! Guarantees:
-//! - A grant is one (sub-)transaction: create-if-absent of `g/KEY` on a
-//!   fresh etcd lease, only when no older waiter is queued, plus the fence
-//!   put; concurrent grants of one gateway share one etcd transaction, one
-//!   slot each ([`batch`]). Its token is `offset + revision · 64 + slot`:
-//!   global, strictly increasing, and a slot grants one key, so a token
-//!   names exactly one grant of one key. A put on an expired lease fails,
-//!   so no grant is ever made on a dead lease.
+//! - A grant is one (sub-)transaction: create-if-absent of `g/KEY`, only
+//!   when no older waiter is queued, plus the fence put; concurrent grants,
+//!   renewals, releases and expiries of one gateway share one etcd
+//!   transaction ([`batch`]), grants one slot each. Its token is
+//!   `offset + revision · 64 + slot`: global, strictly increasing, and a
+//!   slot grants one key, so a token names exactly one grant of one key.
+//! - A grant key has no etcd lease: renewal puts it again (compared on its
+//!   create revision), release deletes it (likewise), and the gateways
+//!   expire it by their own deadlines, each counted from when their watch
+//!   saw its last put, always later than the holder's ([`expiry`]).
 //! - Each gateway mirrors the prefix in memory (one consistent read at R,
 //!   a watch from R+1, a full reload when compaction cancels the watch) and
 //!   installs fences into its [`FenceTable`]: the data path never waits on
@@ -33,6 +36,7 @@
 //!   acknowledged in time and its watch is proved current ([`member`]).
 
 mod batch;
+mod expiry;
 mod feed;
 mod floor;
 mod leases;
@@ -264,7 +268,8 @@ pub struct Cluster {
     /// hand): that membership is over; wakes the membership loop.
     member_lost: std::sync::atomic::AtomicI64,
     member_lost_kick: tokio::sync::Notify,
-    /// Grant attempts waiting for the next shared transaction.
+    /// Grants, renewals, releases and expiries waiting for the next shared
+    /// transaction.
     batches: batch::Queue,
     stop: Shutdown,
 }
@@ -340,6 +345,7 @@ impl Cluster {
         tokio::spawn(cluster.clone().run_member());
         tokio::spawn(cluster.clone().run_acks());
         tokio::spawn(cluster.clone().run_batches(batch_rx));
+        tokio::spawn(cluster.clone().run_expiry());
         tokio::spawn(cluster.floor.clone().run(cluster.stop.clone()));
         tracing::info!(gateway = %cluster.gateway_id, revision = watch_from - 1, "cluster mode: fences loaded from etcd");
         Ok(cluster)
