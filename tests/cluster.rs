@@ -1370,3 +1370,27 @@ async fn a_grant_outlives_every_gateway_killed_and_restarted_within_its_ttl() {
         at.duration_since(answered).as_millis()
     );
 }
+
+/// A strict write under a grant its own gateway has just released is
+/// refused at once: the release takes the grant out of that gateway's view
+/// before it answers (the watch's delete comes a little later). Through
+/// another gateway the refusal can lag by that gateway's watch delay; the
+/// fence still refuses anyone's older token once a new grant is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_right_after_its_release_through_the_same_gateway_is_refused() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let s = setup(2).await;
+    let mut forwarded = Vec::new();
+    for n in 0..40 {
+        let key = format!("released/{}", n % 4);
+        let g = acquire(&s.http, &s.api(0), &key, 10_000, 5_000).await.unwrap();
+        assert_eq!(release(&s.http, &s.api(0), &g).await.status, StatusCode::OK);
+        let w = s.put(0, &format!("/{key}"), g.token).await;
+        if w.status == StatusCode::OK {
+            forwarded.push(g.token);
+        } else {
+            assert_eq!(w.error_code(), "lease_expired", "{:?}", w.body);
+        }
+    }
+    assert!(forwarded.is_empty(), "writes forwarded after their release was answered: {forwarded:?}");
+}

@@ -229,9 +229,11 @@ struct Membership {
 
 impl crate::fence::GrantLiveness for Cluster {
     /// Live: this gateway's mirror of etcd holds `key`'s grant with `token`
-    /// (a grant ends in etcd with its lease, and the watch deletes it here).
+    /// and this gateway's expiry deadline for it has not passed (a grant
+    /// ends when a gateway deletes it, and the watch deletes it here).
     fn is_live(&self, key: &str, token: u64) -> bool {
-        self.lock_mirror().grants.get(key).is_some_and(|g| g.token == token)
+        let now = tokio::time::Instant::now();
+        self.lock_mirror().grants.get(key).is_some_and(|g| g.token == token && g.deadline > now)
     }
 }
 
