@@ -13,11 +13,15 @@
 //! - `no-self-fencing`: in cluster mode the gateway never gates mutations on
 //!   its membership and its watch, so it keeps admitting past its member
 //!   deadline, while partitioned from etcd or stopped, on a fence view that
-//!   may be stale (the property docs/cluster.md's self-fencing gives).
-//! - `slow-grant-answer`: in cluster mode every shared grant transaction is
-//!   answered to its acquires 1 s after etcd committed it. Not unsafe, only
-//!   slow: it opens the window in which a test's client hangs up while its
-//!   grant exists in etcd but is not yet answered.
+//!   may be stale (the property docs/cluster.md's self-fencing gives), and
+//!   a strict route takes a grant in its view as live whatever its expiry
+//!   deadline (the deadline is the other half of self-fencing: a gateway cut
+//!   from etcd sees neither releases nor expiries).
+//! - `slow-grant-answer`: in cluster mode every shared transaction with a
+//!   grant or a renewal in it is answered 1 s after etcd committed it. Not
+//!   unsafe, only slow: it opens the window in which a test's client hangs
+//!   up while its grant exists in etcd but is not yet answered, and the one
+//!   in which a renewal's answer comes late.
 //! - `stale-expiry-view`: in cluster mode the gateway's feed does not apply
 //!   renewals (a put of a grant key it already holds with the same create
 //!   revision), so its expiry deadlines stay those of each grant's first

@@ -1394,3 +1394,69 @@ async fn a_write_right_after_its_release_through_the_same_gateway_is_refused() {
     }
     assert!(forwarded.is_empty(), "writes forwarded after their release was answered: {forwarded:?}");
 }
+
+/// A renewal answered late promises only the time it is sure of: the
+/// gateways' expiry counts from when they saw the renewal's put, so a
+/// renewal whose answer was held back (here the debug fault
+/// `slow-grant-answer` answers 1 s after the commit; the outside review
+/// paused the gateway with SIGSTOP) must not promise a full TTL. No other
+/// client gets the key before the answered time is up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewal_answered_late_promises_only_the_time_it_is_sure_of() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = EtcdCluster::start(dir.path(), 3).await;
+    let rec = Recorder::start().await;
+    let slow = Gateway::start(
+        &dir.path().join("slow"),
+        Opts {
+            config: Some(gateway_config(&etcd, "slow", &rec.url())),
+            env: vec![("FENCEGATE_NEMESIS_BREAK", "slow-grant-answer".into())],
+            ..Opts::default()
+        },
+    );
+    let peer = Gateway::start(
+        &dir.path().join("peer"),
+        Opts { config: Some(gateway_config(&etcd, "peer", &rec.url())), ..Opts::default() },
+    );
+    let http = Http::default();
+    let started = Instant::now();
+    let g = loop {
+        match acquire(&http, &peer.api_url(""), "late/renew", 2000, 0).await {
+            Ok(g) => break g,
+            Err(r) => assert!(started.elapsed() < Duration::from_secs(20), "no grant: {:?}", r.body),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let sent = Instant::now();
+    let r = http
+        .post_json(
+            &format!("{}/v1/locks/renew", slow.api_url("")),
+            serde_json::json!({"key": "late/renew", "lease_id": g.lease_id}),
+        )
+        .await;
+    let answered = Instant::now();
+    assert_eq!(r.status, StatusCode::OK, "{:?}", String::from_utf8_lossy(&r.body));
+    assert!(answered - sent >= Duration::from_millis(1000), "the fault did not delay the answer");
+    let promised = Duration::from_millis(r.json()["ttl_ms"].as_u64().unwrap());
+    assert!(promised < Duration::from_millis(1000), "a renewal answered 1 s late promised {promised:?} of a 2 s TTL");
+    // Nobody else gets the key within what was promised.
+    let until = answered + promised;
+    while Instant::now() < until {
+        if let Ok(other) = acquire(&http, &peer.api_url(""), "late/renew", 2000, 0).await {
+            panic!(
+                "granted again (token {}) {} ms after a renewal answered with {} ms",
+                other.token,
+                answered.elapsed().as_millis(),
+                promised.as_millis()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    println!(
+        "FIGURE a renewal answered {} ms after it was sent (TTL 2000 ms) promised {} ms",
+        (answered - sent).as_millis(),
+        promised.as_millis()
+    );
+    drop(etcd);
+}

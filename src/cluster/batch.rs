@@ -304,6 +304,7 @@ impl Cluster {
         let mut subs = Vec::with_capacity(batch.len());
         let mut pending = Vec::with_capacity(batch.len());
         let mut slot = 0u64;
+        let mut renewals = 0usize;
         for op in batch {
             match op {
                 Op::Grant(a) => match self.grant_op(&a, offset, offset_rev, slot) {
@@ -321,6 +322,7 @@ impl Cluster {
                     let when = vec![Compare::create_revision(g.clone(), CompareOp::Equal, created)];
                     subs.push(TxnOp::txn(Txn::new().when(when).and_then(vec![TxnOp::put(g, value, None)])));
                     pending.push(Pending::Answer(reply));
+                    renewals += 1;
                 }
                 Op::End { key, created, reply } => {
                     let g = self.keys.grant(&key);
@@ -376,7 +378,7 @@ impl Cluster {
             }
         };
         let revision = done.header().map_or(0, |h| h.revision());
-        if crate::fault::enabled(crate::fault::Fault::SlowGrantAnswer) && slot > 0 {
+        if crate::fault::enabled(crate::fault::Fault::SlowGrantAnswer) && (slot > 0 || renewals > 0) {
             tokio::time::sleep(std::time::Duration::from_secs(1)).await;
         }
         let outcomes = done.op_responses();

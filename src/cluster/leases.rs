@@ -385,11 +385,23 @@ impl Cluster {
             return Err(lost());
         };
         let bytes = serde_json::to_vec(&value).map_err(|e| Error::Internal(format!("encoding a grant: {e}")))?;
-        if self.renew_grant(&req.key, created, bytes).await? {
-            Ok(RenewView { key: req.key, fencing_token: token, ttl_ms: value.t })
-        } else {
-            Err(lost())
+        let sent = Instant::now();
+        if !self.renew_grant(&req.key, created, bytes).await? {
+            return Err(lost());
         }
+        // Every gateway's expiry deadline for the new put counts from when
+        // it saw the put, after `sent`, plus TTL·1.1. The answer promises
+        // only what is certain from `sent` (the same ε and margin as an
+        // acquire's answer and the membership), counted from the answer: a
+        // renewal answered late (a paused gateway, a slow etcd) promises
+        // less, never a full TTL the grant may no longer have.
+        let left = Self::deadline_after(sent, Duration::from_millis(value.t)).saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Error::Unavailable(
+                "the renewal was committed but answered too late to promise any time; renew again".into(),
+            ));
+        }
+        Ok(RenewView { key: req.key, fencing_token: token, ttl_ms: millis(left) })
     }
 
     /// `POST /v1/locks/release`: deletes `g/KEY` if it is still this grant
