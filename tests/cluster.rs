@@ -831,20 +831,7 @@ async fn grants_at_the_end_of_the_token_space_are_refused_not_repeated() {
 async fn an_acquire_whose_client_hung_up_during_its_grant_transaction_leaves_the_key_free() {
     let _one = ONE_AT_A_TIME.lock().await;
     let dir = tempfile::tempdir().unwrap();
-    let etcd = EtcdCluster::start(dir.path(), 3).await;
-    let rec = Recorder::start().await;
-    let slow = Gateway::start(
-        &dir.path().join("slow"),
-        Opts {
-            config: Some(gateway_config(&etcd, "slow", &rec.url())),
-            env: vec![("FENCEGATE_NEMESIS_BREAK", "slow-grant-answer".into())],
-            ..Opts::default()
-        },
-    );
-    let peer = Gateway::start(
-        &dir.path().join("peer"),
-        Opts { config: Some(gateway_config(&etcd, "peer", &rec.url())), ..Opts::default() },
-    );
+    let (etcd, _rec, slow, peer) = slow_and_peer(dir.path()).await;
     let http = Http::default();
     let held = |gw: &Gateway| {
         let url = format!("{}/v1/locks/status?key=hungup", gw.api_url(""));
@@ -1405,20 +1392,7 @@ async fn a_write_right_after_its_release_through_the_same_gateway_is_refused() {
 async fn a_renewal_answered_late_promises_only_the_time_it_is_sure_of() {
     let _one = ONE_AT_A_TIME.lock().await;
     let dir = tempfile::tempdir().unwrap();
-    let etcd = EtcdCluster::start(dir.path(), 3).await;
-    let rec = Recorder::start().await;
-    let slow = Gateway::start(
-        &dir.path().join("slow"),
-        Opts {
-            config: Some(gateway_config(&etcd, "slow", &rec.url())),
-            env: vec![("FENCEGATE_NEMESIS_BREAK", "slow-grant-answer".into())],
-            ..Opts::default()
-        },
-    );
-    let peer = Gateway::start(
-        &dir.path().join("peer"),
-        Opts { config: Some(gateway_config(&etcd, "peer", &rec.url())), ..Opts::default() },
-    );
+    let (etcd, _rec, slow, peer) = slow_and_peer(dir.path()).await;
     let http = Http::default();
     let started = Instant::now();
     let g = loop {
@@ -1459,4 +1433,25 @@ async fn a_renewal_answered_late_promises_only_the_time_it_is_sure_of() {
         promised.as_millis()
     );
     drop(etcd);
+}
+
+/// A 3-member etcd cluster, a recording upstream and two gateways: `slow`
+/// answers every shared transaction with a grant or a renewal 1 s after
+/// its commit (debug fault `slow-grant-answer`), `peer` runs as it should.
+async fn slow_and_peer(dir: &std::path::Path) -> (EtcdCluster, Recorder, Gateway, Gateway) {
+    let etcd = EtcdCluster::start(dir, 3).await;
+    let rec = Recorder::start().await;
+    let slow = Gateway::start(
+        &dir.join("slow"),
+        Opts {
+            config: Some(gateway_config(&etcd, "slow", &rec.url())),
+            env: vec![("FENCEGATE_NEMESIS_BREAK", "slow-grant-answer".into())],
+            ..Opts::default()
+        },
+    );
+    let peer = Gateway::start(
+        &dir.join("peer"),
+        Opts { config: Some(gateway_config(&etcd, "peer", &rec.url())), ..Opts::default() },
+    );
+    (etcd, rec, slow, peer)
 }
