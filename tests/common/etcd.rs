@@ -58,8 +58,27 @@ impl EtcdCluster {
         Self::start_with(dir, n, Some(tls)).await
     }
 
+    /// A port picked by [`free_port`] can be taken by another process
+    /// before etcd binds it; that member then exits at once, and the whole
+    /// cluster is started again on other ports.
     async fn start_with(dir: &Path, n: usize, tls: Option<Tls>) -> EtcdCluster {
         etcd_binary();
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let mut c = Self::spawn_all(dir, n, tls.clone());
+            if c.wait_healthy_or_exited(Duration::from_secs(30)).await {
+                return c;
+            }
+            assert!(attempt < 4, "etcd members kept exiting at start: {}", c.logs());
+            for i in 0..n {
+                c.kill9(i);
+                let _ = std::fs::remove_dir_all(&c.members[i].data_dir);
+            }
+        }
+    }
+
+    fn spawn_all(dir: &Path, n: usize, tls: Option<Tls>) -> EtcdCluster {
         let scheme = if tls.is_some() { "https" } else { "http" };
         let mut members = Vec::new();
         for i in 0..n {
@@ -80,8 +99,32 @@ impl EtcdCluster {
         for i in 0..n {
             c.spawn(i);
         }
-        c.wait_healthy(Duration::from_secs(30)).await;
         c
+    }
+
+    /// True once a put succeeds through a quorum; false as soon as a member
+    /// has exited (its ports were taken). Panics after `limit`.
+    async fn wait_healthy_or_exited(&mut self, limit: Duration) -> bool {
+        let started = Instant::now();
+        loop {
+            if self.members.iter_mut().any(|m| m.child.as_mut().is_some_and(|c| !matches!(c.try_wait(), Ok(None)))) {
+                return false;
+            }
+            if self.put_probe().await {
+                return true;
+            }
+            assert!(started.elapsed() < limit, "etcd cluster not healthy after {limit:?}: {}", self.logs());
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    async fn put_probe(&self) -> bool {
+        if let Ok(mut c) = tokio::time::timeout(Duration::from_secs(2), self.client()).await {
+            if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_secs(2), c.put("/health-probe", "1", None)).await {
+                return true;
+            }
+        }
+        false
     }
 
     fn spawn(&mut self, i: usize) {
@@ -152,11 +195,8 @@ impl EtcdCluster {
     pub async fn wait_healthy(&self, limit: Duration) {
         let started = Instant::now();
         loop {
-            if let Ok(mut c) = tokio::time::timeout(Duration::from_secs(2), self.client()).await {
-                if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_secs(2), c.put("/health-probe", "1", None)).await
-                {
-                    return;
-                }
+            if self.put_probe().await {
+                return;
             }
             assert!(started.elapsed() < limit, "etcd cluster not healthy after {limit:?}: {}", self.logs());
             tokio::time::sleep(Duration::from_millis(100)).await;

@@ -16,9 +16,20 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::Value;
 
-/// A free loopback port (bound, then released).
+/// A free loopback port (bound, then released), never one this process
+/// handed out before: the kernel may give the same released port to two
+/// binds in a row, and an etcd cluster whose two members got the same peer
+/// port never forms.
 pub fn free_port() -> u16 {
-    StdListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    static GIVEN: Mutex<Vec<u16>> = Mutex::new(Vec::new());
+    let mut given = GIVEN.lock().unwrap();
+    loop {
+        let port = StdListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
 }
 
 /// The real binary, running as a child process.
