@@ -8,7 +8,7 @@ use std::sync::Arc;
 use criterion::{criterion_group, criterion_main, Criterion};
 use fencegate::authority::{AcquireRequest, Authority, ReleaseRequest};
 use fencegate::config::LocksConfig;
-use fencegate::fence::{token::parse_one, Admission, CheckPolicy, FenceTable, GrantLiveness};
+use fencegate::fence::{token::parse_one, Admission, CheckPolicy, FenceTable, GrantLiveness, Liveness};
 use fencegate::http1::wire::{parse_head, parse_response, Head, Parsed, RespHead, RespParsed};
 use fencegate::metrics::Metrics;
 use fencegate::proxy::path::check_path;
@@ -91,7 +91,11 @@ criterion_main!(benches);
 struct LiveGrants(dashmap::DashMap<String, u64>);
 
 impl GrantLiveness for LiveGrants {
-    fn is_live(&self, key: &str, token: u64) -> bool {
-        self.0.get(key).is_some_and(|t| *t == token)
+    fn liveness(&self, key: &str, token: u64) -> Liveness {
+        if self.0.get(key).is_some_and(|t| *t == token) {
+            Liveness::Live
+        } else {
+            Liveness::Ended
+        }
     }
 }

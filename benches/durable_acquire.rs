@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use fencegate::authority::{AcquireRequest, Authority, ReleaseRequest};
 use fencegate::config::LocksConfig;
-use fencegate::fence::{Admission, CheckPolicy, FenceTable, GrantLiveness};
+use fencegate::fence::{Admission, CheckPolicy, FenceTable, GrantLiveness, Liveness};
 use fencegate::metrics::Metrics;
 use fencegate::store::{wait_durable, Store, SyncObserver, WriterOptions};
 
@@ -141,7 +141,11 @@ criterion_main!(benches);
 struct LiveGrants(dashmap::DashMap<String, u64>);
 
 impl GrantLiveness for LiveGrants {
-    fn is_live(&self, key: &str, token: u64) -> bool {
-        self.0.get(key).is_some_and(|t| *t == token)
+    fn liveness(&self, key: &str, token: u64) -> Liveness {
+        if self.0.get(key).is_some_and(|t| *t == token) {
+            Liveness::Live
+        } else {
+            Liveness::Ended
+        }
     }
 }

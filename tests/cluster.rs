@@ -1313,6 +1313,15 @@ async fn a_renewed_grant_survives_an_expirer_that_never_saw_the_renewals() {
         tokio::time::sleep(Duration::from_millis(400)).await;
     }
     assert_eq!(s.put(2, "/renewed", g.token).await.status, StatusCode::OK);
+    // gw0 never saw the renewals, so its deadline for the grant has passed
+    // while the grant is still in its view: it cannot tell a renewed grant
+    // from an expired one whose end it has not seen. It refuses the write as
+    // `not_current` (503: retry, perhaps elsewhere), not `lease_expired`
+    // (which tells the holder it lost the lock).
+    let forwarded = s.rec.count();
+    let r = s.put(0, "/renewed", g.token).await;
+    assert_eq!((r.status, r.error_code().as_str()), (StatusCode::SERVICE_UNAVAILABLE, "not_current"), "{:?}", r.body);
+    assert_eq!(s.rec.count(), forwarded, "the refused write reached the upstream");
 }
 
 /// Every gateway killed -9 and restarted within the grant's TTL: the grant

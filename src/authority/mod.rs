@@ -209,11 +209,17 @@ pub struct Authority {
 impl crate::fence::GrantLiveness for Authority {
     /// Live: `key`'s grant has `token` and its deadline has not passed —
     /// whether or not the expiry task has reached it yet.
-    fn is_live(&self, key: &str, token: u64) -> bool {
+    fn liveness(&self, key: &str, token: u64) -> crate::fence::Liveness {
         let now_ms = self.now_ms();
-        self.keys
+        let live = self
+            .keys
             .get(key)
-            .is_some_and(|st| st.grant.as_ref().is_some_and(|g| g.token == token && g.deadline_ms > now_ms))
+            .is_some_and(|st| st.grant.as_ref().is_some_and(|g| g.token == token && g.deadline_ms > now_ms));
+        if live {
+            crate::fence::Liveness::Live
+        } else {
+            crate::fence::Liveness::Ended
+        }
     }
 }
 

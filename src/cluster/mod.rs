@@ -52,7 +52,7 @@ use tokio::sync::watch;
 
 use crate::config::{ClusterConfig, LocksConfig};
 use crate::error::Error;
-use crate::fence::FenceTable;
+use crate::fence::{FenceTable, Liveness};
 use crate::metrics::Metrics;
 use crate::shutdown::Shutdown;
 
@@ -231,13 +231,25 @@ impl crate::fence::GrantLiveness for Cluster {
     /// Live: this gateway's mirror of etcd holds `key`'s grant with `token`
     /// and this gateway's expiry deadline for it has not passed (a grant
     /// ends when a gateway deletes it, and the watch deletes it here).
-    fn is_live(&self, key: &str, token: u64) -> bool {
+    ///
+    /// Past that deadline with the grant still in the mirror, this gateway
+    /// cannot tell an expired grant (its delete not seen yet) from a renewed
+    /// one (the renewal's put not seen yet, e.g. while etcd elects a leader):
+    /// unsure, refused as `not_current`, never admitted.
+    fn liveness(&self, key: &str, token: u64) -> Liveness {
         // The deadline is part of self-fencing (a gateway cut from etcd sees
         // no release and no expiry): the nemesis self-test's gateway that
         // does not self-fence (debug builds only) trusts its view as it is.
         let now = tokio::time::Instant::now();
         let trust_view = crate::fault::enabled(crate::fault::Fault::NoSelfFencing);
-        self.lock_mirror().grants.get(key).is_some_and(|g| g.token == token && (trust_view || g.deadline > now))
+        match self.lock_mirror().grants.get(key) {
+            Some(g) if g.token == token && (trust_view || g.deadline > now) => Liveness::Live,
+            Some(g) if g.token == token => Liveness::Unsure(
+                "this gateway's deadline for the grant has passed and it has seen neither a renewal nor the \
+                 grant's end yet",
+            ),
+            _ => Liveness::Ended,
+        }
     }
 }
 

@@ -21,6 +21,20 @@ pub use token::parse_token_header;
 /// copy of it, so a grant whose deadline has passed is refused at once,
 /// however far behind the work of ending grants is.
 pub trait GrantLiveness: Send + Sync {
-    /// True when `key`'s current grant has `token` and has not ended.
-    fn is_live(&self, key: &str, token: u64) -> bool;
+    /// Whether `key`'s current grant has `token` and has not ended.
+    fn liveness(&self, key: &str, token: u64) -> Liveness;
+}
+
+/// What an authority knows of a grant's state ([`GrantLiveness`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Liveness {
+    /// The grant has the token and has not ended.
+    Live,
+    /// The grant has ended, or the key's grant has another token.
+    Ended,
+    /// Cluster mode: the grant is still in this gateway's view, but this
+    /// gateway's deadline for it has passed and it has seen neither a
+    /// renewal nor the grant's end: either may still be on its way. Refused
+    /// as `not_current` (retry), not `lease_expired` (the holder lost it).
+    Unsure(&'static str),
 }

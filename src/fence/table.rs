@@ -19,7 +19,7 @@ use futures_util::task::AtomicWaker;
 use tokio::sync::{oneshot, Notify};
 use tokio::time::Instant;
 
-use super::GrantLiveness;
+use super::{GrantLiveness, Liveness};
 use crate::error::Error;
 use crate::store::{FenceRecord, Op, Store};
 
@@ -450,9 +450,10 @@ impl FenceTable {
         let _ = self.liveness.set(source);
     }
 
-    /// Whether the grant behind `token` is live, as its authority says.
-    fn grant_is_live(&self, key: &str, token: u64) -> bool {
-        self.liveness.get().and_then(Weak::upgrade).is_some_and(|source| source.is_live(key, token))
+    /// Whether the grant behind `token` is live, as its authority says
+    /// (ended when there is no authority).
+    fn grant_liveness(&self, key: &str, token: u64) -> Liveness {
+        self.liveness.get().and_then(Weak::upgrade).map_or(Liveness::Ended, |source| source.liveness(key, token))
     }
 
     /// Cluster mode: installs a fence the shared authority issued (read
@@ -630,7 +631,7 @@ impl FenceTable {
         // and, when it grants, takes this table's (never the other way
         // round). A grant that ends between this answer and the admission
         // is no different from one that ends just after it.
-        let live = !policy.strict || policy.external || self.grant_is_live(key, token);
+        let live = if !policy.strict || policy.external { Liveness::Live } else { self.grant_liveness(key, token) };
         let Some(mut slot) = self.slots.get_mut(key) else {
             // Never fenced: fence 0. Nothing was ever issued for this key.
             if policy.external && token > 0 {
@@ -664,8 +665,10 @@ impl FenceTable {
             }
             return Err(Refusal::Unissued { token, fence: slot.durable });
         }
-        if !live {
-            return Err(Refusal::LeaseExpired { token });
+        match live {
+            Liveness::Live => {}
+            Liveness::Ended => return Err(Refusal::LeaseExpired { token }),
+            Liveness::Unsure(why) => return Err(Refusal::NotCurrent { why }),
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let ctl = slot.register(token, id, &self.inflight_total);
@@ -1003,8 +1006,12 @@ mod tests {
     struct TestGrants(std::sync::Mutex<std::collections::HashMap<String, u64>>);
 
     impl GrantLiveness for TestGrants {
-        fn is_live(&self, key: &str, token: u64) -> bool {
-            self.0.lock().unwrap().get(key) == Some(&token)
+        fn liveness(&self, key: &str, token: u64) -> Liveness {
+            if self.0.lock().unwrap().get(key) == Some(&token) {
+                Liveness::Live
+            } else {
+                Liveness::Ended
+            }
         }
     }
 
