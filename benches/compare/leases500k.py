@@ -27,8 +27,11 @@ Mix (LOADGEN_BIN, the harness's `loadgen held`): on fresh servers, N leases
 acquired by 64 closed-loop clients, one renewal round over all of them
 (fencegate: POST /v1/locks/batch of 1,000; Redis: 1,000 pipelined
 compare-and-pexpire scripts), then acquire : renew : release at 1 : 1 : 1 for
---mix-secs, one request per operation; fencegate, then Redis
-(`appendfsync always`, the acquire a Lua `SET NX PX` + `INCR fence`).
+--mix-secs, one request per operation, closed loop at --mix-clients; then
+the same mix open loop at each of --mix-rates offered operations a second
+(fixed per-client schedules, latency counted from when each operation was
+due); fencegate, then Redis (`appendfsync always`, the acquire a Lua
+`SET NX PX` + `INCR fence`).
 
 Mass expiry: on a fresh fencegate in front of nginx `return 200`, N leases
 acquired, then one batch renewal round gives each a TTL ending at the same
@@ -327,6 +330,7 @@ async def mix_phase(a, procs, work, fg_bin, deadline, problems):
     loop: fencegate and Redis (appendfsync always) in turn, each on fresh servers, the same
     load generator (loadgen held)."""
     lg = loadgen_bin()
+    rates = [int(r) for r in a.mix_rates.split(",") if r]
     out = {}
     for system in ("fencegate", "redis"):
         p_fg, p_api, p_redis = free_ports(3)
@@ -354,7 +358,8 @@ async def mix_phase(a, procs, work, fg_bin, deadline, problems):
         if left < 10:
             raise Budget("out of time before the mix")
         argv = [lg, "held", system, addr, "--keys", str(a.keys), "--clients", str(a.mix_clients),
-                "--secs", str(a.mix_secs), "--batch", "1000", "--ttl-ms", str(a.ttl_ms)]
+                "--secs", str(a.mix_secs), "--batch", "1000", "--ttl-ms", str(a.ttl_ms),
+                "--rates", ",".join(str(r) for r in rates)]
         if shutil.which("taskset"):
             argv = ["taskset", "-c", "0"] + argv
         r = await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True, timeout=left)
@@ -373,7 +378,14 @@ async def mix_phase(a, procs, work, fg_bin, deadline, problems):
             f"{v['renew_round']['secs']:.2f} s ({v['renew_round']['per_s']:,.0f}/s); 1:1:1 mix "
             f"{m['ops_per_s']:,.0f} ops/s, p50 {m['p50_us']} us, p99 {m['p99_us']} us "
             f"(acquire p99 {m['acquire']['p99_us']}, renew p99 {m['renew']['p99_us']}, "
-            f"release p99 {m['release']['p99_us']} us), {m['held_after']:,} held after")
+            f"release p99 {m['release']['p99_us']} us), {v['held_after']:,} held after")
+        for o in v["open_loop"]:
+            if o["errors"]:
+                problems.append(f"open-loop mix {system} at {o['offered_per_s']}/s: {o['errors']} errors, "
+                                f"first: {o['first_error']}")
+            log(f"open-loop mix {system}: offered {o['offered_per_s']:,.0f} ops/s, answered "
+                f"{o['ops_per_s']:,.0f}/s, p50 {o['p50_us']} us, p99 {o['p99_us']} us (from when each was due; "
+                f"{o['sent_more_than_one_interval_late']} sent more than one interval late)")
     if "fencegate" in out and "redis" in out:
         f, r = out["fencegate"], out["redis"]
         out["ratios"] = {
@@ -383,6 +395,12 @@ async def mix_phase(a, procs, work, fg_bin, deadline, problems):
             "fill_per_s": round(f["fill"]["per_s"] / r["fill"]["per_s"], 2),
             "renew_round_per_s": round(f["renew_round"]["per_s"] / r["renew_round"]["per_s"], 2),
         }
+        for fo, ro in zip(f["open_loop"], r["open_loop"]):
+            out["ratios"][f"open_{int(fo['offered_per_s'])}"] = {
+                "answered_per_s": round(fo["ops_per_s"] / max(ro["ops_per_s"], 1), 2),
+                "p50": round(fo["p50_us"] / max(ro["p50_us"], 1), 2),
+                "p99": round(fo["p99_us"] / max(ro["p99_us"], 1), 2),
+            }
         log(f"mix fencegate / Redis: {out['ratios']}")
     return out
 
@@ -782,6 +800,9 @@ def main():
                     help="comma-separated: fill (fill, memory and restarts), mix, expiry")
     ap.add_argument("--mix-clients", type=int, default=64, help="closed-loop clients of the 1:1:1 mix")
     ap.add_argument("--mix-secs", type=float, default=10, help="length of the mix (smoke: 1)")
+    ap.add_argument("--mix-rates", default=None,
+                    help="offered rates (ops/s in all, comma-separated) of the open-loop mix after the "
+                         "closed-loop one, each --mix-secs long (default 3000,6000,12000; smoke: 1000)")
     ap.add_argument("--expiry-slices", type=int, default=5, help="1-s fenced-PUT slices before the mass expiry")
     ap.add_argument("--expiry-after-s", type=float, default=6, help="fenced-PUT slices until this long after it")
     ap.add_argument("--budget-s", type=float, default=900, help="the whole run stops itself after this")
@@ -791,6 +812,8 @@ def main():
         a.keys = 5000
     if a.smoke and "--mix-secs" not in " ".join(sys.argv):
         a.mix_secs = 1
+    if a.mix_rates is None:
+        a.mix_rates = "1000" if a.smoke else "3000,6000,12000"
     if a.smoke and "--expiry-slices" not in " ".join(sys.argv):
         a.expiry_slices = 2
     if a.smoke and "--expiry-after-s" not in " ".join(sys.argv):

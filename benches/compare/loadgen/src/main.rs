@@ -1049,17 +1049,60 @@ async fn held_cmd(args: &Args) -> Res<Value> {
     }
     let renew_secs = start.elapsed().as_secs_f64();
 
-    // 3. The 1 : 1 : 1 mix.
+    // 3. The 1 : 1 : 1 mix: closed loop, then open loop at each offered rate.
+    let (holders, closed) = mix(holders, secs, None).await?;
+    let mut holders = holders;
+    let mut open = Vec::new();
+    for rate in args.get("rates", "").split(',').filter(|r| !r.is_empty()) {
+        let rate: f64 = rate.parse().map_err(|_| format!("--rates: not a number: {rate}"))?;
+        let (h, v) = mix(holders, secs, Some(rate)).await?;
+        holders = h;
+        open.push(v);
+    }
+    let still_held: usize = holders.iter().map(|h| h.held.len()).sum();
+    Ok(json!({
+        "cmd": "held", "system": system, "keys": n, "clients": clients, "batch": batch,
+        "fill": {"secs": fill_secs, "per_s": n as f64 / fill_secs},
+        "renew_round": {"renewals": n, "secs": renew_secs, "per_s": n as f64 / renew_secs, "failed": renew_failed},
+        "mix": closed, "open_loop": open, "held_after": still_held,
+    }))
+}
+
+/// `secs` of acquire : renew : release at 1 : 1 : 1, every client in
+/// turn. `rate`: `None` is closed loop (each client sends its next
+/// operation when the last is answered); `Some(r)` is open loop at `r`
+/// operations a second in all: each client has a fixed schedule, and an
+/// operation's latency counts from when it was due, not from when it was
+/// sent (a server that falls behind is charged the queue it built).
+async fn mix(holders: Vec<Holder>, secs: f64, rate: Option<f64>) -> Res<(Vec<Holder>, Value)> {
+    let clients = holders.len().max(1);
+    let interval = rate.map(|r| Duration::from_secs_f64(clients as f64 / r.max(1.0)));
     let start = Instant::now();
     let deadline = start + Duration::from_secs_f64(secs);
     let mut tasks = Vec::new();
-    for mut h in holders {
+    for (c, mut h) in holders.into_iter().enumerate() {
         tasks.push(tokio::spawn(async move {
             let mut lat: [Vec<u32>; 3] = [Vec::new(), Vec::new(), Vec::new()];
-            let (mut errors, mut first) = (0u64, None::<String>);
-            while Instant::now() < deadline {
-                for op in 0..3 {
-                    let t0 = Instant::now();
+            let (mut errors, mut first, mut late) = (0u64, None::<String>, 0u64);
+            // Clients' schedules are spread over one interval.
+            let mut due = interval.map(|i| start + i.mul_f64(c as f64 / clients as f64));
+            'run: while Instant::now() < deadline {
+                for (op, op_lat) in lat.iter_mut().enumerate() {
+                    let t0 = match (due, interval) {
+                        (Some(at), Some(i)) => {
+                            if at >= deadline {
+                                break 'run;
+                            }
+                            if Instant::now() < at {
+                                tokio::time::sleep_until(at.into()).await;
+                            } else if Instant::now() > at + i {
+                                late += 1;
+                            }
+                            due = Some(at + i);
+                            at
+                        }
+                        _ => Instant::now(),
+                    };
                     let r = match op {
                         0 => match h.free.pop_front() {
                             Some(k) => h.acquire(k).await,
@@ -1072,7 +1115,7 @@ async fn held_cmd(args: &Args) -> Res<Value> {
                         _ => h.release_oldest().await,
                     };
                     match r {
-                        Ok(()) => lat[op].push(t0.elapsed().as_micros().min(u32::MAX as u128) as u32),
+                        Ok(()) => op_lat.push(t0.elapsed().as_micros().min(u32::MAX as u128) as u32),
                         Err(e) => {
                             errors += 1;
                             first.get_or_insert(e);
@@ -1083,21 +1126,23 @@ async fn held_cmd(args: &Args) -> Res<Value> {
                     break;
                 }
             }
-            (lat, errors, first, h.held.len())
+            (h, lat, errors, first, late)
         }));
     }
+    let mut holders = Vec::new();
     let mut lat: [Vec<u32>; 3] = [Vec::new(), Vec::new(), Vec::new()];
-    let (mut errors, mut first, mut still_held) = (0u64, None::<String>, 0usize);
+    let (mut errors, mut first, mut late) = (0u64, None::<String>, 0u64);
     for t in tasks {
-        let (l, e, f, held) = t.await.map_err(|e| e.to_string())?;
+        let (h, l, e, f, lt) = t.await.map_err(|e| e.to_string())?;
+        holders.push(h);
         for (all, mine) in lat.iter_mut().zip(l) {
             all.extend(mine);
         }
         errors += e;
+        late += lt;
         if first.is_none() {
             first = f;
         }
-        still_held += held;
     }
     let mix_secs = start.elapsed().as_secs_f64();
     let mut all: Vec<u32> = lat.iter().flatten().copied().collect();
@@ -1106,15 +1151,12 @@ async fn held_cmd(args: &Args) -> Res<Value> {
         l.sort_unstable();
     }
     let per_op = |i: usize| json!({"ops": lat[i].len(), "p50_us": pct(&lat[i], 0.5), "p99_us": pct(&lat[i], 0.99)});
-    Ok(json!({
-        "cmd": "held", "system": system, "keys": n, "clients": clients, "batch": batch,
-        "fill": {"secs": fill_secs, "per_s": n as f64 / fill_secs},
-        "renew_round": {"renewals": n, "secs": renew_secs, "per_s": n as f64 / renew_secs, "failed": renew_failed},
-        "mix": {"secs": mix_secs, "ops": all.len(), "ops_per_s": all.len() as f64 / mix_secs,
-                "p50_us": pct(&all, 0.5), "p99_us": pct(&all, 0.99),
-                "acquire": per_op(0), "renew": per_op(1), "release": per_op(2),
-                "errors": errors, "first_error": first, "held_after": still_held},
-    }))
+    let v = json!({"offered_per_s": rate, "secs": mix_secs, "ops": all.len(), "ops_per_s": all.len() as f64 / mix_secs,
+                   "p50_us": pct(&all, 0.5), "p99_us": pct(&all, 0.99),
+                   "acquire": per_op(0), "renew": per_op(1), "release": per_op(2),
+                   "sent_more_than_one_interval_late": late,
+                   "errors": errors, "first_error": first});
+    Ok((holders, v))
 }
 
 // ---------------------------------------------------------------- sink
