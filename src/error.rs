@@ -32,6 +32,9 @@ pub enum Error {
     /// Request headers above the configured limit.
     #[error("request headers are larger than {limit_bytes} bytes")]
     HeadersTooLarge { limit_bytes: u64 },
+    /// More request headers than the HTTP/1.1 parser takes.
+    #[error("more than {limit} request headers")]
+    TooManyHeaders { limit: usize },
     /// The key is held by someone else and `wait_ms` ran out.
     #[error("{key} is locked; retry in {retry_after_ms} ms")]
     Locked { key: String, retry_after_ms: u64 },
@@ -133,7 +136,7 @@ impl Error {
             Error::PreconditionFailed(_) => StatusCode::PRECONDITION_FAILED,
             Error::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Error::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            Error::HeadersTooLarge { .. } => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            Error::HeadersTooLarge { .. } | Error::TooManyHeaders { .. } => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             Error::Locked { .. }
             | Error::NotOwner { .. }
             | Error::StaleFencingToken { .. }
@@ -164,7 +167,7 @@ impl Error {
             Error::PreconditionFailed(_) => "precondition_failed",
             Error::MethodNotAllowed(_) => "method_not_allowed",
             Error::PayloadTooLarge { .. } => "payload_too_large",
-            Error::HeadersTooLarge { .. } => "headers_too_large",
+            Error::HeadersTooLarge { .. } | Error::TooManyHeaders { .. } => "headers_too_large",
             Error::Locked { .. } => "locked",
             Error::LeaseLost { .. } => "lease_lost",
             Error::NotOwner { .. } => "not_owner",
@@ -351,6 +354,7 @@ mod tests {
             (Error::UpstreamTimeout { timeout_ms: 5 }, 504, "upstream_timeout"),
             (Error::PayloadTooLarge { limit_bytes: 5 }, 413, "payload_too_large"),
             (Error::HeadersTooLarge { limit_bytes: 5 }, 431, "headers_too_large"),
+            (Error::TooManyHeaders { limit: 100 }, 431, "headers_too_large"),
             (Error::ProxyAuthRequired, 407, "proxy_authentication_required"),
             (Error::TooManyWatches { owner: "p".into(), limit: 1 }, 429, "too_many_watches"),
             (Error::BodyTimeout { timeout_ms: 5 }, 408, "request_timeout"),

@@ -106,6 +106,51 @@ async fn bad_paths_and_invalid_utf8() {
     r.still_fine(0).await;
 }
 
+/// Heads the HTTP layer refuses (they do not parse, their framing is
+/// invalid, or they carry more headers than it takes) get the JSON error on
+/// both plain-text listeners, like every other bad input, and the
+/// connection is closed. None reaches the upstream.
+#[tokio::test(flavor = "multi_thread")]
+async fn malformed_heads_get_the_json_error_on_both_listeners() {
+    let r = rig().await;
+    let t = r.held.token.to_string();
+    let many: String = (0..101).map(|i| format!("x-h{i}: v\r\n")).collect();
+    let cases: Vec<(String, &str)> = vec![
+        (format!("PUT /held/key HTTP/1.1\r\nhost: x\r\nx-fencing-token: {t}\r\nx-bad: a\0b\r\n\r\n"), "400"),
+        (format!("PUT /held/key HTTP/1.1\r\nhost : x\r\nx-fencing-token: {t}\r\n\r\n"), "400"),
+        (format!("PUT /held/key HTTP/1.1\r\nhost: x\r\nx-fencing-token: {t}\r\nx-f: a\r\n b\r\n\r\n"), "400"),
+        (format!("PUT /held/key HTTP/1.2\r\nhost: x\r\nx-fencing-token: {t}\r\n\r\n"), "400"),
+        (format!("PUT /held/key HTTP/1.1\r\nhost: x\r\nx-fencing-token: {t}\r\ncontent-length: +1\r\n\r\nx"), "400"),
+        (
+            format!("PUT /held/key HTTP/1.1\r\nhost: x\r\nx-fencing-token: {t}\r\ncontent-length: 1, 1\r\n\r\nx"),
+            "400",
+        ),
+        (
+            format!("PUT /held/key HTTP/1.1\r\nhost: x\r\nx-fencing-token: {t}\r\ntransfer-encoding: identity\r\n\r\nx"),
+            "400",
+        ),
+        (
+            format!(
+                "PUT /held/key HTTP/1.1\r\nhost: x\r\nx-fencing-token: {t}\r\ntransfer-encoding: chunked, identity\r\n\r\n"
+            ),
+            "400",
+        ),
+        (format!("PUT /held/key HTTP/1.1\r\nhost: x\r\nx-fencing-token: {t}\r\n{many}\r\n"), "431"),
+    ];
+    for addr in [r.gw.proxy, r.gw.api] {
+        for (head, status) in &cases {
+            let answer = raw(addr, head.as_bytes()).await;
+            let shown = &answer[..answer.len().min(200)];
+            assert!(answer.starts_with(&format!("HTTP/1.1 {status}")), "{head:?} on {addr}: {shown}");
+            let body = answer.split("\r\n\r\n").nth(1).unwrap_or("");
+            let v: serde_json::Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("{head:?}: {e}: {shown}"));
+            let code = if *status == "431" { "headers_too_large" } else { "bad_request" };
+            assert_eq!(v["error"], code, "{head:?} on {addr}");
+        }
+    }
+    r.still_fine(0).await;
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn oversized_headers_and_bodies() {
     let r = rig().await;

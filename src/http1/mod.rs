@@ -12,6 +12,8 @@
 pub mod conn;
 pub mod wire;
 
+use crate::error::Error;
+
 /// The hop-by-hop headers of RFC 9110 §7.6.1 besides `Connection` itself
 /// (and whatever a `Connection` header names), plus the non-standard ones
 /// proxies treat the same way. A proxy never forwards them either way.
@@ -37,6 +39,10 @@ pub(crate) fn leaves_to_hyper(name: &[u8]) -> bool {
 /// The most request headers either loop parses; more go to hyper.
 pub(crate) const MAX_REQUEST_HEADERS: usize = 64;
 
+/// The most request headers hyper takes (its default): a head with more is
+/// refused by the loops themselves, with the JSON body.
+pub(crate) const HYPER_MAX_REQUEST_HEADERS: usize = 100;
+
 /// A request head parsed by [`parse_request`]: its length and what both
 /// loops need, borrowed from the connection's buffer.
 pub(crate) struct RequestLine<'b> {
@@ -56,6 +62,12 @@ pub(crate) enum NotTaken {
     /// `Connection` names a fencing header (see
     /// [`crate::proxy::headers::fencing_header_named_hop_by_hop`]).
     FencingHopByHop,
+    /// A head no HTTP/1.1 server may take: it does not parse, its
+    /// `Content-Length` is invalid, its `Transfer-Encoding` does not end in
+    /// `chunked`, or it has more headers than hyper takes. Refused by the
+    /// loop with this JSON error and the connection closed (its framing
+    /// cannot be trusted); hyper would answer with a bare status.
+    Malformed(Error),
     /// Not for a hand-written loop: hand the connection to hyper.
     General,
 }
@@ -79,13 +91,18 @@ pub(crate) fn parse_request<'b>(
     let len = match req.parse(buf) {
         Ok(httparse::Status::Complete(n)) => n,
         Ok(httparse::Status::Partial) if buf.len() <= max_header_bytes => return Err(NotTaken::Partial),
-        _ => return Err(NotTaken::General),
+        Ok(httparse::Status::Partial) => return Err(NotTaken::General),
+        Err(httparse::Error::TooManyHeaders) => return Err(too_many_headers(buf)),
+        // An HTTP/2 connection preface is hyper's.
+        Err(_) if buf.starts_with(b"PRI ") => return Err(NotTaken::General),
+        Err(e) => return Err(malformed(format!("the request head does not parse: {e}"))),
     };
     let (Some(method), Some(target), Some(1)) = (req.method, req.path, req.version) else {
         return Err(NotTaken::General);
     };
     let mut line = RequestLine { len, method, target, content_length: 0, close: false };
     let mut seen_length = false;
+    let mut last_coding: Option<&[u8]> = None;
     let mut total = 0usize;
     let mut taken = true;
     for h in req.headers.iter() {
@@ -94,9 +111,16 @@ pub(crate) fn parse_request<'b>(
         if name.eq_ignore_ascii_case(b"content-length") {
             match wire::digits(h.value) {
                 Some(n) if !seen_length => line.content_length = n,
-                _ => taken = false,
+                // The same length twice: hyper's to judge.
+                Some(n) if n == line.content_length => taken = false,
+                _ => return Err(malformed("Content-Length must be given once, as 1 to 19 digits".into())),
             }
             seen_length = true;
+        } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
+            if let Some(last) = wire::tokens(h.value).last() {
+                last_coding = Some(last);
+            }
+            taken = false;
         } else if name.eq_ignore_ascii_case(b"connection") {
             for t in wire::tokens(h.value) {
                 if crate::fence::token::is_fencing_header(t) {
@@ -113,8 +137,29 @@ pub(crate) fn parse_request<'b>(
         }
         taken = taken && each(name, h.value);
     }
+    // RFC 9112 §6.3: a request whose final transfer coding is not chunked
+    // has no reliable framing.
+    if last_coding.is_some_and(|c| !c.eq_ignore_ascii_case(b"chunked")) {
+        return Err(malformed("Transfer-Encoding must end in chunked".into()));
+    }
     if !taken || total > max_header_bytes {
         return Err(NotTaken::General);
     }
     Ok(line)
+}
+
+fn malformed(why: String) -> NotTaken {
+    NotTaken::Malformed(Error::BadRequest(why))
+}
+
+/// A head with more than [`MAX_REQUEST_HEADERS`] headers: hyper's if it has
+/// no more than hyper takes, refused here (431) otherwise.
+fn too_many_headers(buf: &[u8]) -> NotTaken {
+    let mut headers = [httparse::EMPTY_HEADER; HYPER_MAX_REQUEST_HEADERS];
+    match httparse::Request::new(&mut headers).parse(buf) {
+        Err(httparse::Error::TooManyHeaders) => {
+            NotTaken::Malformed(Error::TooManyHeaders { limit: HYPER_MAX_REQUEST_HEADERS })
+        }
+        _ => NotTaken::General,
+    }
 }

@@ -35,6 +35,9 @@ pub enum Parsed {
     /// `Connection` names a fencing header: refused with 400 (see
     /// [`crate::proxy::headers::fencing_header_named_hop_by_hop`]).
     FencingHopByHop,
+    /// Refused here with this error, the connection closed (see
+    /// [`super::NotTaken::Malformed`]).
+    Malformed(crate::error::Error),
     /// Not for the fast path: hand the connection over.
     General,
 }
@@ -101,6 +104,7 @@ pub fn parse_head(buf: &[u8], max_header_bytes: usize, head: &mut Head) -> Parse
         Ok(line) => line,
         Err(super::NotTaken::Partial) => return Parsed::Partial,
         Err(super::NotTaken::FencingHopByHop) => return Parsed::FencingHopByHop,
+        Err(super::NotTaken::Malformed(e)) => return Parsed::Malformed(e),
         Err(super::NotTaken::General) => return Parsed::General,
     };
     if !line.target.starts_with('/') || head.host.is_none() {
@@ -452,7 +456,6 @@ mod tests {
             "PUT /a HTTP/1.1\r\n\r\n",
             "PUT /a HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n",
             "PUT /a HTTP/1.1\r\nHost: h\r\nContent-Length: 3\r\nContent-Length: 3\r\n\r\n",
-            "PUT /a HTTP/1.1\r\nHost: h\r\nContent-Length: +3\r\n\r\n",
             "PUT /a HTTP/1.1\r\nHost: h\r\nX-Fencing-Token: 1\r\nX-Fencing-Token: 1\r\n\r\n",
             "PUT /a HTTP/1.1\r\nHost: h\r\nConnection: x-secret\r\n\r\n",
             "PUT /a HTTP/1.1\r\nHost: h\r\nExpect: 100-continue\r\n\r\n",
@@ -460,14 +463,50 @@ mod tests {
             "PUT /a HTTP/1.1\r\nHost: h\r\nProxy-Authorization: x\r\n\r\n",
             "PUT http://h/a HTTP/1.1\r\nHost: h\r\n\r\n",
             "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
-            "PUT /a HTTP/1.1\r\nHost h\r\n\r\n",
+            "PRI * HTTP/2",
+            "PUT /a HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: gzip, chunked\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n",
         ] {
             assert!(matches!(head(raw).0, Parsed::General), "{raw:?}");
         }
+        // More headers than the fast path parses, fewer than hyper takes.
+        let many: String = (0..90).map(|i| format!("X-H{i}: v\r\n")).collect();
+        assert!(matches!(head(&format!("GET /a HTTP/1.1\r\nHost: h\r\n{many}\r\n")).0, Parsed::General));
         assert!(matches!(head("PUT /a HTTP/1.1\r\nHost: h\r\n").0, Parsed::Partial));
         let mut h = Head::default();
         let big = format!("GET / HTTP/1.1\r\nHost: h\r\nX-Big: {}\r\n\r\n", "a".repeat(100));
         assert!(matches!(parse_head(big.as_bytes(), 64, &mut h), Parsed::General));
+    }
+
+    /// Heads hyper would refuse with a bare status are refused here, with
+    /// the JSON error: 400 for what does not parse or has no reliable
+    /// framing, 431 for more headers than hyper takes.
+    #[test]
+    fn malformed_heads_are_refused_with_the_json_error() {
+        let many: String = (0..101).map(|i| format!("X-H{i}: v\r\n")).collect();
+        let too_many = format!("GET /a HTTP/1.1\r\nHost: h\r\n{many}\r\n");
+        for (raw, status) in [
+            ("PUT /a HTTP/1.1\r\nHost h\r\n\r\n", 400),
+            ("PUT /a HTTP/1.1\r\nHost : h\r\n\r\n", 400),
+            ("PUT /a HTTP/1.1\r\nHost: h\r\nX: a\0b\r\n\r\n", 400),
+            ("PUT /a HTTP/1.1\r\nHost: h\r\nX: a\r\n b\r\n\r\n", 400),
+            ("PUT /a HTTP/1.2\r\nHost: h\r\n\r\n", 400),
+            ("PUT  /a HTTP/1.1\r\nHost: h\r\n\r\n", 400),
+            ("PUT /a HTTP/1.1\r\nHost: h\r\nContent-Length: +3\r\n\r\n", 400),
+            ("PUT /a HTTP/1.1\r\nHost: h\r\nContent-Length: 1, 1\r\n\r\n", 400),
+            ("PUT /a HTTP/1.1\r\nHost: h\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n", 400),
+            ("PUT /a HTTP/1.1\r\nHost: h\r\nContent-Length: 12345678901234567890\r\n\r\n", 400),
+            ("PUT /a HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: identity\r\n\r\n", 400),
+            ("PUT /a HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked, identity\r\n\r\n", 400),
+            ("PUT /a HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: xchunked\r\n\r\n", 400),
+            ("PUT /a HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: gzip\r\n\r\n", 400),
+            (too_many.as_str(), 431),
+        ] {
+            match head(raw).0 {
+                Parsed::Malformed(e) => assert_eq!(e.status().as_u16(), status, "{raw:?}"),
+                _ => panic!("not refused: {raw:?}"),
+            }
+        }
     }
 
     #[test]

@@ -271,6 +271,9 @@ async fn read_request_head(
                     let refused = crate::proxy::headers::fencing_header_named_hop_by_hop().into_response();
                     return Some(write_response(stream, refused, false, true, &mut c.out).await);
                 }
+                Parsed::Malformed(e) => {
+                    return Some(write_response(stream, e.into_response(), false, true, &mut c.out).await);
+                }
                 Parsed::Partial => {}
             }
         }

@@ -46,6 +46,8 @@ struct Head {
 enum Parsed {
     Complete(Head),
     Partial,
+    /// Refused here, the connection closed ([`NotTaken::Malformed`]).
+    Malformed(Error),
     General,
 }
 
@@ -62,6 +64,7 @@ fn parse_head(buf: &[u8], limits: ConnLimits, max_body: u64) -> Parsed {
     let line = match line {
         Ok(line) => line,
         Err(NotTaken::Partial) => return Parsed::Partial,
+        Err(NotTaken::Malformed(e)) => return Parsed::Malformed(e),
         Err(NotTaken::FencingHopByHop | NotTaken::General) => return Parsed::General,
     };
     let Ok(method) = Method::from_bytes(line.method.as_bytes()) else { return Parsed::General };
@@ -129,6 +132,7 @@ async fn serve_one(
             match parse_head(buf, limits, max_body) {
                 Parsed::Complete(head) => break head,
                 Parsed::General => return Next::General,
+                Parsed::Malformed(e) => return write_response(stream, e.into_response(), false, true, out).await,
                 Parsed::Partial => {}
             }
         }
@@ -218,6 +222,13 @@ mod tests {
             b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
         ] {
             assert!(matches!(parse_head(raw, LIMITS, 100), Parsed::General), "{:?}", String::from_utf8_lossy(raw));
+        }
+        for raw in [
+            &b"POST /x HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n"[..],
+            b"POST /x HTTP/1.1\r\nTransfer-Encoding: identity\r\n\r\n",
+            b"POST /x HTTP/1.1\r\nHost : a\r\n\r\n",
+        ] {
+            assert!(matches!(parse_head(raw, LIMITS, 100), Parsed::Malformed(_)), "{:?}", String::from_utf8_lossy(raw));
         }
         assert!(matches!(parse_head(b"GET /x HTTP/1.1\r\nHost: a\r\n", LIMITS, 100), Parsed::Partial));
     }
