@@ -338,6 +338,39 @@ async fn unlisted_methods_are_mutations_on_both_transports() {
     }
 }
 
+/// A read that carries a method override naming a mutation (some backends
+/// obey `X-HTTP-Method-Override` and its kin) is a mutation: without a
+/// token, or with a stale one, it is refused and never reaches the upstream.
+/// An override naming a read stays a read.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_method_override_naming_a_mutation_is_a_mutation_on_both_transports() {
+    for fast in [true, false] {
+        let (_d, gw, rec, http) = setup_with(Some(transport_config(fast))).await;
+        let api = gw.api_url("");
+        let old = acquire(&http, &api, "orders/1", 10_000, 0).await.unwrap();
+        release(&http, &api, &old).await;
+        let new = acquire(&http, &api, "orders/1", 10_000, 0).await.unwrap();
+        let url = gw.proxy_url("/orders/1");
+        let stale = old.token.to_string();
+        for name in ["X-HTTP-Method-Override", "x-http-method", "X-Method-Override"] {
+            for value in ["DELETE", "PUT", "patch", "", "not a method"] {
+                let r = alone(&http, Method::GET, &url, &[(name, value)], "").await;
+                assert_eq!(r.error_code(), "fencing_token_required", "{name}: {value} fast={fast}");
+                let r = alone(&http, Method::GET, &url, &[(name, value), ("x-fencing-token", &stale)], "").await;
+                assert_eq!(r.error_code(), "stale_fencing_token", "{name}: {value} fast={fast}");
+            }
+        }
+        assert_eq!(rec.count(), 0, "fast={fast}: {:?}", rec.requests());
+        let t = new.token.to_string();
+        let r =
+            alone(&http, Method::GET, &url, &[("X-HTTP-Method-Override", "DELETE"), ("x-fencing-token", &t)], "").await;
+        assert_eq!(r.status, StatusCode::OK, "fast={fast}");
+        let r = alone(&http, Method::GET, &url, &[("X-HTTP-Method-Override", "HEAD")], "").await;
+        assert_eq!(r.status, StatusCode::OK, "an override naming a read stays a read; fast={fast}");
+        assert_eq!(rec.count(), 2, "fast={fast}");
+    }
+}
+
 /// A route that lists more reads forwards them without a token; the old
 /// key `mutating_methods` is refused with a hint naming `read_methods`.
 #[tokio::test(flavor = "multi_thread")]

@@ -31,7 +31,7 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use super::pool::Pool;
-use super::{path, AccessLine, Admit, Proxy, Route};
+use super::{path, AccessLine, Admit, Proxy, Route, METHOD_OVERRIDES};
 use crate::config::HostHeader;
 use crate::error::Error;
 use crate::fence::token::parse_token_values;
@@ -156,6 +156,16 @@ async fn serve_one(
     let Some((route, key)) = proxy.route_for(path_only, &checked) else { return Next::General };
     let Ok(method) = Method::from_bytes(&c.buf[head.method.clone()]) else { return Next::General };
     let mutation = route.is_mutation(&method);
+    // A read carrying a method override is judged by the general path
+    // (`Route::is_mutation_request`).
+    if !mutation
+        && head
+            .forward
+            .iter()
+            .any(|(n, _)| METHOD_OVERRIDES.iter().any(|o| c.buf[n.clone()].eq_ignore_ascii_case(o.as_bytes())))
+    {
+        return Next::General;
+    }
     // The path rule's route-dependent half: a refusal is the general path's.
     if route.check_trailing_slash(&checked, mutation).is_err() {
         return Next::General;

@@ -100,6 +100,10 @@ pub struct Route {
     mutations: MutationCounters,
 }
 
+/// Headers by which a client asks the upstream to treat a request as
+/// another method (see [`Route::is_mutation_request`]).
+pub const METHOD_OVERRIDES: [&str; 3] = ["x-http-method-override", "x-http-method", "x-method-override"];
+
 impl Route {
     /// Whether `method` is a mutation on this route: every method that is
     /// not one of its read methods, compared exactly (methods are
@@ -109,6 +113,19 @@ impl Route {
     /// a method nobody listed fails safe, as a write that needs a token.
     pub fn is_mutation(&self, method: &Method) -> bool {
         !self.read_methods.contains(method)
+    }
+
+    /// [`Route::is_mutation`] for a request: its method, or a method
+    /// override header (`X-HTTP-Method-Override`, `X-HTTP-Method`,
+    /// `X-Method-Override`, which some backends and frameworks obey) naming
+    /// a method that is not a read of this route. A read that asks the
+    /// upstream to act as a `DELETE` is a mutation.
+    pub fn is_mutation_request(&self, method: &Method, headers: &http::HeaderMap) -> bool {
+        self.is_mutation(method)
+            || METHOD_OVERRIDES
+                .iter()
+                .flat_map(|name| headers.get_all(*name))
+                .any(|v| Method::from_bytes(v.as_bytes().trim_ascii()).map_or(true, |m| self.is_mutation(&m)))
     }
 
     /// Whether refusals on this route are rendered as S3 XML errors.
@@ -451,7 +468,7 @@ impl Proxy {
         if seen.log {
             seen.key = Some(key.to_string());
         }
-        let mutation = route.is_mutation(req.method());
+        let mutation = route.is_mutation_request(req.method(), req.headers());
         route.check_trailing_slash(checked, mutation)?;
         if route.auth {
             // Proxy-Authorization is hop-by-hop: it never reaches the upstream.
