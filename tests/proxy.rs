@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{acquire, release, Gateway, Http, Opts, Recorder};
+use common::{acquire, release, Gateway, Grant, Http, Opts, Recorder};
 use http::{Method, StatusCode};
 
 async fn setup_with(config: Option<String>) -> (tempfile::TempDir, Gateway, Recorder, Http) {
@@ -287,6 +287,18 @@ async fn path_aliases_are_refused_before_upstream() {
     }
 }
 
+/// A gateway on one transport (fast path or general) in front of the
+/// recorder, with `orders/1` granted, released and granted again: the
+/// first grant (its token now stale) and the current one.
+async fn superseded(fast: bool) -> (tempfile::TempDir, Gateway, Recorder, Http, Grant, Grant) {
+    let (d, gw, rec, http) = setup_with(Some(transport_config(fast))).await;
+    let api = gw.api_url("");
+    let old = acquire(&http, &api, "orders/1", 10_000, 0).await.unwrap();
+    release(&http, &api, &old).await;
+    let new = acquire(&http, &api, "orders/1", 10_000, 0).await.unwrap();
+    (d, gw, rec, http, old, new)
+}
+
 /// Every method that is not a read method of the route is a mutation:
 /// WebDAV's and other extension methods, and other spellings of the
 /// standard ones (methods are case-sensitive; some backends fold them).
@@ -294,11 +306,7 @@ async fn path_aliases_are_refused_before_upstream() {
 async fn unlisted_methods_are_mutations_on_both_transports() {
     let methods = ["MOVE", "COPY", "PROPPATCH", "MKCOL", "LOCK", "UNLOCK", "PURGE", "TRACE", "put", "Delete", "get"];
     for fast in [true, false] {
-        let (_d, gw, rec, http) = setup_with(Some(transport_config(fast))).await;
-        let api = gw.api_url("");
-        let old = acquire(&http, &api, "orders/1", 10_000, 0).await.unwrap();
-        release(&http, &api, &old).await;
-        let new = acquire(&http, &api, "orders/1", 10_000, 0).await.unwrap();
+        let (_d, gw, rec, http, old, new) = superseded(fast).await;
         let url = gw.proxy_url("/orders/1");
         for name in methods {
             let m = Method::from_bytes(name.as_bytes()).unwrap();
@@ -345,11 +353,7 @@ async fn unlisted_methods_are_mutations_on_both_transports() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_method_override_naming_a_mutation_is_a_mutation_on_both_transports() {
     for fast in [true, false] {
-        let (_d, gw, rec, http) = setup_with(Some(transport_config(fast))).await;
-        let api = gw.api_url("");
-        let old = acquire(&http, &api, "orders/1", 10_000, 0).await.unwrap();
-        release(&http, &api, &old).await;
-        let new = acquire(&http, &api, "orders/1", 10_000, 0).await.unwrap();
+        let (_d, gw, rec, http, old, new) = superseded(fast).await;
         let url = gw.proxy_url("/orders/1");
         let stale = old.token.to_string();
         for name in ["X-HTTP-Method-Override", "x-http-method", "X-Method-Override"] {
