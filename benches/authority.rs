@@ -92,10 +92,6 @@ struct LiveGrants(dashmap::DashMap<String, u64>);
 
 impl GrantLiveness for LiveGrants {
     fn liveness(&self, key: &str, token: u64) -> Liveness {
-        if self.0.get(key).is_some_and(|t| *t == token) {
-            Liveness::Live
-        } else {
-            Liveness::Ended
-        }
+        self.0.get(key).is_some_and(|t| *t == token).into()
     }
 }

@@ -211,15 +211,10 @@ impl crate::fence::GrantLiveness for Authority {
     /// whether or not the expiry task has reached it yet.
     fn liveness(&self, key: &str, token: u64) -> crate::fence::Liveness {
         let now_ms = self.now_ms();
-        let live = self
-            .keys
+        self.keys
             .get(key)
-            .is_some_and(|st| st.grant.as_ref().is_some_and(|g| g.token == token && g.deadline_ms > now_ms));
-        if live {
-            crate::fence::Liveness::Live
-        } else {
-            crate::fence::Liveness::Ended
-        }
+            .is_some_and(|st| st.grant.as_ref().is_some_and(|g| g.token == token && g.deadline_ms > now_ms))
+            .into()
     }
 }
 

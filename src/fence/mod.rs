@@ -38,3 +38,14 @@ pub enum Liveness {
     /// as `not_current` (retry), not `lease_expired` (the holder lost it).
     Unsure(&'static str),
 }
+
+impl From<bool> for Liveness {
+    /// `Live` or `Ended`, for an authority that is never unsure.
+    fn from(live: bool) -> Liveness {
+        if live {
+            Liveness::Live
+        } else {
+            Liveness::Ended
+        }
+    }
+}

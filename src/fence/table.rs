@@ -1007,11 +1007,7 @@ mod tests {
 
     impl GrantLiveness for TestGrants {
         fn liveness(&self, key: &str, token: u64) -> Liveness {
-            if self.0.lock().unwrap().get(key) == Some(&token) {
-                Liveness::Live
-            } else {
-                Liveness::Ended
-            }
+            (self.0.lock().unwrap().get(key) == Some(&token)).into()
         }
     }
 
