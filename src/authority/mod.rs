@@ -364,6 +364,7 @@ impl Authority {
                 let (wake, rx) = oneshot::channel();
                 st.queue_mut().waiters.push_back(Waiter { id, wake });
                 self.metrics.lock_waiters.inc();
+                self.schedule_urgent(&key, &st);
                 Step::Queued(id, rx)
             }
         };
@@ -455,6 +456,7 @@ impl Authority {
         });
         // Published to watchers only once durable (see `publish_durable`).
         self.schedule_expiry(key, st, deadline_ms);
+        self.schedule_urgent(key, st);
         self.metrics.grants.inc();
         self.metrics.fence_advances.inc();
         self.metrics.leases_active.inc();
@@ -518,8 +520,9 @@ impl Authority {
         grant.deadline_ms = deadline_ms;
         let (token, ttl_ms) = (grant.token, grant.ttl_ms);
         if sooner {
-            // A shorter TTL: the key's entry may lie after the new deadline.
+            // A shorter TTL: the key's entries may lie after the new deadline.
             self.schedule_expiry(&key, &mut st, deadline_ms);
+            self.schedule_urgent(&key, &st);
         }
         Ok(RenewView { key: req.key, fencing_token: token, ttl_ms })
     }
@@ -593,11 +596,14 @@ impl Authority {
         let timeout = timeout.min(Duration::from_millis(self.limits.max_watch_timeout_ms));
         // The guard unsubscribes and forgets the key's state however the
         // watch ends, including a client that hung up (the future dropped).
-        let mut w = WatchGuard {
-            auth: self,
-            key,
-            rx: Some(self.keys.entry(Arc::from(key)).or_insert_with(new_state).subscribe()),
+        let rx = {
+            let mut st = self.keys.entry(Arc::from(key)).or_insert_with(new_state);
+            let rx = st.subscribe();
+            let key = st.key().clone();
+            self.schedule_urgent(&key, &st);
+            rx
         };
+        let mut w = WatchGuard { auth: self, key, rx: Some(rx) };
         let deadline = Instant::now() + timeout;
         if let Some(rx) = w.rx.as_mut() {
             loop {

@@ -446,7 +446,9 @@ async fn leases_due_in_the_same_millisecond_and_renewed_ones_among_them() {
     for g in leases.iter().step_by(10) {
         r.auth.renew(RenewRequest { key: g.key.clone(), lease_id: g.lease_id.clone(), ttl_ms: None }).unwrap();
     }
-    sleep(Duration::from_millis(501)).await;
+    // 900 due at once are a backlog, worked off paced (a few ms of the
+    // paused clock); the renewed ones are due 400 ms later.
+    sleep(Duration::from_millis(600)).await;
     assert_eq!(r.auth.metrics.leases_active.get(), 100);
     assert_eq!(r.auth.metrics.lease_expirations.get(), 900);
     assert_eq!(r.auth.scheduled(), 100, "the renewed ones, once each");
@@ -512,7 +514,7 @@ fn per_key_state_stays_small() {
     // The figures docs/durability.md and RESULTS.md count with.
     assert!(std::mem::size_of::<KeyState>() <= 80, "{}", std::mem::size_of::<KeyState>());
     assert_eq!(std::mem::size_of::<(Arc<str>, Box<KeyState>)>(), 24);
-    assert_eq!(std::mem::size_of::<std::cmp::Reverse<(u64, Arc<str>)>>(), 24);
+    assert_eq!(std::mem::size_of::<std::cmp::Reverse<expiry::Due>>(), 24);
 }
 
 /// Issue 18: what a held lease costs, by part, on the RocksDB store with
@@ -639,4 +641,61 @@ async fn a_grant_past_its_deadline_at_a_clean_stop_does_not_come_back() {
     let r = rig_with(store);
     assert!(!r.auth.status("overdue").unwrap().held, "an expired lease came back after the clean stop");
     assert!(r.auth.status("live").unwrap().held);
+}
+
+/// A mass expiry is worked off paced (a quarter of the runtime's time),
+/// but a waiter and a watcher of a key whose grant is due behind the
+/// whole backlog are served first: their keys are in the urgent heap. The
+/// first slice of the sweep after the deadlines ends both keys' grants
+/// (without the urgent heap it ends 32 of the backlog, due earlier).
+#[tokio::test(start_paused = true)]
+async fn waiters_and_watchers_are_not_behind_a_mass_expiry() {
+    let metrics = Arc::new(Metrics::new().unwrap());
+    // No expiry task: this test runs its slices itself.
+    let auth = Authority::restore(FenceTable::new(), Store::memory(), metrics, LocksConfig::default()).unwrap();
+    let n = 2_000;
+    for i in 0..n {
+        auth.acquire(acq(&format!("mass/{i}"), 1_000, 0)).await.unwrap();
+    }
+    // Due 1 ms after all of them: last in the paced heap.
+    let held = auth.acquire(acq("wanted", 1_001, 0)).await.unwrap();
+    let watched = auth.acquire(acq("watched", 1_001, 0)).await.unwrap();
+    let waiter = {
+        let auth = auth.clone();
+        tokio::spawn(async move { auth.acquire(acq("wanted", 1_000, 60_000)).await })
+    };
+    let watcher = {
+        let auth = auth.clone();
+        tokio::spawn(async move { auth.watch("watched", watched.fencing_token, Duration::from_secs(60)).await })
+    };
+    tokio::task::yield_now().await;
+    advance(Duration::from_millis(1_001)).await;
+    assert!(auth.expire_some(auth.now_ms(), 32), "the backlog is left for later slices");
+    let granted = tokio::time::timeout(Duration::from_millis(1), waiter).await;
+    let g = granted.expect("the waiter was not served by the first slice").unwrap().unwrap();
+    assert!(g.fencing_token > held.fencing_token);
+    let told = tokio::time::timeout(Duration::from_millis(1), watcher).await;
+    assert!(!told.expect("the watcher was not told by the first slice").unwrap().unwrap().held);
+    assert!(auth.metrics.lease_expirations.get() <= 2 + 32);
+    while auth.expire_some(auth.now_ms(), 32) {}
+    assert_eq!(auth.metrics.lease_expirations.get(), n as u64 + 2);
+}
+
+/// The paced sweep (an expiry task that rests between slices) still ends
+/// every lease of a mass expiry, and a waiter behind it is granted at once.
+#[tokio::test(start_paused = true)]
+async fn a_paced_mass_expiry_ends_every_lease() {
+    let r = rig();
+    let n = 5_000;
+    for i in 0..n {
+        r.auth.acquire(acq(&format!("mass/{i}"), 1_000, 0)).await.unwrap();
+    }
+    let held = r.auth.acquire(acq("wanted", 1_001, 0)).await.unwrap();
+    let g = r.auth.acquire(acq("wanted", 1_000, 60_000)).await.unwrap();
+    assert!(g.fencing_token > held.fencing_token);
+    sleep(Duration::from_secs(30)).await;
+    // The backlog, the first holder and the waiter's own grant.
+    assert_eq!(r.auth.metrics.lease_expirations.get(), n as u64 + 2);
+    assert_eq!(r.auth.metrics.leases_active.get(), 0);
+    assert_eq!(r.auth.keys.len(), 0);
 }

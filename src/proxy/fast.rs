@@ -156,6 +156,11 @@ async fn serve_one(
     let Some((route, key)) = proxy.route_for(path_only, &checked) else { return Next::General };
     let Ok(method) = Method::from_bytes(&c.buf[head.method.clone()]) else { return Next::General };
     let mutation = route.is_mutation(&method);
+    // A header name with an underscore may be an alias of one of ours
+    // (`headers::underscore_alias`): the general path decides.
+    if head.forward.iter().any(|(n, _)| c.buf[n.clone()].contains(&b'_')) {
+        return Next::General;
+    }
     // A read carrying a method override is judged by the general path
     // (`Route::is_mutation_request`).
     if !mutation

@@ -31,6 +31,50 @@ pub fn fencing_header_named_hop_by_hop() -> crate::error::Error {
     )
 }
 
+/// The headers this gateway reads to decide, or writes for the upstream
+/// to trust: fencing tokens and sequence, method overrides, forwarding.
+const OWN_HEADERS: [&str; 9] = [
+    "x-fencing-token",
+    "x-fencing-tokens",
+    "x-fencing-sequence",
+    "x-http-method-override",
+    "x-http-method",
+    "x-method-override",
+    "x-forwarded-for",
+    "x-forwarded-host",
+    "x-forwarded-proto",
+];
+
+/// The first header whose name has an underscore and, read with every `_`
+/// as `-`, is one of [`OWN_HEADERS`] (`X_Fencing_Token`,
+/// `X-HTTP_Method-Override`). CGI, WSGI, PHP and Rack backends read both
+/// spellings as one variable (`HTTP_X_FENCING_TOKEN`), so such a header
+/// would reach them as one this gateway never checked or set: a `GET`
+/// with `X_HTTP_Method_Override: DELETE` deleted through a read, and a
+/// token the gateway did not admit reached the backend beside the one it
+/// did. Both transports refuse such a request (nginx drops every header
+/// with an underscore by default for the same reason); other headers
+/// with underscores pass untouched.
+pub fn underscore_alias(h: &HeaderMap) -> Option<&HeaderName> {
+    h.keys().find(|name| {
+        let n = name.as_str().as_bytes();
+        n.contains(&b'_')
+            && OWN_HEADERS.iter().any(|own| {
+                own.len() == n.len()
+                    && own.bytes().zip(n).all(|(o, c)| o == c.to_ascii_lowercase() || (o == b'-' && *c == b'_'))
+            })
+    })
+}
+
+/// The refusal of a request carrying an [`underscore_alias`].
+pub fn underscore_alias_refused(name: &HeaderName) -> crate::error::Error {
+    crate::error::Error::BadRequest(format!(
+        "header {name} is refused: backends that read '_' as '-' would take it for {}, which this gateway did not \
+         check; send it with dashes",
+        name.as_str().replace('_', "-")
+    ))
+}
+
 /// True when a `Connection` header names a fencing header.
 pub fn connection_names_fencing_header(h: &HeaderMap) -> bool {
     h.get_all(header::CONNECTION)

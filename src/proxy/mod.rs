@@ -448,6 +448,10 @@ impl Proxy {
         if headers::connection_names_fencing_header(req.headers()) {
             return Err(headers::fencing_header_named_hop_by_hop().into());
         }
+        //    So does a header that backends may read as one of ours.
+        if let Some(name) = headers::underscore_alias(req.headers()) {
+            return Err(headers::underscore_alias_refused(name).into());
+        }
         // 1. route
         let checked = path::check_path(req.uri().path());
         let (route, key, checked) = match self.select(req.uri().path(), checked.as_ref().ok()) {
