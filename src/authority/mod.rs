@@ -167,8 +167,10 @@ impl KeyState {
             && self.scheduled_ms == 0
             && self.queue.as_ref().and_then(|q| q.holder_tx.as_ref()).is_none_or(|tx| tx.receiver_count() == 0)
     }
-    fn retry_after_ms(&self, now_ms: u64) -> u64 {
-        self.grant.as_ref().map_or(0, |g| g.deadline_ms.saturating_sub(now_ms))
+    /// Time left of the grant, counted from `now_up` (now rounded up, as
+    /// deadlines are): never above the TTL, as `status` counts.
+    fn retry_after_ms(&self, now_up: u64) -> u64 {
+        self.grant.as_ref().map_or(0, |g| g.deadline_ms.saturating_sub(now_up))
     }
 }
 
@@ -357,7 +359,7 @@ impl Authority {
             if st.is_free() {
                 Step::Installed(self.install(&key, &mut st, lease_id, &holder, req.ttl_ms)?)
             } else if req.wait_ms == 0 || st.waiter_count() >= self.limits.max_waiters_per_key {
-                let retry_after_ms = st.retry_after_ms(now_ms);
+                let retry_after_ms = st.retry_after_ms(self.deadline_base());
                 return Err(Error::Locked { key: req.key, retry_after_ms });
             } else {
                 let id = self.next_waiter.fetch_add(1, Ordering::Relaxed);
@@ -377,7 +379,7 @@ impl Authority {
                 if !matches!(woken, Ok(Ok(()))) {
                     drop(guard);
                     self.metrics.lock_wait.with_label_values(&["timeout"]).observe(waited);
-                    let retry_after_ms = self.keys.get(&key).map_or(0, |st| st.retry_after_ms(self.now_ms()));
+                    let retry_after_ms = self.keys.get(&key).map_or(0, |st| st.retry_after_ms(self.deadline_base()));
                     self.gc(&key);
                     return Err(Error::Locked { key: req.key, retry_after_ms });
                 }
