@@ -336,6 +336,7 @@ fn listener_limits(cfg: &Config) -> Limits {
         header_read_timeout: Duration::from_millis(cfg.server.header_read_timeout_ms),
         body_read_timeout: Duration::from_millis(cfg.server.body_read_timeout_ms),
         shutdown_grace: Duration::from_millis(cfg.server.shutdown_grace_ms),
+        idle_timeout: Duration::from_millis(cfg.server.idle_timeout_ms),
     }
 }
 

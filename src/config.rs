@@ -210,6 +210,10 @@ pub struct ServerConfig {
     pub body_read_timeout_ms: u64,
     /// How long graceful shutdown waits for in-flight requests.
     pub shutdown_grace_ms: u64,
+    /// A connection served by hyper (HTTP/2, TLS, what the fast paths hand
+    /// over) with no request in flight for this long is closed: HTTP/2
+    /// peers that answer PINGs were otherwise kept for ever.
+    pub idle_timeout_ms: u64,
     /// Most connections open at once per listener.
     pub max_connections: usize,
     /// Most connections open at once per listener from one client address
@@ -465,6 +469,7 @@ impl Default for ServerConfig {
             header_read_timeout_ms: 10_000,
             body_read_timeout_ms: 10_000,
             shutdown_grace_ms: 10_000,
+            idle_timeout_ms: 75_000,
             max_connections: 10_000,
             max_connections_per_address: 5_000,
             proxy_tls: None,
@@ -565,6 +570,9 @@ impl Config {
         }
         if self.server.header_read_timeout_ms == 0 || self.server.body_read_timeout_ms == 0 {
             return Err("server.header_read_timeout_ms and server.body_read_timeout_ms: must be at least 1".into());
+        }
+        if self.server.idle_timeout_ms == 0 {
+            return Err("server.idle_timeout_ms: must be at least 1".into());
         }
         if self.store.max_batch == 0 {
             return Err("store.max_batch: must be at least 1".into());

@@ -446,6 +446,55 @@ async fn a_connection_that_never_says_which_protocol_it_speaks_is_closed() {
     }
 }
 
+/// An HTTP/2 connection that answers PINGs but has no request in flight
+/// for `idle_timeout_ms` is closed (hyper has no idle timeout: four such
+/// clients held a listener of `max_connections = 4` for ever), and one
+/// whose request is in flight — a `watch` longer than the timeout — is not.
+#[tokio::test(flavor = "multi_thread")]
+async fn idle_h2_connections_are_closed_and_busy_ones_are_not() {
+    let cfg = "[server]\nidle_timeout_ms = 1000\nmax_connections = 4\n";
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start(&dir.path().join("data"), Opts { config: Some(cfg.into()), ..Opts::default() });
+    let h2 = |addr| async move {
+        let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (send, conn) =
+            hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream)).await.unwrap();
+        (send, tokio::spawn(conn))
+    };
+    // A watch of 2.5 s on an h2 connection: the connection outlives the
+    // 1 s idle timeout while the request is in flight.
+    let (mut send, conn) = h2(gw.api).await;
+    send.ready().await.unwrap();
+    let req = Request::get("http://x/v1/locks/watch?key=idle/k&after=0&timeout_ms=2500").body(Empty::<Bytes>::new());
+    let started = Instant::now();
+    let resp = send.send_request(req.unwrap()).await.expect("the watch was cut");
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert!(started.elapsed() >= Duration::from_millis(2_400), "{:?}", started.elapsed());
+    // Then idle: closed about a timeout after the exchange ended.
+    let ended = Instant::now();
+    tokio::time::timeout(Duration::from_secs(5), conn).await.expect("idle h2 connection still open after 5 s").ok();
+    let took = ended.elapsed();
+    assert!(took >= Duration::from_millis(900), "closed after {took:?}");
+    // Four idle h2 connections (the listener's whole bound) do not lock a
+    // client out for longer than the timeout.
+    let mut idle = Vec::new();
+    for _ in 0..4 {
+        idle.push(h2(gw.api).await);
+    }
+    let http = Http::default();
+    let started = Instant::now();
+    let got = loop {
+        match tokio::time::timeout(Duration::from_millis(500), http.get(&gw.api_url("/healthz"))).await {
+            Ok(r) => break r,
+            Err(_) => assert!(started.elapsed() < Duration::from_secs(5), "locked out by idle h2 connections"),
+        }
+    };
+    assert_eq!(got.status, StatusCode::OK);
+    for (_, c) in idle {
+        tokio::time::timeout(Duration::from_secs(5), c).await.expect("an idle h2 connection stayed open").ok();
+    }
+}
+
 /// A client that shuts its write side after its request (`nc -N`) gets its
 /// answer on the fast path (the general path treats it as a hang-up: hyper
 /// cannot tell the two apart, and a hang-up must drop an abandoned acquire

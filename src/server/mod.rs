@@ -5,6 +5,7 @@
 //! it hands each request to a handler.
 
 mod api_loop;
+mod idle;
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -49,6 +50,9 @@ pub struct Limits {
     pub header_read_timeout: Duration,
     pub body_read_timeout: Duration,
     pub shutdown_grace: Duration,
+    /// A connection served by hyper (HTTP/2, TLS, what the fast paths hand
+    /// over) with no request in flight for this long is closed.
+    pub idle_timeout: Duration,
 }
 
 /// Open connections per client address, against a bound (0: none).
@@ -98,7 +102,10 @@ async fn serve_conn<I>(
     I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
 {
     let addr = client.addr;
+    let activity = idle::Activity::new();
+    let tracker = activity.clone();
     let service = service_fn(move |req: Request<Incoming>| {
+        let exchange = tracker.begin();
         let header_bytes: usize = req.headers().iter().map(|(k, v)| k.as_str().len() + v.len() + 4).sum();
         let fut = if header_bytes > limits.max_header_bytes {
             let limit_bytes = limits.max_header_bytes as u64;
@@ -107,11 +114,19 @@ async fn serve_conn<I>(
             let req = req.map(|b| b.map_err(Into::into).boxed_unsync());
             handler(req, client.clone())
         };
-        async move { Ok::<_, Infallible>(fut.await) }
+        async move { Ok::<_, Infallible>(fut.await.map(|b| idle::Tracked::new(b, exchange))) }
     });
     let conn = builder.serve_connection(io, service);
-    if let Err(e) = watcher.watch(conn).await {
-        tracing::debug!(listener = name, client = %addr, error = %e, "connection ended with an error");
+    tokio::select! {
+        ended = watcher.watch(conn) => {
+            if let Err(e) = ended {
+                tracing::debug!(listener = name, client = %addr, error = %e, "connection ended with an error");
+            }
+        }
+        // Nothing in flight: dropping the connection cuts no exchange.
+        () = activity.idle_for(limits.idle_timeout) => {
+            tracing::debug!(listener = name, client = %addr, "idle connection closed");
+        }
     }
 }
 
