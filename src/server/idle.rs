@@ -43,17 +43,13 @@ impl Activity {
         self.last_ms.store(ms, Ordering::Relaxed);
     }
 
-    /// A request head arrived: in flight until the [`Tracked`] body of its
-    /// response is dropped.
-    pub fn begin(self: &Arc<Self>) -> Arc<Activity> {
+    /// A request head arrived: in flight until the guard is dropped —
+    /// with the [`Tracked`] body of its response, or with the request's
+    /// future if it never answered (a stream the client reset).
+    pub fn begin(self: &Arc<Self>) -> InFlight {
         self.in_flight.fetch_add(1, Ordering::AcqRel);
         self.touch();
-        self.clone()
-    }
-
-    fn end(&self) {
-        self.touch();
-        self.in_flight.fetch_sub(1, Ordering::AcqRel);
+        InFlight(self.clone())
     }
 
     /// Resolves once nothing has been in flight for `timeout`.
@@ -75,21 +71,25 @@ impl Activity {
     }
 }
 
-/// A response body that ends its request's time in flight when dropped.
-pub struct Tracked {
-    inner: BoxBody,
-    activity: Arc<Activity>,
-}
+/// One request in flight on a connection, until dropped.
+pub struct InFlight(Arc<Activity>);
 
-impl Tracked {
-    pub fn new(inner: BoxBody, activity: Arc<Activity>) -> Tracked {
-        Tracked { inner, activity }
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.touch();
+        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
-impl Drop for Tracked {
-    fn drop(&mut self) {
-        self.activity.end();
+/// A response body that keeps its request in flight until it is dropped.
+pub struct Tracked {
+    inner: BoxBody,
+    _in_flight: InFlight,
+}
+
+impl Tracked {
+    pub fn new(inner: BoxBody, in_flight: InFlight) -> Tracked {
+        Tracked { inner, _in_flight: in_flight }
     }
 }
 
@@ -128,5 +128,25 @@ mod tests {
         a.idle_for(t).await;
         let waited = ended.elapsed();
         assert!(waited >= t && waited <= t + Duration::from_secs(1), "{waited:?}");
+    }
+
+    /// A request whose future is dropped before it answered (an h2 stream
+    /// the client reset) is no longer in flight: otherwise one reset
+    /// request would keep its connection from ever being idle.
+    #[tokio::test(start_paused = true)]
+    async fn a_request_dropped_before_its_answer_is_not_in_flight() {
+        let a = Activity::new();
+        let t = Duration::from_secs(75);
+        let fut = {
+            let exchange = a.begin();
+            async move {
+                std::future::pending::<()>().await;
+                drop(exchange);
+            }
+        };
+        drop(fut);
+        let started = Instant::now();
+        tokio::time::timeout(Duration::from_secs(80), a.idle_for(t)).await.expect("never idle");
+        assert!(started.elapsed() <= t + Duration::from_secs(1));
     }
 }
