@@ -138,19 +138,25 @@ impl Authority {
     /// somebody starts waiting for or watching it, and when such a key gets
     /// a new grant or a shorter deadline. Nothing to do without a grant (a
     /// waiter that was handed the key pushes it when it installs its own).
-    pub(super) fn schedule_urgent(&self, key: &Arc<str>, st: &KeyState) {
-        if st.queue.is_none() {
-            return;
-        }
+    pub(super) fn schedule_urgent(&self, key: &Arc<str>, st: &mut KeyState) {
         let Some(at_ms) = st.grant.as_ref().map(|g| g.deadline_ms.max(1)) else {
             return;
         };
+        let Some(q) = st.queue.as_mut() else {
+            return;
+        };
+        // One entry per key: 4 million one-off watches of a renewed key
+        // used to leave 4 million entries, pushed again at every deadline.
+        if q.urgent_ms != 0 && q.urgent_ms <= at_ms {
+            return;
+        }
         let Ok(mut s) = self.expiry.lock() else {
             return;
         };
         let earliest = s.next().is_none_or(|next| at_ms < next);
         s.urgent.push(Reverse(Due { at_ms, key: key.clone() }));
         drop(s);
+        q.urgent_ms = at_ms;
         if earliest {
             self.expiry_wake.notify_one();
         }
@@ -251,9 +257,9 @@ impl Authority {
     }
 
     /// Ends the grants of waited-for and watched keys whose deadline is at
-    /// or before `now_ms` (a bounded number of them: one per waiter or
-    /// watcher that came, at most), and pushes again a key whose grant was
-    /// renewed past it while somebody still waits for it.
+    /// or before `now_ms` (one entry per such key, plus superseded ones,
+    /// skipped), and pushes again a key whose grant was renewed past it
+    /// while somebody still waits for it.
     fn expire_urgent(&self, now_ms: u64) {
         let due: Vec<Due> = {
             let Ok(mut s) = self.expiry.lock() else {
@@ -266,19 +272,31 @@ impl Authority {
             }
             due
         };
-        for Due { key, .. } in due {
+        for Due { at_ms, key } in due {
             let Some(mut st) = self.keys.get_mut(&key) else {
                 continue;
             };
+            match st.queue.as_mut() {
+                // The key's current entry: it leaves the heap.
+                Some(q) if q.urgent_ms == at_ms => q.urgent_ms = 0,
+                // Superseded, or nobody waits or watches any more.
+                _ => continue,
+            }
             match st.grant.as_ref().map(|g| g.deadline_ms) {
                 Some(deadline) if deadline <= now_ms => self.end_locked(&key, &mut st, Ended::Expired),
                 // Renewed: still waited for, still urgent.
-                Some(_) => self.schedule_urgent(&key, &st),
+                Some(_) => self.schedule_urgent(&key, &mut st),
                 None => {}
             }
             // The key stays in the paced heap (`scheduled_ms`), which
             // forgets it when its entry comes due.
         }
+    }
+
+    /// Entries in the urgent heap (for tests).
+    #[cfg(test)]
+    pub(super) fn scheduled_urgent(&self) -> usize {
+        self.expiry.lock().map_or(0, |s| s.urgent.len())
     }
 
     /// Entries in the expiry heap (for tests).

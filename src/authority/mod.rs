@@ -100,6 +100,10 @@ struct Queue {
     /// Token of the current holder, 0 for none, for watchers; only while
     /// someone watches (see [`KeyState::publish`]).
     holder_tx: Option<watch::Sender<u64>>,
+    /// The time this key is in the urgent expiry heap for (0: not in it);
+    /// an entry with another time was superseded and is skipped. One entry
+    /// per key, however many waiters and watches come (`expiry.rs`).
+    urgent_ms: u64,
 }
 
 /// Everything the authority knows of one key.
@@ -366,7 +370,7 @@ impl Authority {
                 let (wake, rx) = oneshot::channel();
                 st.queue_mut().waiters.push_back(Waiter { id, wake });
                 self.metrics.lock_waiters.inc();
-                self.schedule_urgent(&key, &st);
+                self.schedule_urgent(&key, &mut st);
                 Step::Queued(id, rx)
             }
         };
@@ -531,7 +535,7 @@ impl Authority {
         if sooner {
             // A shorter TTL: the key's entries may lie after the new deadline.
             self.schedule_expiry(&key, &mut st, deadline_ms);
-            self.schedule_urgent(&key, &st);
+            self.schedule_urgent(&key, &mut st);
         }
         Ok(RenewView { key: req.key, fencing_token: token, ttl_ms })
     }
@@ -558,6 +562,9 @@ impl Authority {
             return Err(not_owner());
         };
         let key = st.key().clone();
+        // A lease past its deadline is over, swept or not: not the
+        // caller's to release any more.
+        self.expire_if_due(&key, &mut st, self.now_ms());
         match &st.grant {
             Some(g) if g.lease_id.matches(&req.lease_id) => {
                 self.end_locked(&key, &mut st, Ended::Released);
@@ -607,9 +614,12 @@ impl Authority {
         // watch ends, including a client that hung up (the future dropped).
         let rx = {
             let mut st = self.keys.entry(Arc::from(key)).or_insert_with(new_state);
-            let rx = st.subscribe();
             let key = st.key().clone();
-            self.schedule_urgent(&key, &st);
+            // A grant past its deadline is over, swept or not: a watcher
+            // must not be told of its token as the holder's.
+            self.expire_if_due(&key, &mut st, self.now_ms());
+            let rx = st.subscribe();
+            self.schedule_urgent(&key, &mut st);
             rx
         };
         let mut w = WatchGuard { auth: self, key, rx: Some(rx) };

@@ -719,3 +719,55 @@ async fn only_a_longer_ttl_is_written_to_the_store() {
     assert_eq!(stored(), Some(90_000));
     assert_eq!(r.auth.status("ttl").unwrap().expires_in_ms, Some(5_000));
 }
+
+/// However many waiters and watches a key gets, it has one entry in the
+/// urgent heap: 4 million one-off watches of a renewed key used to leave
+/// 4 million entries, all pushed again at every deadline (an outside
+/// review measured 75% CPU and stalls past a renewing holder's margin).
+#[tokio::test(start_paused = true)]
+async fn a_key_has_one_urgent_entry_however_many_watch_it() {
+    let metrics = Arc::new(Metrics::new().unwrap());
+    let auth = Authority::restore(FenceTable::new(), Store::memory(), metrics, LocksConfig::default()).unwrap();
+    let g = auth.acquire(acq("hot", 10_000, 0)).await.unwrap();
+    for _ in 0..1_000 {
+        let s = auth.watch("hot", g.fencing_token, Duration::from_millis(1)).await.unwrap();
+        assert!(s.held);
+    }
+    // One watch stays; the holder renews past the deadline.
+    let watcher = {
+        let auth = auth.clone();
+        tokio::spawn(async move { auth.watch("hot", g.fencing_token, Duration::from_secs(60)).await })
+    };
+    tokio::task::yield_now().await;
+    assert_eq!(auth.scheduled_urgent(), 1);
+    advance(Duration::from_millis(5_000)).await;
+    auth.renew(RenewRequest { key: "hot".into(), lease_id: g.lease_id.clone(), ttl_ms: None }).unwrap();
+    advance(Duration::from_millis(5_000)).await;
+    auth.expire_some(auth.now_ms(), 32);
+    assert_eq!(auth.scheduled_urgent(), 1, "pushed again once, at the renewed deadline");
+    assert!(auth.status("hot").unwrap().held);
+    watcher.abort();
+}
+
+/// A lease past its deadline is over for release and watch too, whether
+/// or not the expiry task has swept it: release answers not_owner, and a
+/// watch waiting for "nobody holds it" to change is not woken at once by
+/// the old token.
+#[tokio::test(start_paused = true)]
+async fn release_and_watch_judge_the_deadline_themselves() {
+    let metrics = Arc::new(Metrics::new().unwrap());
+    // No expiry task: nothing is swept.
+    let auth = Authority::restore(FenceTable::new(), Store::memory(), metrics, LocksConfig::default()).unwrap();
+    let a = auth.acquire(acq("gone", 1_000, 0)).await.unwrap();
+    let b = auth.acquire(acq("watched", 1_000, 0)).await.unwrap();
+    advance(Duration::from_millis(1_001)).await;
+    match auth.release(ReleaseRequest { key: "gone".into(), lease_id: a.lease_id }) {
+        Err(Error::NotOwner { .. }) => {}
+        other => panic!("release of an expired lease: {other:?}"),
+    }
+    assert_eq!(auth.metrics.lease_expirations.get(), 1, "ended as an expiry, not a release");
+    let started = Instant::now();
+    let s = auth.watch("watched", 0, Duration::from_millis(300)).await.unwrap();
+    assert!(!s.held);
+    assert!(started.elapsed() >= Duration::from_millis(300), "woken at once by token {}", b.fencing_token);
+}
