@@ -515,17 +515,10 @@ impl Authority {
         self.metrics.renew_margin_ratio.observe(margin_ms as f64 / (grant.ttl_ms as f64).max(f64::EPSILON));
         if let Some(ttl_ms) = req.ttl_ms {
             if ttl_ms != grant.ttl_ms {
-                let longer = ttl_ms > grant.ttl_ms;
                 grant.ttl_ms = ttl_ms;
-                // A restart restores a full TTL: the stored one must never
-                // be shorter than the lease's, so a longer TTL is recorded
-                // (lazily: a restart restores *some* full TTL either way). A
-                // shorter one is not: the stored TTL stays at least as long,
-                // and a renewal round that shortens 500,000 leases (a mass
-                // expiry) writes no 500,000 records on the requests' CPU.
-                if longer {
-                    self.store.submit_lazy(vec![Op::Grant { key: key.clone(), record: grant.record() }]);
-                }
+                // The restart TTL follows; no fsync needed (a restart
+                // restores *some* full TTL either way).
+                self.store.submit_lazy(vec![Op::Grant { key: key.clone(), record: grant.record() }]);
             }
         }
         let deadline_ms = self.deadline_base().saturating_add(grant.ttl_ms);

@@ -700,26 +700,6 @@ async fn a_paced_mass_expiry_ends_every_lease() {
     assert_eq!(r.auth.keys.len(), 0);
 }
 
-/// A renewal that lengthens the TTL records it (a restart restores the
-/// full TTL, never a shorter one); one that shortens it writes nothing, and
-/// the stored TTL stays the longer one.
-#[tokio::test(start_paused = true)]
-async fn only_a_longer_ttl_is_written_to_the_store() {
-    let store = Store::memory();
-    let r = rig_with(store.clone());
-    let g = r.auth.acquire(acq("ttl", 60_000, 0)).await.unwrap();
-    let stored = || store.grants().unwrap().into_iter().find(|(k, _)| k == "ttl").map(|(_, rec)| rec.ttl_ms);
-    assert_eq!(stored(), Some(60_000));
-    let renew = |ttl_ms| RenewRequest { key: "ttl".into(), lease_id: g.lease_id.clone(), ttl_ms: Some(ttl_ms) };
-    r.auth.renew(renew(1_000)).unwrap();
-    assert_eq!(stored(), Some(60_000), "a shorter TTL must not be written");
-    r.auth.renew(renew(90_000)).unwrap();
-    assert_eq!(stored(), Some(90_000), "a longer TTL must be written");
-    r.auth.renew(renew(5_000)).unwrap();
-    assert_eq!(stored(), Some(90_000));
-    assert_eq!(r.auth.status("ttl").unwrap().expires_in_ms, Some(5_000));
-}
-
 /// However many waiters and watches a key gets, it has one entry in the
 /// urgent heap: 4 million one-off watches of a renewed key used to leave
 /// 4 million entries, all pushed again at every deadline (an outside
