@@ -62,7 +62,35 @@ pub(super) struct Schedule {
     urgent: BinaryHeap<Reverse<Due>>,
 }
 
+/// Which of the two heaps.
+#[derive(Clone, Copy)]
+enum Lane {
+    Paced,
+    Urgent,
+}
+
 impl Schedule {
+    fn lane(&mut self, lane: Lane) -> &mut BinaryHeap<Reverse<Due>> {
+        match lane {
+            Lane::Paced => &mut self.heap,
+            Lane::Urgent => &mut self.urgent,
+        }
+    }
+
+    /// Pops up to `max` entries of `lane` due at or before `now_ms`; true
+    /// when more are due.
+    fn pop_due(&mut self, lane: Lane, now_ms: u64, max: usize) -> (Vec<Due>, bool) {
+        let heap = self.lane(lane);
+        let is_due = |h: &BinaryHeap<Reverse<Due>>| h.peek().is_some_and(|Reverse(d)| d.at_ms <= now_ms);
+        let mut due = Vec::with_capacity(max.min(heap.len()));
+        while due.len() < max && is_due(heap) {
+            let Some(Reverse(entry)) = heap.pop() else { break };
+            due.push(entry);
+        }
+        let more = is_due(heap);
+        (due, more)
+    }
+
     /// The earliest time either heap is due at.
     fn next(&self) -> Option<u64> {
         let top = |h: &BinaryHeap<Reverse<Due>>| h.peek().map(|Reverse(d)| d.at_ms);
@@ -121,16 +149,24 @@ impl Authority {
         // 0 means "not scheduled": a deadline at the clock's zero is
         // looked at 1 ms later (never earlier than due).
         let at_ms = at_ms.max(1);
+        if self.push_due(Lane::Paced, key, at_ms) {
+            st.scheduled_ms = at_ms;
+        }
+    }
+
+    /// Pushes `key` at `at_ms` (at least 1) into `lane`, waking the task if
+    /// that is now the earliest time; false if the schedule is unusable.
+    fn push_due(&self, lane: Lane, key: &Arc<str>, at_ms: u64) -> bool {
         let Ok(mut s) = self.expiry.lock() else {
-            return;
+            return false;
         };
         let earliest = s.next().is_none_or(|next| at_ms < next);
-        s.heap.push(Reverse(Due { at_ms, key: key.clone() }));
+        s.lane(lane).push(Reverse(Due { at_ms, key: key.clone() }));
         drop(s);
-        st.scheduled_ms = at_ms;
         if earliest {
             self.expiry_wake.notify_one();
         }
+        true
     }
 
     /// Makes sure `key`'s grant is ended at its deadline however far
@@ -150,15 +186,8 @@ impl Authority {
         if q.urgent_ms != 0 && q.urgent_ms <= at_ms {
             return;
         }
-        let Ok(mut s) = self.expiry.lock() else {
-            return;
-        };
-        let earliest = s.next().is_none_or(|next| at_ms < next);
-        s.urgent.push(Reverse(Due { at_ms, key: key.clone() }));
-        drop(s);
-        q.urgent_ms = at_ms;
-        if earliest {
-            self.expiry_wake.notify_one();
+        if self.push_due(Lane::Urgent, key, at_ms) {
+            q.urgent_ms = at_ms;
         }
     }
 
@@ -214,17 +243,8 @@ impl Authority {
     /// true when more keys are due.
     pub(super) fn expire_some(&self, now_ms: u64, max: usize) -> bool {
         self.expire_urgent(now_ms);
-        let (due, more): (Vec<Due>, bool) = {
-            let Ok(mut s) = self.expiry.lock() else {
-                return false;
-            };
-            let mut due = Vec::with_capacity(max.min(s.heap.len()));
-            while due.len() < max && s.heap.peek().is_some_and(|Reverse(d)| d.at_ms <= now_ms) {
-                let Some(Reverse(entry)) = s.heap.pop() else { break };
-                due.push(entry);
-            }
-            let more = s.heap.peek().is_some_and(|Reverse(d)| d.at_ms <= now_ms);
-            (due, more)
+        let Ok((due, more)) = self.expiry.lock().map(|mut s| s.pop_due(Lane::Paced, now_ms, max)) else {
+            return false;
         };
         for Due { at_ms, key } in due {
             let forget = {
@@ -261,16 +281,8 @@ impl Authority {
     /// skipped), and pushes again a key whose grant was renewed past it
     /// while somebody still waits for it.
     fn expire_urgent(&self, now_ms: u64) {
-        let due: Vec<Due> = {
-            let Ok(mut s) = self.expiry.lock() else {
-                return;
-            };
-            let mut due = Vec::new();
-            while s.urgent.peek().is_some_and(|Reverse(d)| d.at_ms <= now_ms) {
-                let Some(Reverse(entry)) = s.urgent.pop() else { break };
-                due.push(entry);
-            }
-            due
+        let Ok((due, _)) = self.expiry.lock().map(|mut s| s.pop_due(Lane::Urgent, now_ms, usize::MAX)) else {
+            return;
         };
         for Due { at_ms, key } in due {
             let Some(mut st) = self.keys.get_mut(&key) else {
