@@ -24,22 +24,57 @@ if [ -z "${PID[backend]:-}" ] || ! kill -0 "${PID[backend]}" 2>/dev/null; then
     start backend "$CPU_LOAD" nginx -p "$WORK" -e "$WORK/nginx-backend.err" -c "$WORK/nginx-backend.conf"
     wait_tcp "$P_BACKEND"
 fi
-# shellcheck disable=SC2207
-CP=($(free_ports 16))
-E_URLS=""
-E_INIT=""
-for i in 1 2 3; do
-    E_URLS+="${E_URLS:+,}http://127.0.0.1:${CP[$((i - 1))]}"
-    E_INIT+="${E_INIT:+,}e$i=http://127.0.0.1:${CP[$((i + 2))]}"
+# etcd_tails: the last lines of each member's log (why it is not healthy).
+etcd_tails() {
+    local i
+    for i in 1 2 3; do
+        echo "--- etcd$i (pid ${PID[etcd$i]:-?}, $(kill -0 "${PID[etcd$i]:-0}" 2>/dev/null && echo running || echo exited)):"
+        tail -n 8 "$WORK/etcd$i.log" 2>/dev/null || true
+    done
+}
+
+# etcd_cluster_up: waits up to 60 s until every member answers /health; stops
+# early (status 1) when a member exited, e.g. because a port drawn as free was
+# taken before it bound it.
+etcd_cluster_up() {
+    local deadline=$(($(date +%s) + 60)) i ok
+    while [ "$(date +%s)" -lt "$deadline" ]; do
+        for i in 1 2 3; do kill -0 "${PID[etcd$i]}" 2>/dev/null || return 1; done
+        ok=0
+        for i in 1 2 3; do
+            curl -sf -o /dev/null --max-time 1 "http://127.0.0.1:${CP[$((i - 1))]}/health" && ok=$((ok + 1))
+        done
+        [ "$ok" -eq 3 ] && return 0
+        sleep 0.1
+    done
+    return 1
+}
+
+# Three members on ports drawn afresh for each attempt (and fresh data dirs):
+# a member that exits is retried on new ports, at most three attempts.
+for attempt in 1 2 3; do
+    # shellcheck disable=SC2207
+    CP=($(free_ports 16))
+    E_URLS=""
+    E_INIT=""
+    for i in 1 2 3; do
+        E_URLS+="${E_URLS:+,}http://127.0.0.1:${CP[$((i - 1))]}"
+        E_INIT+="${E_INIT:+,}e$i=http://127.0.0.1:${CP[$((i + 2))]}"
+    done
+    for i in 1 2 3; do
+        rm -rf "$WORK/etcd$i"
+        start "etcd$i" "$CPU_SUT" etcd --name "e$i" --data-dir "$WORK/etcd$i" \
+            --listen-client-urls "http://127.0.0.1:${CP[$((i - 1))]}" --advertise-client-urls "http://127.0.0.1:${CP[$((i - 1))]}" \
+            --listen-peer-urls "http://127.0.0.1:${CP[$((i + 2))]}" --initial-advertise-peer-urls "http://127.0.0.1:${CP[$((i + 2))]}" \
+            --initial-cluster "$E_INIT" --initial-cluster-state new --initial-cluster-token "fg-bench-$$-$attempt" \
+            --logger zap --log-level warn
+    done
+    etcd_cluster_up && break
+    log "  etcd cluster not up (attempt $attempt of 3): $E_URLS"
+    etcd_tails | sed 's/^/    /'
+    for i in 1 2 3; do stop "etcd$i"; done
+    [ "$attempt" -lt 3 ] || die "the etcd cluster did not come up in 3 attempts"
 done
-for i in 1 2 3; do
-    start "etcd$i" "$CPU_SUT" etcd --name "e$i" --data-dir "$WORK/etcd$i" \
-        --listen-client-urls "http://127.0.0.1:${CP[$((i - 1))]}" --advertise-client-urls "http://127.0.0.1:${CP[$((i - 1))]}" \
-        --listen-peer-urls "http://127.0.0.1:${CP[$((i + 2))]}" --initial-advertise-peer-urls "http://127.0.0.1:${CP[$((i + 2))]}" \
-        --initial-cluster "$E_INIT" --initial-cluster-state new --initial-cluster-token "fg-bench-$$" \
-        --logger zap --log-level warn
-done
-for i in 1 2 3; do wait_http "http://127.0.0.1:${CP[$((i - 1))]}/health" 60; done
 E_ADDRS=$(echo "$E_URLS" | sed 's#http://##g')
 
 # gateway NAME PROXY_PORT API_PORT [cluster-id prefix]: one gateway, same route for all.
