@@ -6,18 +6,27 @@
 # Honours CARGO_TARGET_DIR (a shared one reuses the compiled RocksDB).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+t0=$(date +%s)
+# stage NAME: prints how long the stage just ended took (CI budget bookkeeping).
+stage() { local now; now=$(date +%s); echo "== stage $1: $((now - t0)) s"; t0=$now; }
 bash scripts/setup-system.sh test
+stage "system packages"
 bash scripts/setup-s3.sh           # s3s-fs, and boto3/awscli in .venv
+stage "s3s-fs and the venv"
 
 started=$(date +%s)
 # One profile for everything, so RocksDB's C++ is compiled once per run.
 cargo build --locked --workspace --all-targets
 echo "build: $(( $(date +%s) - started )) s"
+stage build
 cargo fmt --all -- --check
 cargo clippy --locked --workspace --all-targets --no-deps -- -D warnings
+stage "fmt and clippy"
 cargo test --locked --workspace --lib --bins --tests --examples -- --test-threads="${FENCEGATE_TEST_THREADS:-4}"
+stage "cargo test"
 # Criterion benches, once each in test mode (cargo test passes no --bench).
 cargo test --locked --benches
+stage "benches in test mode"
 # The aws-sdk-s3 example: a crate of its own outside the workspace (the SDK
 # never enters the gateway's dependency graph), built and run against s3s-fs
 # through the gateway: a stale write refused, the S3 error in the SDK error.
@@ -25,15 +34,18 @@ cargo test --locked --benches
 # from scratch (427 s of wall time on a loaded 2-core box).
 FENCEGATE_BIN="${CARGO_TARGET_DIR:-$PWD/target}/debug/fencegate" \
     cargo test --locked --manifest-path examples/aws-sdk-s3/Cargo.toml
+stage "aws-sdk-s3 example"
 # The nemesis: real processes under pauses, kill -9, dying upstreams and a
 # partition, checked from the upstream's log; then the self-test that the
 # checker catches an unfenced gateway; then both in cluster mode (3 etcd
 # members, 3 gateways; the self-test's broken gateway needs this debug build).
 FENCEGATE_BIN="${CARGO_TARGET_DIR:-$PWD/target}/debug/fencegate" bash nemesis/run-ci.sh
+stage nemesis
 # The side-by-side harness in its short form (every part, ~2 min of load), so
 # it cannot rot: it fails when any target errs or a measurement is missing.
 # Its figures on a shared CI box are not the benchmark; the full run is
 # `bash benches/compare/run.sh`.
 FENCEGATE_BIN="${CARGO_TARGET_DIR:-$PWD/target}/debug/fencegate" FENCEGATE_REV="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" \
     bash benches/compare/run.sh --smoke --out "${TMPDIR:-/tmp}/fencegate-compare-smoke.md"
+stage "side-by-side smoke"
 echo "tests: $(( $(date +%s) - started )) s in all"
