@@ -545,3 +545,127 @@ async fn half_closed_requests_and_broken_chunked_bodies() {
         assert_eq!(complete(), before, "fast={fast}: a truncated body reached the upstream whole");
     }
 }
+
+/// One frame as the gateway sent it: type, flags, stream, payload.
+type RawFrame = (u8, u8, u32, Vec<u8>);
+
+/// A raw HTTP/2 exchange, so that a stream can say one thing in its
+/// `content-length` and carry another in its DATA frames (no HTTP/2 client
+/// library sends that). HEADERS (literal fields, no Huffman) without
+/// END_STREAM, then one DATA frame per item of `data`, the last with
+/// END_STREAM. Returns the frames the gateway sent on stream 1 until it
+/// ended the stream (or 3 s).
+async fn h2_raw(addr: std::net::SocketAddr, fields: &[(&str, &str)], data: &[&[u8]]) -> Vec<RawFrame> {
+    fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+        let len = payload.len() as u32;
+        let mut f = vec![(len >> 16) as u8, (len >> 8) as u8, len as u8, kind, flags];
+        f.extend_from_slice(&stream.to_be_bytes());
+        f.extend_from_slice(payload);
+        f
+    }
+    let mut block = Vec::new();
+    for (name, value) in fields {
+        assert!(name.len() < 127 && value.len() < 127);
+        block.push(0x00); // literal without indexing, new name
+        block.push(name.len() as u8);
+        block.extend_from_slice(name.as_bytes());
+        block.push(value.len() as u8);
+        block.extend_from_slice(value.as_bytes());
+    }
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    out.extend(frame(0x4, 0, 0, &[])); // SETTINGS
+    out.extend(frame(0x1, 0x4, 1, &block)); // HEADERS, END_HEADERS, not END_STREAM
+    for (i, d) in data.iter().enumerate() {
+        let end = if i + 1 == data.len() { 0x1 } else { 0 };
+        out.extend(frame(0x0, end, 1, d));
+    }
+    s.write_all(&out).await.unwrap();
+    let mut got = Vec::new();
+    let mut buf = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(3);
+    loop {
+        while buf.len() >= 9 {
+            let len = (usize::from(buf[0]) << 16) | (usize::from(buf[1]) << 8) | usize::from(buf[2]);
+            if buf.len() < 9 + len {
+                break;
+            }
+            let (kind, flags) = (buf[3], buf[4]);
+            let stream = u32::from_be_bytes([buf[5], buf[6], buf[7], buf[8]]) & 0x7fff_ffff;
+            let payload = buf[9..9 + len].to_vec();
+            buf.drain(..9 + len);
+            if kind == 0x4 && flags & 0x1 == 0 {
+                s.write_all(&frame(0x4, 0x1, 0, &[])).await.unwrap(); // SETTINGS ACK
+            }
+            let ended = stream == 1 && (kind == 0x3 || (flags & 0x1 == 1 && (kind == 0x0 || kind == 0x1)));
+            let gone = kind == 0x7;
+            if stream == 1 || gone {
+                got.push((kind, flags, stream, payload));
+            }
+            if ended || gone {
+                return got;
+            }
+        }
+        let mut chunk = [0u8; 4096];
+        let left = deadline.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, s.read(&mut chunk)).await {
+            Ok(Ok(n)) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+            _ => return got,
+        }
+    }
+}
+
+/// The first byte of a HEADERS block from hyper: 0x88 is `:status 200`
+/// from HPACK's static table.
+fn answered_200(frames: &[RawFrame]) -> bool {
+    frames.iter().any(|(kind, _, _, payload)| *kind == 0x1 && payload.first() == Some(&0x88))
+}
+
+/// An HTTP/2 request whose DATA goes past its `content-length` is
+/// malformed (RFC 9113 §8.1.1) and must not be forwarded. The gateway must
+/// not send the upstream the declared bytes as a complete request before it
+/// knows the stream ended where it said: a declared-empty body is read to
+/// its end before the head is sent, and the frame that completes a declared
+/// length is held until the end of the stream. Well-formed streams that
+/// end with an empty DATA frame still pass, byte for byte.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_h2_body_longer_than_its_content_length_never_reaches_the_upstream_whole() {
+    let r = rig().await;
+    let t = r.held.token.to_string();
+    let fields = |cl: &'static str| {
+        vec![
+            (":method", "PUT"),
+            (":scheme", "http"),
+            (":path", "/held/key"),
+            (":authority", "x"),
+            ("content-length", cl),
+            ("x-fencing-token", t.as_str()),
+        ]
+    };
+    let cases: [(&str, &str, &[&[u8]], Option<&[u8]>); 5] = [
+        ("empty declared, bytes sent", "0", &[b"WORLD"], None),
+        ("five declared, six sent", "5", &[b"HELLO", b"X"], None),
+        ("five declared, six sent at once", "5", &[b"HELLOX"], None),
+        ("empty declared, empty DATA ends it", "0", &[b""], Some(b"")),
+        ("five declared, empty DATA ends it", "5", &[b"HELLO", b""], Some(b"HELLO")),
+    ];
+    for (what, cl, data, applied) in cases {
+        let before = r.rec.count();
+        let frames = h2_raw(r.gw.proxy, &fields(cl), data).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let seen: Vec<_> = r.rec.requests().into_iter().skip(before).collect();
+        let whole: Vec<_> = seen.iter().filter(|s| s.complete).collect();
+        match applied {
+            None => {
+                assert!(whole.is_empty(), "{what}: the upstream got a complete request {:?}", whole[0].body);
+                assert!(!answered_200(&frames), "{what}: the client was told it succeeded: {frames:?}");
+            }
+            Some(body) => {
+                assert!(answered_200(&frames), "{what}: not answered 200: {frames:?}");
+                assert_eq!(whole.len(), 1, "{what}: forwarded once");
+                assert_eq!(whole[0].body, Bytes::from_static(body), "{what}");
+            }
+        }
+    }
+    r.still_fine(r.rec.count()).await;
+}

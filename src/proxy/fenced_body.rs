@@ -7,16 +7,27 @@
 //! complete request and cannot apply it. Once the last frame has been
 //! handed over, the upload can no longer be aborted; activation then waits
 //! for its response instead.
+//!
+//! A client's stream can carry more than its `Content-Length` said (HTTP/2
+//! DATA past a declared length; the request is malformed, RFC 9113
+//! §8.1.1, and h2 resets it). An upstream that is sent the declared bytes
+//! has a complete request, so the frame that completes the declared
+//! length is held back until the client's stream has ended: a stream that
+//! turns out malformed leaves the upstream a truncated request. A declared
+//! empty body is settled before the head is sent (`settle_declared_empty`).
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
+use http_body_util::BodyExt;
 
 use crate::body::{BoxBody, BoxError};
+use crate::error::Error;
 use crate::fence::InflightCtl;
 
 /// Why the body stopped early, readable by the handler after the fact.
@@ -55,6 +66,30 @@ pub enum BodyCut {
     TooLarge(u64),
 }
 
+/// A body that declared itself empty (`Content-Length: 0`) while its
+/// stream goes on (HTTP/2 HEADERS without END_STREAM) is read to its end
+/// before anything is sent upstream, which would take the bare head for a
+/// complete request. A frame with bytes in it makes the request malformed:
+/// 400, nothing forwarded. Any other body is given back untouched.
+pub async fn settle_declared_empty(body: BoxBody, limit: Duration) -> Result<BoxBody, Error> {
+    if body.size_hint().exact() != Some(0) || body.is_end_stream() {
+        return Ok(body);
+    }
+    let read = async move {
+        let mut body = body;
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| Error::BadRequest(format!("the request body is malformed: {e}")))?;
+            if frame.data_ref().is_some_and(|d| !d.is_empty()) {
+                return Err(Error::BadRequest("the request body is longer than its Content-Length".into()));
+            }
+        }
+        Ok(crate::body::empty())
+    };
+    tokio::time::timeout(limit, read)
+        .await
+        .unwrap_or(Err(Error::BodyTimeout { timeout_ms: u64::try_from(limit.as_millis()).unwrap_or(u64::MAX) }))
+}
+
 /// A request body guarded by a fence and a size limit.
 pub struct FencedBody {
     inner: BoxBody,
@@ -63,6 +98,11 @@ pub struct FencedBody {
     seen: u64,
     outcome: Arc<BodyOutcome>,
     done: bool,
+    /// The length the request declared (its `Content-Length`), if any.
+    declared: Option<u64>,
+    /// The frame that completed the declared length, held until the
+    /// client's stream ends.
+    held: Option<Frame<Bytes>>,
 }
 
 impl FencedBody {
@@ -70,7 +110,9 @@ impl FencedBody {
     /// mutation (None for reads).
     pub fn new(inner: BoxBody, ctl: Option<Arc<InflightCtl>>, limit: u64) -> (FencedBody, Arc<BodyOutcome>) {
         let outcome = Arc::new(BodyOutcome::default());
-        let body = FencedBody { inner, ctl, limit, seen: 0, outcome: outcome.clone(), done: false };
+        let declared = inner.size_hint().exact();
+        let body =
+            FencedBody { inner, ctl, limit, seen: 0, outcome: outcome.clone(), done: false, declared, held: None };
         (body, outcome)
     }
 
@@ -98,36 +140,55 @@ impl Body for FencedBody {
                 return Poll::Ready(Some(Err(Box::new(BodyCut::Superseded))));
             }
         }
-        match Pin::new(&mut self.inner).poll_frame(cx) {
-            Poll::Ready(Some(Ok(frame))) => {
-                if let Some(data) = frame.data_ref() {
-                    self.seen = self.seen.saturating_add(data.len() as u64);
-                    if self.seen > self.limit {
-                        self.outcome.set(TOO_LARGE);
-                        self.done = true;
-                        return Poll::Ready(Some(Err(Box::new(BodyCut::TooLarge(self.limit)))));
+        loop {
+            match Pin::new(&mut self.inner).poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => {
+                    if let Some(data) = frame.data_ref() {
+                        if self.held.is_some() && data.is_empty() {
+                            continue; // an empty DATA frame before the end of the stream
+                        }
+                        self.seen = self.seen.saturating_add(data.len() as u64);
+                        if self.seen > self.limit {
+                            self.outcome.set(TOO_LARGE);
+                            self.done = true;
+                            return Poll::Ready(Some(Err(Box::new(BodyCut::TooLarge(self.limit)))));
+                        }
                     }
+                    if let Some(held) = self.held.take() {
+                        // Trailers after the declared bytes: the stream is
+                        // well formed so far; hand both over in order.
+                        self.held = Some(frame);
+                        return Poll::Ready(Some(Ok(held)));
+                    }
+                    if self.inner.is_end_stream() {
+                        self.finish();
+                    } else if frame.is_data() && self.declared == Some(self.seen) {
+                        self.held = Some(frame);
+                        continue;
+                    }
+                    return Poll::Ready(Some(Ok(frame)));
                 }
-                if self.inner.is_end_stream() {
+                Poll::Ready(None) => {
+                    if let Some(held) = self.held.take() {
+                        self.finish();
+                        return Poll::Ready(Some(Ok(held)));
+                    }
                     self.finish();
+                    return Poll::Ready(None);
                 }
-                Poll::Ready(Some(Ok(frame)))
+                Poll::Ready(Some(Err(e))) => {
+                    self.held = None;
+                    self.outcome.set(CLIENT_BROKE);
+                    self.done = true;
+                    return Poll::Ready(Some(Err(e)));
+                }
+                Poll::Pending => return Poll::Pending,
             }
-            Poll::Ready(None) => {
-                self.finish();
-                Poll::Ready(None)
-            }
-            Poll::Ready(Some(Err(e))) => {
-                self.outcome.set(CLIENT_BROKE);
-                self.done = true;
-                Poll::Ready(Some(Err(e)))
-            }
-            Poll::Pending => Poll::Pending,
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.done || self.inner.is_end_stream()
+        self.done || (self.held.is_none() && self.inner.is_end_stream())
     }
 
     fn size_hint(&self) -> SizeHint {

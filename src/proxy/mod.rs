@@ -724,6 +724,7 @@ impl Proxy {
             return Err(Error::PayloadTooLarge { limit_bytes: route.max_body_bytes }.into());
         }
         let (parts, body) = req.into_parts();
+        let body = fenced_body::settle_declared_empty(body, route.upstream_timeout).await?;
         // A body still streaming is cut off when the fence of (the first
         // of) its keys moves; the bodies of several-key requests are
         // already read whole. Not in shadow mode, which reports and never
