@@ -642,7 +642,9 @@ async fn an_h2_body_longer_than_its_content_length_never_reaches_the_upstream_wh
             ("x-fencing-token", t.as_str()),
         ]
     };
-    let cases: [(&str, &str, &[&[u8]], Option<&[u8]>); 5] = [
+    // (what, content-length, DATA frames, the body the upstream applies)
+    type Case = (&'static str, &'static str, &'static [&'static [u8]], Option<&'static [u8]>);
+    let cases: [Case; 5] = [
         ("empty declared, bytes sent", "0", &[b"WORLD"], None),
         ("five declared, six sent", "5", &[b"HELLO", b"X"], None),
         ("five declared, six sent at once", "5", &[b"HELLOX"], None),
