@@ -195,3 +195,108 @@ impl Body for FencedBody {
         self.inner.size_hint()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::VecDeque;
+
+    use http::HeaderMap;
+    use http_body_util::BodyExt;
+
+    use super::*;
+
+    /// A client body as hyper gives an HTTP/2 one: an exact size hint from
+    /// its `content-length`, the end of the stream known only after the
+    /// last frame was taken (`None` items: the stream is still open there,
+    /// a poll returns Pending once and then goes on).
+    struct Client {
+        frames: VecDeque<Option<Result<Frame<Bytes>, BoxError>>>,
+        declared: u64,
+        ended: bool,
+    }
+
+    impl Body for Client {
+        type Data = Bytes;
+        type Error = BoxError;
+        fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+            match self.frames.pop_front() {
+                Some(Some(f)) => Poll::Ready(Some(f)),
+                Some(None) => {
+                    cx.waker().wake_by_ref();
+                    Poll::Pending
+                }
+                None => {
+                    self.ended = true;
+                    Poll::Ready(None)
+                }
+            }
+        }
+        fn is_end_stream(&self) -> bool {
+            self.ended
+        }
+        fn size_hint(&self) -> SizeHint {
+            SizeHint::with_exact(self.declared)
+        }
+    }
+
+    fn client(declared: u64, frames: Vec<Option<Result<Frame<Bytes>, BoxError>>>) -> BoxBody {
+        Client { frames: frames.into(), declared, ended: false }.boxed_unsync()
+    }
+
+    fn data(b: &'static [u8]) -> Option<Result<Frame<Bytes>, BoxError>> {
+        Some(Ok(Frame::data(Bytes::from_static(b))))
+    }
+
+    /// Everything the fenced body hands on, in order, until its end or
+    /// its first error.
+    async fn handed_on(body: BoxBody) -> (Vec<Frame<Bytes>>, Option<String>) {
+        let (mut fenced, _) = FencedBody::new(body, None, 1 << 20);
+        let mut out = Vec::new();
+        while let Some(f) = fenced.frame().await {
+            match f {
+                Ok(f) => out.push(f),
+                Err(e) => return (out, Some(e.to_string())),
+            }
+        }
+        (out, None)
+    }
+
+    #[tokio::test]
+    async fn the_frame_completing_the_declared_length_waits_for_the_end_of_the_stream() {
+        // Well formed, the end after a pause: every byte, in order.
+        let (out, err) = handed_on(client(5, vec![data(b"HEL"), data(b"LO"), None, data(b"")])).await;
+        assert!(err.is_none());
+        let bytes: Vec<u8> = out.iter().filter_map(|f| f.data_ref()).flat_map(|d| d.to_vec()).collect();
+        assert_eq!(bytes, b"HELLO");
+        // Trailers after the declared bytes: both handed on, data first.
+        let mut trailers = HeaderMap::new();
+        trailers.insert("x-checksum", http::HeaderValue::from_static("1"));
+        let (out, err) = handed_on(client(5, vec![data(b"HELLO"), Some(Ok(Frame::trailers(trailers)))])).await;
+        assert!(err.is_none());
+        assert_eq!(out.len(), 2);
+        assert_eq!(out[0].data_ref().map(|d| d.as_ref()), Some(&b"HELLO"[..]));
+        assert!(out[1].is_trailers());
+        // The stream fails after the declared bytes (h2: DATA past the
+        // content-length): the last bytes are never handed on.
+        let broken: BoxError = "content-length exceeded".into();
+        let (out, err) = handed_on(client(5, vec![data(b"HEL"), data(b"LO"), Some(Err(broken))])).await;
+        assert_eq!(err.as_deref(), Some("content-length exceeded"));
+        let bytes: Vec<u8> = out.iter().filter_map(|f| f.data_ref()).flat_map(|d| d.to_vec()).collect();
+        assert_eq!(bytes, b"HEL", "the frame completing the length was held back");
+    }
+
+    #[tokio::test]
+    async fn a_declared_empty_body_is_settled_before_anything_is_sent() {
+        let limit = Duration::from_secs(1);
+        let ok = settle_declared_empty(client(0, vec![None, data(b"")]), limit).await;
+        assert!(ok.is_ok_and(|b| b.is_end_stream()));
+        let bad = settle_declared_empty(client(0, vec![data(b"WORLD")]), limit).await;
+        assert!(matches!(bad, Err(Error::BadRequest(_))));
+        let broken: BoxError = "reset".into();
+        let bad = settle_declared_empty(client(0, vec![Some(Err(broken))]), limit).await;
+        assert!(matches!(bad, Err(Error::BadRequest(_))));
+        // A body with a length, or one already ended, is given back as is.
+        let streaming = settle_declared_empty(client(5, vec![data(b"HELLO")]), limit).await;
+        assert!(streaming.is_ok_and(|b| b.size_hint().exact() == Some(5)));
+    }
+}
