@@ -5,7 +5,7 @@
 //! a value above zero. `promtool check rules` must accept the rules.
 #![allow(clippy::unwrap_used)]
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 use std::process::{Child, Command, Stdio};

@@ -4,7 +4,7 @@
 //! election failover, and a `Lease` noticing loss.
 #![allow(clippy::unwrap_used)]
 
-mod common;
+use crate::common;
 
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};

@@ -3,7 +3,7 @@
 //! refused request reached the upstream.
 #![allow(clippy::unwrap_used)]
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

@@ -3,7 +3,7 @@
 //! them, and lines that are not access lines are written at once.
 #![allow(clippy::unwrap_used)]
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

@@ -6,7 +6,7 @@
 //! cannot be found fails the test loudly, it is never skipped.
 #![allow(clippy::unwrap_used)]
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

@@ -3,7 +3,7 @@
 //! request never reached the upstream; reads; path aliases; proxy headers.
 #![allow(clippy::unwrap_used)]
 
-mod common;
+use crate::common;
 
 use common::{acquire, release, Gateway, Grant, Http, Opts, Recorder};
 use http::{Method, StatusCode};

@@ -6,7 +6,7 @@
 //! here.
 #![allow(clippy::unwrap_used)]
 
-mod common;
+use crate::common;
 
 use common::{Gateway, Http, Opts, Recorder};
 use serde_json::Value;

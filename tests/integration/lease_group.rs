@@ -3,7 +3,7 @@
 //! whose renewal is refused signalled lost while the others stay held.
 #![allow(clippy::unwrap_used)]
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -5,7 +5,7 @@
 //! upstreams are verified against a configured CA.
 #![allow(clippy::unwrap_used)]
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -10,7 +10,7 @@
 //! refused or routed as S3 reads them.
 #![allow(clippy::unwrap_used)]
 
-mod common;
+use crate::common;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

@@ -1,7 +1,7 @@
 //! The command line: `check-config` and `serve` with no arguments.
 #![allow(clippy::unwrap_used)]
 
-mod common;
+use crate::common;
 
 use std::process::Command;
 use std::time::{Duration, Instant};

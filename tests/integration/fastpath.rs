@@ -7,7 +7,7 @@
 //! abandoned by a hang-up leaving the queue on both api paths.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

@@ -2,7 +2,7 @@
 //! secret: never logged, never in metrics, never in status or watch.
 #![allow(clippy::unwrap_used)]
 
-mod common;
+use crate::common;
 
 use common::{Gateway, Http, Opts, Recorder};
 use http::{Method, StatusCode};

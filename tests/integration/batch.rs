@@ -4,7 +4,7 @@
 //! the batch's bounds refused whole with the JSON error body.
 #![allow(clippy::unwrap_used)]
 
-mod common;
+use crate::common;
 
 use common::{acquire, Gateway, Http, Opts};
 use http::{Method, StatusCode};

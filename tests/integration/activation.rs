@@ -4,7 +4,7 @@
 //! upstream never applies tokens out of order.
 #![allow(clippy::unwrap_used)]
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};

@@ -4,7 +4,7 @@
 //! other (tokens are one sequence for every key).
 #![allow(clippy::unwrap_used)]
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

@@ -2,7 +2,7 @@
 //! and error code of the lease API (docs/lease-api.md).
 #![allow(clippy::unwrap_used)]
 
-mod common;
+use crate::common;
 
 use common::{acquire, release, Gateway, Http, Opts};
 use http::{Method, StatusCode};

@@ -2,7 +2,7 @@
 //! TTL, can be renewed, and its key stays locked (docs/lease-api.md, "Restarts").
 #![allow(clippy::unwrap_used)]
 
-mod common;
+use crate::common;
 
 use common::{acquire, Gateway, Http, Opts};
 use http::StatusCode;
