@@ -66,28 +66,14 @@ pub enum BodyCut {
     TooLarge(u64),
 }
 
-/// A body that declared itself empty (`Content-Length: 0`) while its
-/// stream goes on (HTTP/2 HEADERS without END_STREAM) is read to its end
-/// before anything is sent upstream, which would take the bare head for a
-/// complete request. A frame with bytes in it makes the request malformed:
-/// 400, nothing forwarded. Any other body is given back untouched.
-pub async fn settle_declared_empty(body: BoxBody, limit: Duration) -> Result<BoxBody, Error> {
-    if body.size_hint().exact() != Some(0) || body.is_end_stream() {
-        return Ok(body);
-    }
-    let read = async move {
-        let mut body = body;
-        while let Some(frame) = body.frame().await {
-            let frame = frame.map_err(|e| Error::BadRequest(format!("the request body is malformed: {e}")))?;
-            if frame.data_ref().is_some_and(|d| !d.is_empty()) {
-                return Err(Error::BadRequest("the request body is longer than its Content-Length".into()));
-            }
-        }
-        Ok(crate::body::empty())
-    };
-    tokio::time::timeout(limit, read)
-        .await
-        .unwrap_or(Err(Error::BodyTimeout { timeout_ms: u64::try_from(limit.as_millis()).unwrap_or(u64::MAX) }))
+/// Why a declared-empty body could not be settled.
+#[derive(Debug)]
+pub enum Unsettled {
+    /// The body stopped with an error: aborted by a newer fence, or the
+    /// client's stream broke; `BodyOutcome` says which.
+    Cut(String),
+    /// The request is refused as it is (bytes in it, or too slow).
+    Refused(Error),
 }
 
 /// A request body guarded by a fence and a size limit.
@@ -103,6 +89,11 @@ pub struct FencedBody {
     /// The frame that completed the declared length, held until the
     /// client's stream ends.
     held: Option<Frame<Bytes>>,
+    /// The inner body is an HTTP/2 request's: its end is real only when
+    /// `is_end_stream()` says so (END_STREAM received). hyper also ends it
+    /// when the client resets the stream with NO_ERROR, which is a request
+    /// cut short, not a complete one.
+    h2: bool,
 }
 
 impl FencedBody {
@@ -111,9 +102,55 @@ impl FencedBody {
     pub fn new(inner: BoxBody, ctl: Option<Arc<InflightCtl>>, limit: u64) -> (FencedBody, Arc<BodyOutcome>) {
         let outcome = Arc::new(BodyOutcome::default());
         let declared = inner.size_hint().exact();
-        let body =
-            FencedBody { inner, ctl, limit, seen: 0, outcome: outcome.clone(), done: false, declared, held: None };
+        let body = FencedBody {
+            inner,
+            ctl,
+            limit,
+            seen: 0,
+            outcome: outcome.clone(),
+            done: false,
+            declared,
+            held: None,
+            h2: false,
+        };
         (body, outcome)
+    }
+
+    /// Marks the body as an HTTP/2 request's (see `h2`).
+    pub fn from_h2(mut self, h2: bool) -> FencedBody {
+        self.h2 = h2;
+        self
+    }
+
+    /// A body that declared itself empty (`Content-Length: 0`) while its
+    /// stream goes on (HTTP/2 HEADERS without END_STREAM) is read to its
+    /// end before anything is sent upstream, which would take the bare head
+    /// for a complete request. It is read through this body, so a newer
+    /// fence cuts it off while it waits as it cuts off any upload. A frame
+    /// with bytes in it makes the request malformed: 400, nothing
+    /// forwarded. Any other body is given back untouched.
+    pub async fn settle_declared_empty(mut self, limit: Duration) -> Result<FencedBody, Unsettled> {
+        if self.declared != Some(0) || self.inner.is_end_stream() {
+            return Ok(self);
+        }
+        let read = async {
+            while let Some(frame) = self.frame().await {
+                let frame = frame.map_err(|e| Unsettled::Cut(e.to_string()))?;
+                if frame.data_ref().is_some_and(|d| !d.is_empty()) {
+                    let e = Error::BadRequest("the request body is longer than its Content-Length".into());
+                    return Err(Unsettled::Refused(e));
+                }
+            }
+            Ok(())
+        };
+        match tokio::time::timeout(limit, read).await {
+            Ok(Ok(())) => Ok(self),
+            Ok(Err(e)) => Err(e),
+            Err(_) => {
+                let timeout_ms = u64::try_from(limit.as_millis()).unwrap_or(u64::MAX);
+                Err(Unsettled::Refused(Error::BodyTimeout { timeout_ms }))
+            }
+        }
     }
 
     fn finish(&mut self) {
@@ -169,6 +206,19 @@ impl Body for FencedBody {
                     return Poll::Ready(Some(Ok(frame)));
                 }
                 Poll::Ready(None) => {
+                    if self.declared.is_some_and(|d| self.seen < d) {
+                        self.outcome.set(CLIENT_BROKE);
+                        self.done = true;
+                        return Poll::Ready(Some(Err("the request body ended before its Content-Length".into())));
+                    }
+                    if self.h2 && !self.inner.is_end_stream() {
+                        // hyper ends an HTTP/2 body that the client reset
+                        // with NO_ERROR as if it were complete.
+                        self.held = None;
+                        self.outcome.set(CLIENT_BROKE);
+                        self.done = true;
+                        return Poll::Ready(Some(Err("the client reset the request's stream".into())));
+                    }
                     if let Some(held) = self.held.take() {
                         self.finish();
                         return Poll::Ready(Some(Ok(held)));
@@ -201,7 +251,6 @@ mod tests {
     use std::collections::VecDeque;
 
     use http::HeaderMap;
-    use http_body_util::BodyExt;
 
     use super::*;
 
@@ -288,15 +337,28 @@ mod tests {
     #[tokio::test]
     async fn a_declared_empty_body_is_settled_before_anything_is_sent() {
         let limit = Duration::from_secs(1);
-        let ok = settle_declared_empty(client(0, vec![None, data(b"")]), limit).await;
+        let settle = |body: BoxBody, ctl: Option<Arc<InflightCtl>>| async move {
+            let (fenced, outcome) = FencedBody::new(body, ctl, 1 << 20);
+            (fenced.settle_declared_empty(limit).await, outcome)
+        };
+        let (ok, _) = settle(client(0, vec![None, data(b"")]), None).await;
         assert!(ok.is_ok_and(|b| b.is_end_stream()));
-        let bad = settle_declared_empty(client(0, vec![data(b"WORLD")]), limit).await;
-        assert!(matches!(bad, Err(Error::BadRequest(_))));
+        let (bad, _) = settle(client(0, vec![data(b"WORLD")]), None).await;
+        assert!(matches!(bad, Err(Unsettled::Refused(Error::BadRequest(_)))));
         let broken: BoxError = "reset".into();
-        let bad = settle_declared_empty(client(0, vec![Some(Err(broken))]), limit).await;
-        assert!(matches!(bad, Err(Error::BadRequest(_))));
+        let (bad, outcome) = settle(client(0, vec![Some(Err(broken))]), None).await;
+        assert!(matches!(bad, Err(Unsettled::Cut(_))) && outcome.client_broke());
         // A body with a length, or one already ended, is given back as is.
-        let streaming = settle_declared_empty(client(5, vec![data(b"HELLO")]), limit).await;
+        let (streaming, _) = settle(client(5, vec![data(b"HELLO")]), None).await;
         assert!(streaming.is_ok_and(|b| b.size_hint().exact() == Some(5)));
+    }
+
+    #[tokio::test]
+    async fn a_body_that_ends_short_of_its_content_length_is_an_error() {
+        // hyper ends an HTTP/2 body reset with NO_ERROR as if complete.
+        let (out, err) = handed_on(client(5, vec![data(b"HEL")])).await;
+        assert_eq!(err.as_deref(), Some("the request body ended before its Content-Length"));
+        let bytes: Vec<u8> = out.iter().filter_map(|f| f.data_ref()).flat_map(|d| d.to_vec()).collect();
+        assert_eq!(bytes, b"HEL");
     }
 }

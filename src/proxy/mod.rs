@@ -47,7 +47,7 @@ use crate::metrics::{Metrics, MutationCounters, Outcome};
 use crate::peer::Peer;
 use crate::store::{wait_durable, Store};
 use crate::template::Template;
-use fenced_body::{BodyOutcome, FencedBody};
+use fenced_body::{BodyOutcome, FencedBody, Unsettled};
 use headers::{X_FENCING_SEQUENCE, X_FENCING_TOKEN};
 use s3::S3Kind;
 use upstream::{SendError, Upstream, UpstreamUrl};
@@ -724,7 +724,6 @@ impl Proxy {
             return Err(Error::PayloadTooLarge { limit_bytes: route.max_body_bytes }.into());
         }
         let (parts, body) = req.into_parts();
-        let body = fenced_body::settle_declared_empty(body, route.upstream_timeout).await?;
         // A body still streaming is cut off when the fence of (the first
         // of) its keys moves; the bodies of several-key requests are
         // already read whole. Not in shadow mode, which reports and never
@@ -732,6 +731,14 @@ impl Proxy {
         // upstream timeout) as for any write in flight.
         let ctl = guards.first().filter(|_| route.enforce).map(|g| g.ctl().clone());
         let (body, body_outcome) = FencedBody::new(body, ctl, route.max_body_bytes);
+        let body = body.from_h2(parts.version == http::Version::HTTP_2);
+        let body = match body.settle_declared_empty(route.upstream_timeout).await {
+            Ok(body) => body,
+            Err(Unsettled::Refused(error)) => return Err(error.into()),
+            Err(Unsettled::Cut(e)) => {
+                return Err(self.failed_exchange(route, key, mutation, token, &body_outcome, SendError::Other(e)))
+            }
+        };
         let mut up = Request::from_parts(parts, body);
         headers::prepare_request(&mut up, client, route.host_header, route.upstream.host(), route.forward_token);
         let started = Instant::now();

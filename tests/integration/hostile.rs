@@ -549,70 +549,99 @@ async fn half_closed_requests_and_broken_chunked_bodies() {
 /// One frame as the gateway sent it: type, flags, stream, payload.
 type RawFrame = (u8, u8, u32, Vec<u8>);
 
-/// A raw HTTP/2 exchange, so that a stream can say one thing in its
-/// `content-length` and carry another in its DATA frames (no HTTP/2 client
-/// library sends that). HEADERS (literal fields, no Huffman) without
-/// END_STREAM, then one DATA frame per item of `data`, the last with
-/// END_STREAM. Returns the frames the gateway sent on stream 1 until it
-/// ended the stream (or 3 s).
+/// A raw HTTP/2 stream (id 1), so that a stream can say one thing in its
+/// `content-length` and carry another in its DATA frames, or end with a
+/// reset (no HTTP/2 client library sends either). HEADERS with literal
+/// fields (no Huffman), never with END_STREAM.
+struct RawH2 {
+    s: tokio::net::TcpStream,
+    buf: Vec<u8>,
+}
+
+fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let len = payload.len() as u32;
+    let mut f = vec![(len >> 16) as u8, (len >> 8) as u8, len as u8, kind, flags];
+    f.extend_from_slice(&stream.to_be_bytes());
+    f.extend_from_slice(payload);
+    f
+}
+
+impl RawH2 {
+    async fn open(addr: std::net::SocketAddr, fields: &[(&str, &str)]) -> RawH2 {
+        let mut block = Vec::new();
+        for (name, value) in fields {
+            assert!(name.len() < 127 && value.len() < 127);
+            block.push(0x00); // literal without indexing, new name
+            block.push(name.len() as u8);
+            block.extend_from_slice(name.as_bytes());
+            block.push(value.len() as u8);
+            block.extend_from_slice(value.as_bytes());
+        }
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        out.extend(h2_frame(0x4, 0, 0, &[])); // SETTINGS
+        out.extend(h2_frame(0x1, 0x4, 1, &block)); // HEADERS, END_HEADERS, not END_STREAM
+        s.write_all(&out).await.unwrap();
+        RawH2 { s, buf: Vec::new() }
+    }
+
+    /// DATA on stream 1, with END_STREAM if `end`.
+    async fn data(&mut self, d: &[u8], end: bool) {
+        self.s.write_all(&h2_frame(0x0, u8::from(end), 1, d)).await.unwrap();
+    }
+
+    /// RST_STREAM on stream 1 with `code` (0: NO_ERROR).
+    async fn reset(&mut self, code: u32) {
+        self.s.write_all(&h2_frame(0x3, 0, 1, &code.to_be_bytes())).await.unwrap();
+    }
+
+    /// The frames the gateway sent on stream 1 until it ended the stream
+    /// (or `limit`).
+    async fn answer(&mut self, limit: Duration) -> Vec<RawFrame> {
+        let mut got = Vec::new();
+        let deadline = Instant::now() + limit;
+        loop {
+            while self.buf.len() >= 9 {
+                let b = &self.buf;
+                let len = (usize::from(b[0]) << 16) | (usize::from(b[1]) << 8) | usize::from(b[2]);
+                if b.len() < 9 + len {
+                    break;
+                }
+                let (kind, flags) = (b[3], b[4]);
+                let stream = u32::from_be_bytes([b[5], b[6], b[7], b[8]]) & 0x7fff_ffff;
+                let payload = b[9..9 + len].to_vec();
+                self.buf.drain(..9 + len);
+                if kind == 0x4 && flags & 0x1 == 0 {
+                    self.s.write_all(&h2_frame(0x4, 0x1, 0, &[])).await.unwrap();
+                    // SETTINGS ACK
+                }
+                let ended = stream == 1 && (kind == 0x3 || (flags & 0x1 == 1 && (kind == 0x0 || kind == 0x1)));
+                let gone = kind == 0x7;
+                if stream == 1 || gone {
+                    got.push((kind, flags, stream, payload));
+                }
+                if ended || gone {
+                    return got;
+                }
+            }
+            let mut chunk = [0u8; 4096];
+            let left = deadline.saturating_duration_since(Instant::now());
+            match tokio::time::timeout(left, self.s.read(&mut chunk)).await {
+                Ok(Ok(n)) if n > 0 => self.buf.extend_from_slice(&chunk[..n]),
+                _ => return got,
+            }
+        }
+    }
+}
+
+/// One raw exchange: HEADERS, then one DATA frame per item of `data`, the
+/// last with END_STREAM; what the gateway sent on the stream within 3 s.
 async fn h2_raw(addr: std::net::SocketAddr, fields: &[(&str, &str)], data: &[&[u8]]) -> Vec<RawFrame> {
-    fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
-        let len = payload.len() as u32;
-        let mut f = vec![(len >> 16) as u8, (len >> 8) as u8, len as u8, kind, flags];
-        f.extend_from_slice(&stream.to_be_bytes());
-        f.extend_from_slice(payload);
-        f
-    }
-    let mut block = Vec::new();
-    for (name, value) in fields {
-        assert!(name.len() < 127 && value.len() < 127);
-        block.push(0x00); // literal without indexing, new name
-        block.push(name.len() as u8);
-        block.extend_from_slice(name.as_bytes());
-        block.push(value.len() as u8);
-        block.extend_from_slice(value.as_bytes());
-    }
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
-    out.extend(frame(0x4, 0, 0, &[])); // SETTINGS
-    out.extend(frame(0x1, 0x4, 1, &block)); // HEADERS, END_HEADERS, not END_STREAM
+    let mut h2 = RawH2::open(addr, fields).await;
     for (i, d) in data.iter().enumerate() {
-        let end = if i + 1 == data.len() { 0x1 } else { 0 };
-        out.extend(frame(0x0, end, 1, d));
+        h2.data(d, i + 1 == data.len()).await;
     }
-    s.write_all(&out).await.unwrap();
-    let mut got = Vec::new();
-    let mut buf = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(3);
-    loop {
-        while buf.len() >= 9 {
-            let len = (usize::from(buf[0]) << 16) | (usize::from(buf[1]) << 8) | usize::from(buf[2]);
-            if buf.len() < 9 + len {
-                break;
-            }
-            let (kind, flags) = (buf[3], buf[4]);
-            let stream = u32::from_be_bytes([buf[5], buf[6], buf[7], buf[8]]) & 0x7fff_ffff;
-            let payload = buf[9..9 + len].to_vec();
-            buf.drain(..9 + len);
-            if kind == 0x4 && flags & 0x1 == 0 {
-                s.write_all(&frame(0x4, 0x1, 0, &[])).await.unwrap(); // SETTINGS ACK
-            }
-            let ended = stream == 1 && (kind == 0x3 || (flags & 0x1 == 1 && (kind == 0x0 || kind == 0x1)));
-            let gone = kind == 0x7;
-            if stream == 1 || gone {
-                got.push((kind, flags, stream, payload));
-            }
-            if ended || gone {
-                return got;
-            }
-        }
-        let mut chunk = [0u8; 4096];
-        let left = deadline.saturating_duration_since(Instant::now());
-        match tokio::time::timeout(left, s.read(&mut chunk)).await {
-            Ok(Ok(n)) if n > 0 => buf.extend_from_slice(&chunk[..n]),
-            _ => return got,
-        }
-    }
+    h2.answer(Duration::from_secs(3)).await
 }
 
 /// The first byte of a HEADERS block from hyper: 0x88 is `:status 200`
@@ -670,4 +699,94 @@ async fn an_h2_body_longer_than_its_content_length_never_reaches_the_upstream_wh
         }
     }
     r.still_fine(r.rec.count()).await;
+}
+
+/// The request fields of a raw HTTP/2 PUT of `path` with `token`.
+fn put_fields<'a>(path: &'a str, content_length: Option<&'a str>, token: &'a str) -> Vec<(&'a str, &'a str)> {
+    let mut f = vec![(":method", "PUT"), (":scheme", "http"), (":path", path), (":authority", "x")];
+    if let Some(cl) = content_length {
+        f.push(("content-length", cl));
+    }
+    f.push(("x-fencing-token", token));
+    f
+}
+
+/// A declared-empty HTTP/2 PUT whose stream stays open is waited for
+/// through the fence: a new grant of its key cuts it off at once (the
+/// grant is not held up until the upstream timeout), and when its client
+/// ends the stream later, nothing reaches the upstream.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_declared_empty_h2_body_left_open_is_cut_off_by_a_new_grant() {
+    let rec = Recorder::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = format!(
+        "[[routes]]\nmatch = \"/{{*path}}\"\nupstream = \"{}\"\nupstream_timeout_ms = 20000\n\n\
+         [locks]\nactivation_timeout_ms = 30000\n",
+        rec.url()
+    );
+    let gw = Gateway::start(&dir.path().join("data"), Opts { config: Some(cfg), ..Opts::default() });
+    let http = Http::default();
+    let api = gw.api_url("");
+    let old = acquire(&http, &api, "open/key", 600_000, 0).await.unwrap();
+    let t = old.token.to_string();
+    let mut h2 = RawH2::open(gw.proxy, &put_fields("/open/key", Some("0"), &t)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    common::release(&http, &api, &old).await;
+    let asked = Instant::now();
+    let new = acquire(&http, &api, "open/key", 600_000, 0).await.unwrap();
+    assert!(asked.elapsed() < Duration::from_secs(5), "the grant waited {:?} for the open stream", asked.elapsed());
+    h2.data(b"", true).await;
+    let frames = h2.answer(Duration::from_secs(3)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!answered_200(&frames), "the cut-off write was answered 200: {frames:?}");
+    assert_eq!(rec.count(), 0, "the old holder's write reached the upstream: {:?}", rec.requests()[0].headers);
+    // The new holder writes.
+    let r =
+        http.send(Method::PUT, &gw.proxy_url("/open/key"), &[("x-fencing-token", &new.token.to_string())], "v").await;
+    assert_eq!(r.status, StatusCode::OK);
+}
+
+/// hyper ends an HTTP/2 request body that the client reset with NO_ERROR
+/// as if it were complete; the gateway takes only END_STREAM as the end: a
+/// reset upload never reaches the upstream (or the built-in store) whole,
+/// with or without a length, nor is answered 200.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_h2_upload_reset_with_no_error_before_its_length_is_not_forwarded_whole() {
+    let r = rig().await;
+    let t = r.held.token.to_string();
+    // Short of its length; all of it but reset instead of ended; no
+    // length at all (forwarded chunked: only the end of the stream can
+    // say it is whole).
+    for (length, sent) in [(Some("5"), &b"hel"[..]), (Some("5"), &b"hello"[..]), (None, &b"hel"[..])] {
+        let mut h2 = RawH2::open(r.gw.proxy, &put_fields("/held/key", length, &t)).await;
+        h2.data(sent, false).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        h2.reset(0).await;
+        let frames = h2.answer(Duration::from_secs(2)).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!answered_200(&frames), "{length:?} {sent:?}: {frames:?}");
+        let whole: Vec<_> = r.rec.requests().into_iter().filter(|s| s.complete).collect();
+        assert!(whole.is_empty(), "{length:?}: a truncated upload arrived whole: {:?}", whole[0].body);
+    }
+    r.still_fine(r.rec.count()).await;
+    // The built-in store reads the body itself: the object keeps its
+    // old content.
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start(&dir.path().join("data"), Opts::default());
+    let http = Http::default();
+    let g = acquire(&http, &gw.api_url(""), "obj", 600_000, 0).await.unwrap();
+    let t = g.token.to_string();
+    let put = http.send(Method::PUT, &gw.proxy_url("/obj"), &[("x-fencing-token", &t)], "GOOD-CONTENT").await;
+    assert!(put.status.is_success(), "{}", put.status);
+    for length in [Some("5"), None] {
+        let mut h2 = RawH2::open(gw.proxy, &put_fields("/obj", length, &t)).await;
+        h2.data(b"NEW", false).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        h2.reset(0).await;
+        let frames = h2.answer(Duration::from_secs(2)).await;
+        assert!(!answered_200(&frames), "{frames:?}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let got = http.get(&gw.proxy_url("/obj")).await;
+        assert_eq!(got.body, Bytes::from_static(b"GOOD-CONTENT"), "{length:?}: a truncated upload replaced the object");
+    }
 }
