@@ -66,6 +66,20 @@ pub enum BodyCut {
     TooLarge(u64),
 }
 
+/// Whether a request body that has just given its last frame (`None`)
+/// really ended there: an HTTP/2 body only with END_STREAM (hyper also
+/// ends one that the client reset with NO_ERROR, a request cut short), and
+/// any body only at its declared length.
+pub fn ended_whole(h2: bool, inner: &BoxBody, declared: Option<u64>, seen: u64) -> Result<(), &'static str> {
+    if declared.is_some_and(|d| seen < d) {
+        return Err("the request body ended before its Content-Length");
+    }
+    if h2 && !inner.is_end_stream() {
+        return Err("the client reset the request's stream");
+    }
+    Ok(())
+}
+
 /// Why a declared-empty body could not be settled.
 #[derive(Debug)]
 pub enum Unsettled {
@@ -206,18 +220,11 @@ impl Body for FencedBody {
                     return Poll::Ready(Some(Ok(frame)));
                 }
                 Poll::Ready(None) => {
-                    if self.declared.is_some_and(|d| self.seen < d) {
-                        self.outcome.set(CLIENT_BROKE);
-                        self.done = true;
-                        return Poll::Ready(Some(Err("the request body ended before its Content-Length".into())));
-                    }
-                    if self.h2 && !self.inner.is_end_stream() {
-                        // hyper ends an HTTP/2 body that the client reset
-                        // with NO_ERROR as if it were complete.
+                    if let Err(cut) = ended_whole(self.h2, &self.inner, self.declared, self.seen) {
                         self.held = None;
                         self.outcome.set(CLIENT_BROKE);
                         self.done = true;
-                        return Poll::Ready(Some(Err("the client reset the request's stream".into())));
+                        return Poll::Ready(Some(Err(cut.into())));
                     }
                     if let Some(held) = self.held.take() {
                         self.finish();

@@ -547,13 +547,13 @@ async fn half_closed_requests_and_broken_chunked_bodies() {
 }
 
 /// One frame as the gateway sent it: type, flags, stream, payload.
-type RawFrame = (u8, u8, u32, Vec<u8>);
+pub(crate) type RawFrame = (u8, u8, u32, Vec<u8>);
 
 /// A raw HTTP/2 stream (id 1), so that a stream can say one thing in its
 /// `content-length` and carry another in its DATA frames, or end with a
 /// reset (no HTTP/2 client library sends either). HEADERS with literal
 /// fields (no Huffman), never with END_STREAM.
-struct RawH2 {
+pub(crate) struct RawH2 {
     s: tokio::net::TcpStream,
     buf: Vec<u8>,
 }
@@ -567,7 +567,7 @@ fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
 }
 
 impl RawH2 {
-    async fn open(addr: std::net::SocketAddr, fields: &[(&str, &str)]) -> RawH2 {
+    pub(crate) async fn open(addr: std::net::SocketAddr, fields: &[(&str, &str)]) -> RawH2 {
         RawH2::open_with(addr, &[], fields).await
     }
 
@@ -591,18 +591,18 @@ impl RawH2 {
     }
 
     /// DATA on stream 1, with END_STREAM if `end`.
-    async fn data(&mut self, d: &[u8], end: bool) {
+    pub(crate) async fn data(&mut self, d: &[u8], end: bool) {
         self.s.write_all(&h2_frame(0x0, u8::from(end), 1, d)).await.unwrap();
     }
 
     /// RST_STREAM on stream 1 with `code` (0: NO_ERROR).
-    async fn reset(&mut self, code: u32) {
+    pub(crate) async fn reset(&mut self, code: u32) {
         self.s.write_all(&h2_frame(0x3, 0, 1, &code.to_be_bytes())).await.unwrap();
     }
 
     /// The frames the gateway sent on stream 1 until it ended the stream
     /// (or `limit`).
-    async fn answer(&mut self, limit: Duration) -> Vec<RawFrame> {
+    pub(crate) async fn answer(&mut self, limit: Duration) -> Vec<RawFrame> {
         let mut got = Vec::new();
         let deadline = Instant::now() + limit;
         loop {
@@ -651,7 +651,7 @@ async fn h2_raw(addr: std::net::SocketAddr, fields: &[(&str, &str)], data: &[&[u
 
 /// The first byte of a HEADERS block from hyper: 0x88 is `:status 200`
 /// from HPACK's static table.
-fn answered_200(frames: &[RawFrame]) -> bool {
+pub(crate) fn answered_200(frames: &[RawFrame]) -> bool {
     frames.iter().any(|(kind, _, _, payload)| *kind == 0x1 && payload.first() == Some(&0x88))
 }
 

@@ -798,3 +798,41 @@ async fn an_encoded_bucket_selects_the_route_of_the_bucket_it_names() {
     let r = http.send(Method::PUT, &gw.proxy_url("/other/k"), &[], "x").await;
     assert_eq!(r.status, StatusCode::OK, "the other route still takes other buckets");
 }
+
+/// `DeleteObjects` is read whole before admission and forwarded from
+/// memory: a client that sends the whole XML body and then resets its
+/// HTTP/2 stream (NO_ERROR, which hyper reads as an end) or sends less
+/// than its `Content-Length` has not sent a request, and nothing reaches
+/// the upstream.
+#[tokio::test(flavor = "multi_thread")]
+async fn delete_objects_whose_h2_stream_was_reset_is_not_forwarded() {
+    use crate::hostile::{answered_200, RawH2};
+    let (_d, gw, echo, http) = setup("").await;
+    let g = acquire(&http, &gw.api_url(""), "bkt/a", 60_000, 0).await.unwrap();
+    let tokens = format!("bkt/a={}", g.token);
+    let body = delete_body(&["a"]);
+    let len = body.len().to_string();
+    let short = (body.len() + 20).to_string();
+    for (length, reset) in [(Some(len.as_str()), true), (None, true), (Some(short.as_str()), false)] {
+        let mut fields =
+            vec![(":method", "POST"), (":scheme", "http"), (":path", "/bkt?delete"), (":authority", "127.0.0.1")];
+        if let Some(l) = length {
+            fields.push(("content-length", l));
+        }
+        fields.push(("x-fencing-tokens", &tokens));
+        let mut h2 = RawH2::open(gw.proxy, &fields).await;
+        h2.data(body.as_bytes(), !reset).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        if reset {
+            h2.reset(0).await;
+        }
+        let frames = h2.answer(Duration::from_secs(2)).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(!answered_200(&frames), "{length:?}: {frames:?}");
+        assert_eq!(echo.count(), 0, "{length:?} reset={reset}: forwarded {:?}", String::from_utf8_lossy(&echo.last()));
+    }
+    // The same request, ended: forwarded.
+    let r = http.send(Method::POST, &gw.proxy_url("/bkt?delete"), &[("x-fencing-tokens", &tokens)], body).await;
+    assert_eq!(r.status, StatusCode::OK, "{:?}", String::from_utf8_lossy(&r.body));
+    assert_eq!(echo.count(), 1);
+}

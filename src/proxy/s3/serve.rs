@@ -259,9 +259,9 @@ fn aws_chunked(headers: &http::HeaderMap) -> Result<bool, String> {
 /// back the request with the very same bytes as its body.
 async fn read_whole(req: Request<BoxBody>, limit: u64) -> Result<(Request<BoxBody>, Bytes), ErrorReply> {
     let (parts, mut body) = req.into_parts();
-    if parts.headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok())
-        > Some(limit)
-    {
+    let declared =
+        parts.headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    if declared > Some(limit) {
         return Err(Error::PayloadTooLarge { limit_bytes: limit }.into());
     }
     let mut buf = BytesMut::new();
@@ -282,6 +282,11 @@ async fn read_whole(req: Request<BoxBody>, limit: u64) -> Result<(Request<BoxBod
         Ok(Err(e)) => return Err(e.into()),
         Err(_) => return Err(Error::BodyTimeout { timeout_ms: 30_000 }.into()),
     }
+    // Forwarded from memory: whether the client's stream really ended is
+    // judged here, as `FencedBody` judges a streamed body.
+    let h2 = parts.version == http::Version::HTTP_2;
+    crate::proxy::fenced_body::ended_whole(h2, &body, declared, buf.len() as u64)
+        .map_err(|cut| Error::BadRequest(cut.into()))?;
     let bytes = buf.freeze();
     Ok((Request::from_parts(parts, crate::body::full(bytes.clone())), bytes))
 }
