@@ -135,8 +135,7 @@ impl Api {
     pub async fn handle(&self, req: Request<BoxBody>, client: Peer) -> Response<BoxBody> {
         let started = Instant::now();
         let method = req.method().clone();
-        let req_bytes =
-            req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok());
+        let req_bytes = crate::body::content_length(req.headers());
         let (endpoint, result) = self.route(req, &client).await;
         let elapsed = started.elapsed();
         self.metrics.observe_api_request(endpoint, elapsed.as_secs_f64());
@@ -343,8 +342,7 @@ pub fn json_response<T: Serialize>(status: StatusCode, value: &T) -> Response<Bo
 /// does not parse or does not have the expected fields.
 async fn read_json<T: DeserializeOwned>(req: Request<BoxBody>, limit: u64) -> Result<T, Error> {
     let too_large = Error::PayloadTooLarge { limit_bytes: limit };
-    let declared =
-        req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    let declared = crate::body::content_length(req.headers());
     if declared.is_some_and(|n| n > limit) {
         crate::body::drain(req.into_body(), crate::body::DRAIN_MAX_BYTES, Duration::from_secs(2)).await;
         return Err(too_large);

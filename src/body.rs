@@ -39,6 +39,12 @@ pub async fn drain(mut body: BoxBody, max_bytes: u64, limit: std::time::Duration
     let _ = tokio::time::timeout(limit, read).await;
 }
 
+/// The body length a message's head declares (`Content-Length`), if it
+/// parses.
+pub fn content_length(h: &http::HeaderMap) -> Option<u64> {
+    h.get(http::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok())
+}
+
 /// Bodies up to this size are read to their end before a 413.
 pub const DRAIN_MAX_BYTES: u64 = 8 << 20;
 

@@ -112,28 +112,14 @@ pub struct FencedBody {
 
 impl FencedBody {
     /// Wraps `inner`. `ctl`: the in-flight registration of a fenced
-    /// mutation (None for reads).
-    pub fn new(inner: BoxBody, ctl: Option<Arc<InflightCtl>>, limit: u64) -> (FencedBody, Arc<BodyOutcome>) {
+    /// mutation (None for reads). `h2`: `inner` is an HTTP/2 request's
+    /// body (see the field).
+    pub fn new(inner: BoxBody, ctl: Option<Arc<InflightCtl>>, limit: u64, h2: bool) -> (FencedBody, Arc<BodyOutcome>) {
         let outcome = Arc::new(BodyOutcome::default());
         let declared = inner.size_hint().exact();
-        let body = FencedBody {
-            inner,
-            ctl,
-            limit,
-            seen: 0,
-            outcome: outcome.clone(),
-            done: false,
-            declared,
-            held: None,
-            h2: false,
-        };
+        let body =
+            FencedBody { inner, ctl, limit, seen: 0, outcome: outcome.clone(), done: false, declared, held: None, h2 };
         (body, outcome)
-    }
-
-    /// Marks the body as an HTTP/2 request's (see `h2`).
-    pub fn from_h2(mut self, h2: bool) -> FencedBody {
-        self.h2 = h2;
-        self
     }
 
     /// A body that declared itself empty (`Content-Length: 0`) while its
@@ -306,7 +292,7 @@ mod tests {
     /// Everything the fenced body hands on, in order, until its end or
     /// its first error.
     async fn handed_on(body: BoxBody) -> (Vec<Frame<Bytes>>, Option<String>) {
-        let (mut fenced, _) = FencedBody::new(body, None, 1 << 20);
+        let (mut fenced, _) = FencedBody::new(body, None, 1 << 20, false);
         let mut out = Vec::new();
         while let Some(f) = fenced.frame().await {
             match f {
@@ -345,7 +331,7 @@ mod tests {
     async fn a_declared_empty_body_is_settled_before_anything_is_sent() {
         let limit = Duration::from_secs(1);
         let settle = |body: BoxBody, ctl: Option<Arc<InflightCtl>>| async move {
-            let (fenced, outcome) = FencedBody::new(body, ctl, 1 << 20);
+            let (fenced, outcome) = FencedBody::new(body, ctl, 1 << 20, false);
             (fenced.settle_declared_empty(limit).await, outcome)
         };
         let (ok, _) = settle(client(0, vec![None, data(b"")]), None).await;

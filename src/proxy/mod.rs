@@ -32,12 +32,12 @@ use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::{header, Method, Request, Response};
+use http::{Method, Request, Response};
 use tokio::time::Instant;
 
 use crate::auth::Auth;
 use crate::authority::validate_key;
-use crate::body::BoxBody;
+use crate::body::{content_length, BoxBody};
 use crate::config::{Config, FenceAuthority, HostHeader, RouteKindName, TrailingSlash};
 use crate::error::Error;
 use crate::fence::token::TokenError;
@@ -250,10 +250,6 @@ struct Seen<'a> {
     log: bool,
     route: Option<&'a Route>,
     key: Option<String>,
-}
-
-fn content_length(h: &http::HeaderMap) -> Option<u64> {
-    h.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok())
 }
 
 fn outcome_of(r: &Refusal) -> Outcome {
@@ -730,8 +726,8 @@ impl Proxy {
         // refuses: there activation waits for the body (bounded by the
         // upstream timeout) as for any write in flight.
         let ctl = guards.first().filter(|_| route.enforce).map(|g| g.ctl().clone());
-        let (body, body_outcome) = FencedBody::new(body, ctl, route.max_body_bytes);
-        let body = body.from_h2(parts.version == http::Version::HTTP_2);
+        let h2 = parts.version == http::Version::HTTP_2;
+        let (body, body_outcome) = FencedBody::new(body, ctl, route.max_body_bytes, h2);
         let body = match body.settle_declared_empty(route.upstream_timeout).await {
             Ok(body) => body,
             Err(Unsettled::Refused(error)) => return Err(error.into()),

@@ -121,7 +121,9 @@ impl Tracked {
         Tracked { inner, in_flight, waiting: false }
     }
 
-    fn set_waiting(&mut self, waiting: bool) {
+    /// After a poll: `waiting` if it gave hyper a frame. One clock read
+    /// per poll; the counter moves only when the state changes.
+    fn polled(&mut self, waiting: bool) {
         let a = &self.in_flight.0;
         if waiting != self.waiting {
             if waiting {
@@ -148,11 +150,8 @@ impl Body for Tracked {
     type Error = BoxError;
 
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        self.set_waiting(false);
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
-        if let Poll::Ready(Some(Ok(_))) = &polled {
-            self.set_waiting(true);
-        }
+        self.polled(matches!(polled, Poll::Ready(Some(Ok(_)))));
         polled
     }
 

@@ -259,8 +259,7 @@ fn aws_chunked(headers: &http::HeaderMap) -> Result<bool, String> {
 /// back the request with the very same bytes as its body.
 async fn read_whole(req: Request<BoxBody>, limit: u64) -> Result<(Request<BoxBody>, Bytes), ErrorReply> {
     let (parts, mut body) = req.into_parts();
-    let declared =
-        parts.headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    let declared = crate::body::content_length(&parts.headers);
     if declared > Some(limit) {
         return Err(Error::PayloadTooLarge { limit_bytes: limit }.into());
     }
