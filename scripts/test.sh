@@ -17,7 +17,6 @@ stage "s3s-fs and the venv"
 started=$(date +%s)
 # One profile for everything, so RocksDB's C++ is compiled once per run.
 cargo build --locked --workspace --all-targets
-echo "build: $(( $(date +%s) - started )) s"
 stage build
 cargo fmt --all -- --check
 cargo clippy --locked --workspace --all-targets --no-deps -- -D warnings

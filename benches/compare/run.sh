@@ -222,9 +222,10 @@ wait_tcp() { # port [secs]
     die "nothing listens on 127.0.0.1:$port after ${secs}s"
 }
 
-wait_http() { # url [secs]
-    local url=$1 secs=${2:-30} i
-    for i in $(seq $((secs * 100))); do
+wait_http() { # url [secs]: a deadline on the clock (each try may take up to 1 s)
+    local url=$1 secs=${2:-30} deadline
+    deadline=$(($(date +%s) + secs))
+    while [ "$(date +%s)" -lt "$deadline" ]; do
         curl -sf -o /dev/null --max-time 1 "$url" && return 0
         sleep 0.01
     done
