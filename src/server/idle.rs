@@ -31,41 +31,16 @@ pub struct Activity {
     /// Milliseconds from `start` to the last request head or the last end
     /// of a response body.
     last_ms: AtomicU64,
-    /// Response bodies that handed hyper a frame and have not been asked
-    /// for the next one: waiting on the client.
-    waiting: AtomicUsize,
-    /// Milliseconds from `start` to the last time a response body was
-    /// asked for a frame or gave one.
-    progress_ms: AtomicU64,
 }
 
 impl Activity {
     pub fn new() -> Arc<Activity> {
-        Arc::new(Activity {
-            start: Instant::now(),
-            in_flight: AtomicUsize::new(0),
-            last_ms: AtomicU64::new(0),
-            waiting: AtomicUsize::new(0),
-            progress_ms: AtomicU64::new(0),
-        })
-    }
-
-    fn now_ms(&self) -> u64 {
-        u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX)
+        Arc::new(Activity { start: Instant::now(), in_flight: AtomicUsize::new(0), last_ms: AtomicU64::new(0) })
     }
 
     fn touch(&self) {
-        self.last_ms.store(self.now_ms(), Ordering::Relaxed);
-    }
-
-    /// A response body has waited on the client for `timeout` and no
-    /// response body of the connection moved meanwhile.
-    fn stalled(&self, timeout: Duration) -> bool {
-        if self.waiting.load(Ordering::Acquire) == 0 {
-            return false;
-        }
-        let progress = self.start + Duration::from_millis(self.progress_ms.load(Ordering::Relaxed));
-        Instant::now() >= progress + timeout
+        let ms = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last_ms.store(ms, Ordering::Relaxed);
     }
 
     /// A request head arrived: in flight until the guard is dropped —
@@ -77,14 +52,13 @@ impl Activity {
         InFlight(self.clone())
     }
 
-    /// Resolves once nothing has been in flight for `timeout`, or a
-    /// response body has waited on the client that long.
+    /// Resolves once nothing has been in flight for `timeout`.
     pub async fn idle_for(&self, timeout: Duration) {
         loop {
             let last = self.start + Duration::from_millis(self.last_ms.load(Ordering::Relaxed));
             let due = last + timeout;
             if Instant::now() >= due {
-                if self.in_flight.load(Ordering::Acquire) == 0 || self.stalled(timeout) {
+                if self.in_flight.load(Ordering::Acquire) == 0 {
                     return;
                 }
                 // Busy: look again one timeout later (the end of the
@@ -107,41 +81,15 @@ impl Drop for InFlight {
     }
 }
 
-/// A response body that keeps its request in flight until it is dropped,
-/// and tells its connection when it waits on the client.
+/// A response body that keeps its request in flight until it is dropped.
 pub struct Tracked {
     inner: BoxBody,
-    in_flight: InFlight,
-    /// Gave hyper a frame and has not been asked for the next one.
-    waiting: bool,
+    _in_flight: InFlight,
 }
 
 impl Tracked {
     pub fn new(inner: BoxBody, in_flight: InFlight) -> Tracked {
-        Tracked { inner, in_flight, waiting: false }
-    }
-
-    /// After a poll: `waiting` if it gave hyper a frame. One clock read
-    /// per poll; the counter moves only when the state changes.
-    fn polled(&mut self, waiting: bool) {
-        let a = &self.in_flight.0;
-        if waiting != self.waiting {
-            if waiting {
-                a.waiting.fetch_add(1, Ordering::AcqRel);
-            } else {
-                a.waiting.fetch_sub(1, Ordering::AcqRel);
-            }
-            self.waiting = waiting;
-        }
-        a.progress_ms.store(a.now_ms(), Ordering::Relaxed);
-    }
-}
-
-impl Drop for Tracked {
-    fn drop(&mut self) {
-        if self.waiting {
-            self.in_flight.0.waiting.fetch_sub(1, Ordering::AcqRel);
-        }
+        Tracked { inner, _in_flight: in_flight }
     }
 }
 
@@ -150,9 +98,7 @@ impl Body for Tracked {
     type Error = BoxError;
 
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let polled = Pin::new(&mut self.inner).poll_frame(cx);
-        self.polled(matches!(polled, Poll::Ready(Some(Ok(_)))));
-        polled
+        Pin::new(&mut self.inner).poll_frame(cx)
     }
 
     fn is_end_stream(&self) -> bool {
@@ -182,45 +128,6 @@ mod tests {
         a.idle_for(t).await;
         let waited = ended.elapsed();
         assert!(waited >= t && waited <= t + Duration::from_secs(1), "{waited:?}");
-    }
-
-    /// A response body whose frame the client never takes (no h2 window,
-    /// an h1 reader that stopped) is stalled: its connection is closed
-    /// after the timeout though the request is in flight. A body waiting
-    /// on its upstream (Pending) is not, nor one the client keeps reading.
-    #[tokio::test(start_paused = true)]
-    async fn a_response_stalled_on_the_client_does_not_keep_its_connection() {
-        let t = Duration::from_secs(75);
-        let a = Activity::new();
-        let frames =
-            futures_util::stream::iter((0..100).map(|_| Ok::<_, BoxError>(Frame::data(Bytes::from_static(b"x")))));
-        let mut body = Tracked::new(http_body_util::StreamBody::new(frames).boxed_unsync(), a.begin());
-        let started = Instant::now();
-        // The client keeps reading for 200 s: not idle.
-        for _ in 0..20 {
-            assert!(body.frame().await.is_some());
-            assert!(tokio::time::timeout(Duration::from_secs(10), a.idle_for(t)).await.is_err());
-        }
-        // Then it stops taking frames: closed about one timeout later.
-        let stopped = Instant::now();
-        tokio::time::timeout(10 * t, a.idle_for(t)).await.expect("a stalled response kept its connection");
-        let waited = stopped.elapsed();
-        assert!(waited >= t && waited <= 2 * t, "{waited:?} after {:?}", started.elapsed());
-        drop(body);
-        // A body waiting on its upstream is busy, not stalled.
-        let a = Activity::new();
-        let (_tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(1);
-        let upstream = http_body_util::StreamBody::new(tokio_stream_from(rx));
-        let mut body = Tracked::new(upstream.boxed_unsync(), a.begin());
-        assert!(tokio::time::timeout(Duration::from_secs(1), body.frame()).await.is_err());
-        assert!(tokio::time::timeout(Duration::from_secs(300), a.idle_for(t)).await.is_err());
-        drop(body);
-    }
-
-    fn tokio_stream_from<T: Send + 'static>(
-        mut rx: tokio::sync::mpsc::Receiver<T>,
-    ) -> impl futures_util::Stream<Item = T> + Send {
-        futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx))
     }
 
     /// A request whose future is dropped before it answered (an h2 stream
