@@ -17,8 +17,10 @@ if ! { command -v s3s-fs || ls "$cargo_bin/s3s-fs"; } >/dev/null 2>&1 \
    || ! { s3s-fs --version 2>/dev/null || "$cargo_bin/s3s-fs" --version; } | grep -q "0\.14\.1"; then
   echo "installing s3s-fs 0.14.1 (about 8 minutes on 2 cores)"
   # Its own target dir: never the gateway's (nor a test's CARGO_TARGET_DIR).
+  s3s_build="${TMPDIR:-/tmp}/s3s-fs-build.$$"
   env -u CARGO_TARGET_DIR cargo install s3s-fs --version 0.14.1 --features binary --locked \
-    --target-dir "${TMPDIR:-/tmp}/s3s-fs-build"
+    --target-dir "$s3s_build"
+  rm -rf "$s3s_build"    # ~1 GB of build artefacts nothing reads again
 fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv

@@ -15,6 +15,9 @@ bash scripts/setup-s3.sh           # s3s-fs, and boto3/awscli in .venv
 stage "s3s-fs and the venv"
 
 started=$(date +%s)
+# One build per run: incremental artefacts would only take disk (they were
+# over half of a 12 GB target dir) and time.
+export CARGO_INCREMENTAL=0
 # One profile for everything, so RocksDB's C++ is compiled once per run.
 cargo build --locked --workspace --all-targets
 stage build
