@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 use http_body_util::BodyExt;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
@@ -27,6 +27,9 @@ pub struct ConnLimits {
     pub header_read_timeout: Duration,
     /// The api fast loop's deadline for a whole request body.
     pub body_read_timeout: Duration,
+    /// How long a response may wait on a client that takes none of it
+    /// (the listener's `idle_timeout_ms`; see [`send`]).
+    pub send_timeout: Duration,
 }
 
 /// How a request on a connection of one of these loops ended.
@@ -118,11 +121,12 @@ pub(crate) async fn write_response(
     head_request: bool,
     close: bool,
     out: &mut Vec<u8>,
+    send_timeout: Duration,
 ) -> Next {
     let (parts, body) = resp.into_parts();
     let Ok(body) = body.collect().await.map(http_body_util::Collected::to_bytes) else { return Next::Gone };
     encode_response(out, parts.status, &parts.headers, &body, head_request, close);
-    if stream.write_all(out).await.is_err() {
+    if send(stream, out, send_timeout).await.is_err() {
         return Next::Gone;
     }
     if close {
@@ -130,4 +134,26 @@ pub(crate) async fn write_response(
     } else {
         Next::KeepAlive
     }
+}
+
+/// Writes all of `buf` to the client, unless the client takes none of it
+/// for `stall` (an error then): nginx's `send_timeout`, a bound between
+/// two writes that make progress, not on the whole. Without it a client
+/// that asks for a large response and stops reading held its connection,
+/// a slot of the listener and an upstream connection for ever. No timer
+/// while the socket takes the bytes at once (the usual case).
+pub(crate) async fn send(stream: &TcpStream, mut buf: &[u8], stall: Duration) -> std::io::Result<()> {
+    while !buf.is_empty() {
+        match stream.try_write(buf) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => buf = &buf[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if tokio::time::timeout(stall, stream.writable()).await.is_err() {
+                    return Err(std::io::ErrorKind::TimedOut.into());
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }

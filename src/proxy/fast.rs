@@ -26,8 +26,10 @@
 
 use bytes::{Buf, BytesMut};
 use http::{Method, StatusCode};
+use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+
 use tokio::time::Instant;
 
 use super::pool::Pool;
@@ -36,7 +38,7 @@ use crate::config::HostHeader;
 use crate::error::Error;
 use crate::fence::token::parse_token_values;
 use crate::fence::InflightGuard;
-use crate::http1::conn::{read_head_bytes, write_response, ConnLimits, Deadline, Handover, Next};
+use crate::http1::conn::{read_head_bytes, send, write_response, ConnLimits, Deadline, Handover, Next};
 use crate::http1::wire::{
     digits, parse_head, parse_response, push_decimal, push_header, push_list, reserve, ChunkScanner, Framing, Head,
     Parsed, RespHead, RespParsed, READ_RESERVE,
@@ -145,7 +147,7 @@ async fn serve_one(
         // the one fenced here; the general path's parser drops it before
         // the key is made, so only this path can see it: refuse here.
         let error = Error::BadRequest("path refused: a request-target may not carry a fragment (\"#\")".into());
-        return write_response(stream, error.into_response(), false, true, &mut c.out).await;
+        return write_response(stream, error.into_response(), false, true, &mut c.out, limits.send_timeout).await;
     }
     let Ok(target) = std::str::from_utf8(&c.buf[head.target.clone()]) else { return Next::General };
     if http::uri::PathAndQuery::try_from(target).is_err() {
@@ -226,7 +228,7 @@ async fn serve_one(
         failed => {
             let error = forward_failure(proxy, route, &key, token, failed.map(|r| r.err()));
             let seen = Admitted { client, method: &method, route, key: &key, started, log };
-            return reply_error(&seen, mutation, error, stream, client_close).await;
+            return reply_error(&seen, mutation, error, stream, client_close, limits.send_timeout).await;
         }
     };
     if mutation {
@@ -249,7 +251,7 @@ async fn serve_one(
     encode_response_head(&c.rbuf, resp, framing, close, &mut c.out);
     let reusable = resp.reusable;
     let body_start = resp.len;
-    match relay(stream, &mut upstream, framing, &mut c.out, &mut c.rbuf, body_start).await {
+    match relay(stream, &mut upstream, framing, &mut c.out, &mut c.rbuf, body_start, limits.send_timeout).await {
         Relayed::Done { upstream_clean } => {
             if reusable && upstream_clean {
                 pool.checkin_raw(upstream);
@@ -284,10 +286,12 @@ async fn read_request_head(
                 Parsed::General => return Some(Next::General),
                 Parsed::FencingHopByHop => {
                     let refused = crate::proxy::headers::fencing_header_named_hop_by_hop().into_response();
-                    return Some(write_response(stream, refused, false, true, &mut c.out).await);
+                    return Some(write_response(stream, refused, false, true, &mut c.out, limits.send_timeout).await);
                 }
                 Parsed::Malformed(e) => {
-                    return Some(write_response(stream, e.into_response(), false, true, &mut c.out).await);
+                    return Some(
+                        write_response(stream, e.into_response(), false, true, &mut c.out, limits.send_timeout).await,
+                    );
                 }
                 Parsed::Partial => {}
             }
@@ -495,6 +499,7 @@ async fn relay(
     out: &mut Vec<u8>,
     rbuf: &mut BytesMut,
     body_start: usize,
+    stall: Duration,
 ) -> Relayed {
     rbuf.advance(body_start);
     let large = match framing {
@@ -508,7 +513,7 @@ async fn relay(
     match framing {
         Framing::Empty => {
             let clean = rbuf.is_empty();
-            if client.write_all(out).await.is_err() {
+            if send(client, out, stall).await.is_err() {
                 return Relayed::Broken;
             }
             Relayed::Done { upstream_clean: clean }
@@ -517,7 +522,7 @@ async fn relay(
             let first = usize::try_from(total).unwrap_or(usize::MAX).min(rbuf.len());
             out.extend_from_slice(&rbuf[..first]);
             let extra = rbuf.len() > first;
-            if client.write_all(out).await.is_err() {
+            if send(client, out, stall).await.is_err() {
                 return Relayed::Broken;
             }
             let mut left = total - first as u64;
@@ -526,7 +531,7 @@ async fn relay(
                     return Relayed::Broken;
                 }
                 let take = usize::try_from(left).unwrap_or(usize::MAX).min(rbuf.len());
-                if client.write_all(&rbuf[..take]).await.is_err() {
+                if send(client, &rbuf[..take], stall).await.is_err() {
                     return Relayed::Broken;
                 }
                 left -= take as u64;
@@ -548,9 +553,9 @@ async fn relay(
                 let written = if pending_head {
                     pending_head = false;
                     out.extend_from_slice(&rbuf[..take]);
-                    client.write_all(out).await
+                    send(client, out, stall).await
                 } else {
-                    client.write_all(&rbuf[..take]).await
+                    send(client, &rbuf[..take], stall).await
                 };
                 if written.is_err() {
                     return Relayed::Broken;
@@ -565,13 +570,13 @@ async fn relay(
         }
         Framing::Close => {
             out.extend_from_slice(rbuf);
-            if client.write_all(out).await.is_err() {
+            if send(client, out, stall).await.is_err() {
                 return Relayed::Broken;
             }
             loop {
                 match refill(upstream, rbuf).await {
                     Some(0) => return Relayed::Done { upstream_clean: false },
-                    Some(_) if client.write_all(rbuf).await.is_ok() => {}
+                    Some(_) if send(client, rbuf, stall).await.is_ok() => {}
                     _ => return Relayed::Broken,
                 }
             }
@@ -621,6 +626,7 @@ async fn reply_error(
     (error, outcome): (Error, Outcome),
     stream: &mut TcpStream,
     close: bool,
+    send_timeout: Duration,
 ) -> Next {
     let route = seen.route;
     if mutation {
@@ -631,5 +637,5 @@ async fn reply_error(
         access.write(seen, error.status().as_u16(), error.code(), 0);
     }
     let head_request = *seen.method == Method::HEAD;
-    write_response(stream, error.into_response(), head_request, close, &mut Vec::new()).await
+    write_response(stream, error.into_response(), head_request, close, &mut Vec::new(), send_timeout).await
 }

@@ -132,7 +132,9 @@ async fn serve_one(
             match parse_head(buf, limits, max_body) {
                 Parsed::Complete(head) => break head,
                 Parsed::General => return Next::General,
-                Parsed::Malformed(e) => return write_response(stream, e.into_response(), false, true, out).await,
+                Parsed::Malformed(e) => {
+                    return write_response(stream, e.into_response(), false, true, out, limits.send_timeout).await
+                }
                 Parsed::Partial => {}
             }
         }
@@ -155,7 +157,7 @@ async fn serve_one(
             None => {
                 let timeout_ms = u64::try_from(limits.body_read_timeout.as_millis()).unwrap_or(u64::MAX);
                 let late = Error::BodyTimeout { timeout_ms }.into_response();
-                return write_response(stream, late, false, true, out).await;
+                return write_response(stream, late, false, true, out, limits.send_timeout).await;
             }
         }
     }
@@ -192,7 +194,7 @@ async fn serve_one(
     drop(fut);
 
     // 5. The response in one write.
-    write_response(stream, resp, head_request, close, out).await
+    write_response(stream, resp, head_request, close, out, limits.send_timeout).await
 }
 
 #[cfg(test)]
@@ -204,6 +206,7 @@ mod tests {
         max_header_bytes: 1024,
         header_read_timeout: Duration::from_secs(1),
         body_read_timeout: Duration::from_secs(1),
+        send_timeout: Duration::from_secs(1),
     };
 
     #[test]

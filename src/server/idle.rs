@@ -9,8 +9,16 @@
 //! such a connection after `keepalive_timeout` (75 s); so does this. A
 //! request counts as in flight from its head until its response body has
 //! ended or was dropped, so a long poll (`watch`) or a long download keeps
-//! its connection; the close happens only with nothing in flight, so it
-//! cuts no exchange.
+//! its connection.
+//!
+//! A response the client stops taking (an HTTP/2 stream it opens no window
+//! for, an HTTP/1.1 reader that stopped) would keep its request in flight
+//! for ever: a connection whose response bodies have all waited on the
+//! client for the same timeout is closed too (nginx's `send_timeout`, a
+//! bound between two writes, not on the whole). Waiting is counted in
+//! pieces of at most [`PIECE`] bytes, so a slow but steady reader of a
+//! large frame is not taken for a stalled one. The fast paths bound their
+//! writes the same way (`http1::conn::send`).
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -31,16 +39,41 @@ pub struct Activity {
     /// Milliseconds from `start` to the last request head or the last end
     /// of a response body.
     last_ms: AtomicU64,
+    /// Response bodies that handed hyper a frame and have not been asked
+    /// for the next one: waiting on the client.
+    waiting: AtomicUsize,
+    /// Milliseconds from `start` to the last time a response body was
+    /// asked for a frame or gave one.
+    progress_ms: AtomicU64,
 }
 
 impl Activity {
     pub fn new() -> Arc<Activity> {
-        Arc::new(Activity { start: Instant::now(), in_flight: AtomicUsize::new(0), last_ms: AtomicU64::new(0) })
+        Arc::new(Activity {
+            start: Instant::now(),
+            in_flight: AtomicUsize::new(0),
+            last_ms: AtomicU64::new(0),
+            waiting: AtomicUsize::new(0),
+            progress_ms: AtomicU64::new(0),
+        })
+    }
+
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 
     fn touch(&self) {
-        let ms = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
-        self.last_ms.store(ms, Ordering::Relaxed);
+        self.last_ms.store(self.now_ms(), Ordering::Relaxed);
+    }
+
+    /// A response body has waited on the client for `timeout` and no
+    /// response body of the connection moved meanwhile.
+    fn stalled(&self, timeout: Duration) -> bool {
+        if self.waiting.load(Ordering::Acquire) == 0 {
+            return false;
+        }
+        let progress = self.start + Duration::from_millis(self.progress_ms.load(Ordering::Relaxed));
+        Instant::now() >= progress + timeout
     }
 
     /// A request head arrived: in flight until the guard is dropped —
@@ -52,13 +85,14 @@ impl Activity {
         InFlight(self.clone())
     }
 
-    /// Resolves once nothing has been in flight for `timeout`.
+    /// Resolves once nothing has been in flight for `timeout`, or a
+    /// response body has waited on the client that long.
     pub async fn idle_for(&self, timeout: Duration) {
         loop {
             let last = self.start + Duration::from_millis(self.last_ms.load(Ordering::Relaxed));
             let due = last + timeout;
             if Instant::now() >= due {
-                if self.in_flight.load(Ordering::Acquire) == 0 {
+                if self.in_flight.load(Ordering::Acquire) == 0 || self.stalled(timeout) {
                     return;
                 }
                 // Busy: look again one timeout later (the end of the
@@ -81,15 +115,50 @@ impl Drop for InFlight {
     }
 }
 
-/// A response body that keeps its request in flight until it is dropped.
+/// A response body that keeps its request in flight until it is dropped,
+/// and tells its connection when it waits on the client.
 pub struct Tracked {
     inner: BoxBody,
-    _in_flight: InFlight,
+    in_flight: InFlight,
+    /// Gave hyper a frame and has not been asked for the next one.
+    waiting: bool,
+    /// What is left of a data frame larger than [`PIECE`].
+    rest: Bytes,
 }
+
+/// The most of a response body handed to hyper at a time. hyper asks for
+/// the next frame once the last one is on its way (HTTP/2: the client's
+/// window covers it; HTTP/1.1: its write buffer has room), so a client
+/// that reads slowly but steadily asks for a piece at least every
+/// `PIECE` bytes it takes; a whole large frame (a file store read, an
+/// upstream's buffer) would count as one long wait, and the stall close
+/// would cut that client.
+const PIECE: usize = 16 * 1024;
 
 impl Tracked {
     pub fn new(inner: BoxBody, in_flight: InFlight) -> Tracked {
-        Tracked { inner, _in_flight: in_flight }
+        Tracked { inner, in_flight, waiting: false, rest: Bytes::new() }
+    }
+
+    fn set_waiting(&mut self, waiting: bool) {
+        let a = &self.in_flight.0;
+        if waiting != self.waiting {
+            if waiting {
+                a.waiting.fetch_add(1, Ordering::AcqRel);
+            } else {
+                a.waiting.fetch_sub(1, Ordering::AcqRel);
+            }
+            self.waiting = waiting;
+        }
+        a.progress_ms.store(a.now_ms(), Ordering::Relaxed);
+    }
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        if self.waiting {
+            self.in_flight.0.waiting.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 }
 
@@ -98,15 +167,41 @@ impl Body for Tracked {
     type Error = BoxError;
 
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        Pin::new(&mut self.inner).poll_frame(cx)
+        self.set_waiting(false);
+        let frame = if self.rest.is_empty() {
+            match Pin::new(&mut self.inner).poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => frame,
+                other => return other,
+            }
+        } else {
+            Frame::data(std::mem::take(&mut self.rest))
+        };
+        let frame = match frame.into_data() {
+            Ok(mut data) => {
+                if data.len() > PIECE {
+                    self.rest = data.split_off(PIECE);
+                }
+                Frame::data(data)
+            }
+            Err(frame) => frame,
+        };
+        self.set_waiting(true);
+        Poll::Ready(Some(Ok(frame)))
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.rest.is_empty() && self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        let inner = self.inner.size_hint();
+        let rest = self.rest.len() as u64;
+        let mut hint = SizeHint::new();
+        if let Some(upper) = inner.upper() {
+            hint.set_upper(upper.saturating_add(rest));
+        }
+        hint.set_lower(inner.lower().saturating_add(rest));
+        hint
     }
 }
 
@@ -128,6 +223,74 @@ mod tests {
         a.idle_for(t).await;
         let waited = ended.elapsed();
         assert!(waited >= t && waited <= t + Duration::from_secs(1), "{waited:?}");
+    }
+
+    /// A response body whose frame the client never takes (no h2 window,
+    /// an h1 reader that stopped) is stalled: its connection is closed
+    /// after the timeout though the request is in flight. A body waiting
+    /// on its upstream (Pending) is not, nor one the client keeps reading.
+    #[tokio::test(start_paused = true)]
+    async fn a_response_stalled_on_the_client_does_not_keep_its_connection() {
+        let t = Duration::from_secs(75);
+        let a = Activity::new();
+        let frames =
+            futures_util::stream::iter((0..100).map(|_| Ok::<_, BoxError>(Frame::data(Bytes::from_static(b"x")))));
+        let mut body = Tracked::new(http_body_util::StreamBody::new(frames).boxed_unsync(), a.begin());
+        let started = Instant::now();
+        // The client keeps reading for 200 s: not idle.
+        for _ in 0..20 {
+            assert!(body.frame().await.is_some());
+            assert!(tokio::time::timeout(Duration::from_secs(10), a.idle_for(t)).await.is_err());
+        }
+        // Then it stops taking frames: closed about one timeout later.
+        let stopped = Instant::now();
+        tokio::time::timeout(10 * t, a.idle_for(t)).await.expect("a stalled response kept its connection");
+        let waited = stopped.elapsed();
+        assert!(waited >= t && waited <= 2 * t, "{waited:?} after {:?}", started.elapsed());
+        drop(body);
+        // A body waiting on its upstream is busy, not stalled.
+        let a = Activity::new();
+        let (_tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(1);
+        let upstream = http_body_util::StreamBody::new(tokio_stream_from(rx));
+        let mut body = Tracked::new(upstream.boxed_unsync(), a.begin());
+        assert!(tokio::time::timeout(Duration::from_secs(1), body.frame()).await.is_err());
+        assert!(tokio::time::timeout(Duration::from_secs(300), a.idle_for(t)).await.is_err());
+        drop(body);
+    }
+
+    /// A large data frame goes to hyper in pieces of at most [`PIECE`]
+    /// bytes, so that a client reading it slowly asks for each piece well
+    /// within the timeout; the body ends, and is sized, as before.
+    #[tokio::test(start_paused = true)]
+    async fn a_large_frame_goes_out_in_pieces_a_slow_reader_keeps_taking() {
+        let t = Duration::from_secs(75);
+        let a = Activity::new();
+        let big = Bytes::from(vec![7u8; 4 * PIECE + 5]);
+        let inner = http_body_util::Full::new(big.clone()).map_err(|e| match e {}).boxed_unsync();
+        let mut body = Tracked::new(inner, a.begin());
+        assert_eq!(body.size_hint().exact(), Some(big.len() as u64));
+        let mut got = Vec::new();
+        let mut sizes = Vec::new();
+        while let Some(frame) = body.frame().await {
+            let data = frame.expect("frame").into_data().expect("data");
+            sizes.push(data.len());
+            got.extend_from_slice(&data);
+            if got.len() < big.len() {
+                assert!(!body.is_end_stream());
+                assert_eq!(body.size_hint().exact(), Some((big.len() - got.len()) as u64));
+            }
+            // The client takes a piece every 60 s, within the timeout.
+            assert!(tokio::time::timeout(Duration::from_secs(60), a.idle_for(t)).await.is_err());
+        }
+        assert_eq!(sizes, [PIECE, PIECE, PIECE, PIECE, 5]);
+        assert_eq!(got, big);
+        assert!(body.is_end_stream());
+    }
+
+    fn tokio_stream_from<T: Send + 'static>(
+        mut rx: tokio::sync::mpsc::Receiver<T>,
+    ) -> impl futures_util::Stream<Item = T> + Send {
+        futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx))
     }
 
     /// A request whose future is dropped before it answered (an h2 stream

@@ -337,6 +337,7 @@ async fn serve_accepted(
             max_header_bytes: limits.max_header_bytes,
             header_read_timeout: limits.header_read_timeout,
             body_read_timeout: limits.body_read_timeout,
+            send_timeout: limits.idle_timeout,
         };
         let handover = match &ctx.fast {
             FastPath::Off => Some(Handover { stream, buffered: bytes::BytesMut::new() }),

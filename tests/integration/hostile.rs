@@ -568,6 +568,11 @@ fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
 
 impl RawH2 {
     pub(crate) async fn open(addr: std::net::SocketAddr, fields: &[(&str, &str)]) -> RawH2 {
+        RawH2::open_with(addr, &[], fields).await
+    }
+
+    /// `settings`: the payload of the client's SETTINGS frame.
+    pub(crate) async fn open_with(addr: std::net::SocketAddr, settings: &[u8], fields: &[(&str, &str)]) -> RawH2 {
         let mut block = Vec::new();
         for (name, value) in fields {
             assert!(name.len() < 127 && value.len() < 127);
@@ -579,7 +584,7 @@ impl RawH2 {
         }
         let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
         let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
-        out.extend(h2_frame(0x4, 0, 0, &[])); // SETTINGS
+        out.extend(h2_frame(0x4, 0, 0, settings)); // SETTINGS
         out.extend(h2_frame(0x1, 0x4, 1, &block)); // HEADERS, END_HEADERS, not END_STREAM
         s.write_all(&out).await.unwrap();
         RawH2 { s, buf: Vec::new() }
@@ -788,5 +793,202 @@ async fn an_h2_upload_reset_with_no_error_before_its_length_is_not_forwarded_who
         tokio::time::sleep(Duration::from_millis(300)).await;
         let got = http.get(&gw.proxy_url("/obj")).await;
         assert_eq!(got.body, Bytes::from_static(b"GOOD-CONTENT"), "{length:?}: a truncated upload replaced the object");
+    }
+}
+
+/// A response the client never takes (an h2 client that opens no
+/// flow-control window for it) does not keep its connection, nor a slot of
+/// the listener, for ever: closed about one idle timeout after the body
+/// stalled (nginx's `send_timeout`), though the request is in flight.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_response_the_client_never_takes_does_not_hold_its_connection() {
+    let cfg = "[server]\nidle_timeout_ms = 1000\n";
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start(&dir.path().join("data"), Opts { config: Some(cfg.into()), ..Opts::default() });
+    let http = Http::default();
+    let g = acquire(&http, &gw.api_url(""), "big", 600_000, 0).await.unwrap();
+    let body = vec![b'z'; 256 * 1024];
+    let put = http.send(Method::PUT, &gw.proxy_url("/big"), &[("x-fencing-token", &g.token.to_string())], body).await;
+    assert!(put.status.is_success(), "{}", put.status);
+    // SETTINGS_INITIAL_WINDOW_SIZE = 0: no stream may send DATA.
+    let no_window = [0x00, 0x04, 0, 0, 0, 0];
+    let get = [(":method", "GET"), (":scheme", "http"), (":path", "/big"), (":authority", "x")];
+    let mut h2 = RawH2::open_with(gw.proxy, &no_window, &get).await;
+    h2.data(b"", true).await;
+    let started = Instant::now();
+    // The head arrives, no DATA can; then the connection must close.
+    let mut closed = false;
+    let mut chunk = [0u8; 4096];
+    while started.elapsed() < Duration::from_secs(6) {
+        match tokio::time::timeout(Duration::from_millis(500), h2.s.read(&mut chunk)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => {
+                closed = true;
+                break;
+            }
+            _ => {}
+        }
+    }
+    let took = started.elapsed();
+    assert!(closed, "a stalled response kept its connection for {took:?}");
+    assert!(took >= Duration::from_millis(900), "closed after {took:?}, before the timeout");
+}
+
+impl RawH2 {
+    /// WINDOW_UPDATE of `increment` on stream 1 and on the connection;
+    /// false if the connection is gone.
+    async fn open_window(&mut self, increment: u32) -> bool {
+        let mut out = h2_frame(0x8, 0, 1, &increment.to_be_bytes());
+        out.extend(h2_frame(0x8, 0, 0, &increment.to_be_bytes()));
+        self.s.write_all(&out).await.is_ok()
+    }
+}
+
+/// The other side of the stall close: a client that reads a large download
+/// slowly but steadily keeps it. The built-in file store hands the gateway
+/// 64 KiB frames; this client opens 16 KiB of window every 400 ms, so each
+/// such frame takes 1.6 s to go out, more than the 1 s timeout. Counted per
+/// frame, the download was cut after its first frame; counted per piece
+/// the client took, it completes.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slow_but_steady_h2_reader_of_large_frames_gets_the_whole_download() {
+    let cfg = "[server]\nidle_timeout_ms = 1000\n";
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start(&dir.path().join("data"), Opts { config: Some(cfg.into()), ..Opts::default() });
+    let http = Http::default();
+    let g = acquire(&http, &gw.api_url(""), "big", 600_000, 0).await.unwrap();
+    let size = 200 * 1024;
+    let put = http
+        .send(Method::PUT, &gw.proxy_url("/big"), &[("x-fencing-token", &g.token.to_string())], vec![b'z'; size])
+        .await;
+    assert!(put.status.is_success(), "{}", put.status);
+    let no_window = [0x00, 0x04, 0, 0, 0, 0];
+    let get = [(":method", "GET"), (":scheme", "http"), (":path", "/big"), (":authority", "x")];
+    let mut h2 = RawH2::open_with(gw.proxy, &no_window, &get).await;
+    h2.data(b"", true).await;
+    let started = Instant::now();
+    let (mut received, mut ended, mut closed) = (0usize, false, false);
+    while !ended && !closed && started.elapsed() < Duration::from_secs(30) {
+        let frames = h2.answer(Duration::from_millis(400)).await;
+        for (kind, flags, _, payload) in &frames {
+            match kind {
+                0x0 => {
+                    received += payload.len();
+                    ended |= flags & 0x1 == 1;
+                }
+                0x3 | 0x7 => closed = true,
+                _ => {}
+            }
+        }
+        if !ended && !closed {
+            closed = !h2.open_window(16 * 1024).await;
+        }
+    }
+    assert!(!closed, "the download was cut after {received} of {size} bytes ({:?})", started.elapsed());
+    assert!(ended && received == size, "{received} of {size} bytes, ended: {ended}, in {:?}", started.elapsed());
+}
+
+/// An upstream that answers every request on a connection with `size`
+/// bytes (a `Content-Length` body): a large download.
+async fn big_upstream(size: usize) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                let body = vec![b'z'; size];
+                loop {
+                    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match s.read(&mut chunk).await {
+                            Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+                            _ => return,
+                        }
+                    }
+                    buf.clear();
+                    let head = format!("HTTP/1.1 200 OK\r\nContent-Length: {size}\r\n\r\n");
+                    if s.write_all(head.as_bytes()).await.is_err() || s.write_all(&body).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+/// A gateway in front of [`big_upstream`], its idle timeout 1 s, and a GET
+/// sent on a connection whose receive buffer is small.
+async fn h1_download(dir: &std::path::Path, size: usize, fast: bool) -> (Gateway, tokio::net::TcpStream) {
+    let cfg = format!("[server]\nidle_timeout_ms = 1000\nproxy_fast_path = {fast}\n");
+    let upstream = Some(big_upstream(size).await);
+    let gw = Gateway::start(&dir.join("data"), Opts { config: Some(cfg), upstream, ..Opts::default() });
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(16 * 1024).unwrap();
+    let mut s = socket.connect(gw.proxy).await.unwrap();
+    s.write_all(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
+    (gw, s)
+}
+
+/// Reads what is left on `s` within `limit`: the byte count, and whether the
+/// gateway ended the connection (EOF or reset) before `want` bytes came.
+async fn drain(s: &mut tokio::net::TcpStream, want: usize, limit: Duration) -> (usize, bool) {
+    let deadline = Instant::now() + limit;
+    let (mut n, mut chunk) = (0usize, vec![0u8; 64 * 1024]);
+    while n < want {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, s.read(&mut chunk)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return (n, true),
+            Ok(Ok(k)) => n += k,
+            Err(_) => break,
+        }
+    }
+    (n, false)
+}
+
+/// An HTTP/1.1 client that asks for a large response and stops reading
+/// does not hold its connection (and the upstream connection behind it)
+/// for ever: once it has taken nothing for the idle timeout the gateway
+/// closes it (nginx's `send_timeout`), on the fast path and on hyper.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_h1_client_that_stops_reading_a_download_is_closed() {
+    let size = 16 * 1024 * 1024;
+    for fast in [true, false] {
+        let dir = tempfile::tempdir().unwrap();
+        let (_gw, mut s) = h1_download(dir.path(), size, fast).await;
+        // Stop reading long enough for the gateway to give up on us.
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        let (got, closed) = drain(&mut s, size, Duration::from_secs(20)).await;
+        assert!(closed && got < size, "fast={fast}: a client that stopped reading kept its download ({got} bytes)");
+    }
+}
+
+/// ... while one that reads slowly but steadily (32 KiB every 100 ms,
+/// against a 1 s timeout) gets the whole of it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slow_but_steady_h1_reader_gets_the_whole_download() {
+    let size = 1024 * 1024;
+    for fast in [true, false] {
+        let dir = tempfile::tempdir().unwrap();
+        let (_gw, mut s) = h1_download(dir.path(), size, fast).await;
+        let (mut n, mut chunk) = (0usize, vec![0u8; 32 * 1024]);
+        let started = Instant::now();
+        let mut closed = false;
+        while n < size && started.elapsed() < Duration::from_secs(60) {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            match tokio::time::timeout(Duration::from_secs(5), s.read(&mut chunk)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => {
+                    closed = true;
+                    break;
+                }
+                Ok(Ok(k)) => n += k,
+                Err(_) => break,
+            }
+        }
+        assert!(
+            n >= size,
+            "fast={fast}: {n} bytes of {size}+head before {}",
+            if closed { "a close" } else { "the end" }
+        );
     }
 }
