@@ -21,15 +21,15 @@
 //! would forward, and answers the forwarding failures (timeout, connect,
 //! exchange, a fence that moved before the body was sent) with the same
 //! errors and metrics. It refuses by itself only what hyper would never
-//! show the general path: a request-target with a `#` fragment and a
-//! `Connection` header naming a fencing header (both 400, before routing).
+//! show the general path: a request-target with a `#` fragment (400,
+//! before routing).
+
+use std::time::Duration;
 
 use bytes::{Buf, BytesMut};
 use http::{Method, StatusCode};
-use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-
 use tokio::time::Instant;
 
 use super::pool::Pool;
@@ -268,10 +268,9 @@ async fn serve_one(
 
 /// Sends the request and reads the response head into `rbuf` / `resp`.
 /// Phase 1: reads until a whole request head is parsed into `c.head`.
-/// `Some`: how the connection goes on instead — handed over, gone, closed,
-/// or closed after the one refusal made here (a `Connection` naming a
-/// fencing header: refused before any routing; the body, if any, is not
-/// read, so the connection closes after the answer).
+/// `Some`: how the connection goes on instead — handed over (also a
+/// `Connection` naming a fencing header: the general path refuses it in
+/// the language of its route), gone, or closed after a malformed head.
 async fn read_request_head(
     stream: &mut TcpStream,
     limits: ConnLimits,
@@ -284,10 +283,9 @@ async fn read_request_head(
             match parse_head(&c.buf, limits.max_header_bytes, &mut c.head) {
                 Parsed::Complete => return None,
                 Parsed::General => return Some(Next::General),
-                Parsed::FencingHopByHop => {
-                    let refused = crate::proxy::headers::fencing_header_named_hop_by_hop().into_response();
-                    return Some(write_response(stream, refused, false, true, &mut c.out, limits.send_timeout).await);
-                }
+                // Refused by the general path, in the language of the
+                // route it names (S3 routes answer S3 XML).
+                Parsed::FencingHopByHop => return Some(Next::General),
                 Parsed::Malformed(e) => {
                     return Some(
                         write_response(stream, e.into_response(), false, true, &mut c.out, limits.send_timeout).await,

@@ -439,7 +439,14 @@ impl Proxy {
         client: &Peer,
         seen: &mut Seen<'a>,
     ) -> Result<Response<BoxBody>, ErrorReply> {
-        // 0. A `Connection` that names a fencing header would strip it
+        // 0. The route (nothing acts on it yet): its refusals speak its
+        //    kind's language (S3 routes answer S3 XML errors).
+        let checked = path::check_path(req.uri().path());
+        let selected = self.select(req.uri().path(), checked.as_ref().ok());
+        if let Some(Selected::Http(route, ..) | Selected::S3(route, _)) = &selected {
+            seen.route = Some(*route);
+        }
+        // 1. A `Connection` that names a fencing header would strip it
         //    after the check below: refused before anything else.
         if headers::connection_names_fencing_header(req.headers()) {
             return Err(headers::fencing_header_named_hop_by_hop().into());
@@ -448,12 +455,9 @@ impl Proxy {
         if let Some(name) = headers::underscore_alias(req.headers()) {
             return Err(headers::underscore_alias_refused(name).into());
         }
-        // 1. route
-        let checked = path::check_path(req.uri().path());
-        let (route, key, checked) = match self.select(req.uri().path(), checked.as_ref().ok()) {
+        let (route, key, checked) = match selected {
             Some(Selected::Http(route, key, checked)) => (route, key, checked),
             Some(Selected::S3(route, s3)) => {
-                seen.route = Some(route);
                 return Box::pin(self.handle_s3(route, s3, req, client, seen)).await;
             }
             None => {
@@ -464,7 +468,6 @@ impl Proxy {
                 .into())
             }
         };
-        seen.route = Some(route);
         if seen.log {
             seen.key = Some(key.to_string());
         }

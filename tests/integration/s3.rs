@@ -836,3 +836,27 @@ async fn delete_objects_whose_h2_stream_was_reset_is_not_forwarded() {
     assert_eq!(r.status, StatusCode::OK, "{:?}", String::from_utf8_lossy(&r.body));
     assert_eq!(echo.count(), 1);
 }
+
+/// The refusals made before a request's fence is looked at (a `Connection`
+/// naming a fencing header, a header an upstream may read as one of ours)
+/// speak S3 on an S3 route, as every other refusal there does; and the
+/// upstream never sees the request.
+#[tokio::test(flavor = "multi_thread")]
+async fn header_refusals_on_an_s3_route_are_s3_errors() {
+    let (_d, gw, echo, http) = setup("").await;
+    let api = gw.api_url("");
+    let g = acquire(&http, &api, "bkt/obj", 60_000, 0).await.unwrap();
+    let t = g.token.to_string();
+    let cases: [(&str, [(&str, &str); 2]); 2] = [
+        ("Connection names the token", [("x-fencing-token", &t), ("connection", "x-fencing-token")]),
+        ("an underscore alias", [("x-fencing-token", &t), ("x_fencing_token", "1")]),
+    ];
+    for (what, headers) in cases {
+        let before = echo.count();
+        let r = http.send(Method::PUT, &gw.proxy_url("/bkt/obj"), &headers, b"data".to_vec()).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{what}");
+        assert_eq!(r.headers.get("content-type").map(|v| v.as_bytes()), Some(&b"application/xml"[..]), "{what}");
+        assert_eq!(xml_code(&r.body), "BadRequest", "{what}: {:?}", String::from_utf8_lossy(&r.body));
+        assert_eq!(echo.count(), before, "{what}: the upstream saw it");
+    }
+}
