@@ -85,15 +85,18 @@ impl Activity {
         InFlight(self.clone())
     }
 
-    /// Resolves once nothing has been in flight for `timeout`, or a
-    /// response body has waited on the client that long.
-    pub async fn idle_for(&self, timeout: Duration) {
+    /// Resolves once nothing has been in flight for `timeout` (idle), or
+    /// every response body has waited on the client that long (stalled).
+    pub async fn quiet_for(&self, timeout: Duration) -> Quiet {
         loop {
             let last = self.start + Duration::from_millis(self.last_ms.load(Ordering::Relaxed));
             let due = last + timeout;
             if Instant::now() >= due {
-                if self.in_flight.load(Ordering::Acquire) == 0 || self.stalled(timeout) {
-                    return;
+                if self.in_flight.load(Ordering::Acquire) == 0 {
+                    return Quiet::Idle;
+                }
+                if self.stalled(timeout) {
+                    return Quiet::Stalled;
                 }
                 // Busy: look again one timeout later (the end of the
                 // exchange moves `last`).
@@ -103,6 +106,16 @@ impl Activity {
             }
         }
     }
+}
+
+/// Why a connection is to be closed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Quiet {
+    /// Nothing in flight: close it gracefully (an HTTP/2 GOAWAY, so a
+    /// request the client sends meanwhile is known not to be processed).
+    Idle,
+    /// Its responses wait on a client that takes none of them: drop it.
+    Stalled,
 }
 
 /// One request in flight on a connection, until dropped.
@@ -217,10 +230,10 @@ mod tests {
         let body = Tracked::new(Empty::new().map_err(|e| match e {}).boxed_unsync(), a.begin());
         tokio::time::sleep(Duration::from_secs(200)).await;
         // In flight for 200 s: not idle.
-        assert!(tokio::time::timeout(Duration::from_secs(1), a.idle_for(t)).await.is_err());
+        assert!(tokio::time::timeout(Duration::from_secs(1), a.quiet_for(t)).await.is_err());
         drop(body);
         let ended = Instant::now();
-        a.idle_for(t).await;
+        assert_eq!(a.quiet_for(t).await, Quiet::Idle);
         let waited = ended.elapsed();
         assert!(waited >= t && waited <= t + Duration::from_secs(1), "{waited:?}");
     }
@@ -240,11 +253,12 @@ mod tests {
         // The client keeps reading for 200 s: not idle.
         for _ in 0..20 {
             assert!(body.frame().await.is_some());
-            assert!(tokio::time::timeout(Duration::from_secs(10), a.idle_for(t)).await.is_err());
+            assert!(tokio::time::timeout(Duration::from_secs(10), a.quiet_for(t)).await.is_err());
         }
         // Then it stops taking frames: closed about one timeout later.
         let stopped = Instant::now();
-        tokio::time::timeout(10 * t, a.idle_for(t)).await.expect("a stalled response kept its connection");
+        let quiet = tokio::time::timeout(10 * t, a.quiet_for(t)).await.expect("a stalled response kept its connection");
+        assert_eq!(quiet, Quiet::Stalled);
         let waited = stopped.elapsed();
         assert!(waited >= t && waited <= 2 * t, "{waited:?} after {:?}", started.elapsed());
         drop(body);
@@ -254,7 +268,7 @@ mod tests {
         let upstream = http_body_util::StreamBody::new(tokio_stream_from(rx));
         let mut body = Tracked::new(upstream.boxed_unsync(), a.begin());
         assert!(tokio::time::timeout(Duration::from_secs(1), body.frame()).await.is_err());
-        assert!(tokio::time::timeout(Duration::from_secs(300), a.idle_for(t)).await.is_err());
+        assert!(tokio::time::timeout(Duration::from_secs(300), a.quiet_for(t)).await.is_err());
         drop(body);
     }
 
@@ -280,7 +294,7 @@ mod tests {
                 assert_eq!(body.size_hint().exact(), Some((big.len() - got.len()) as u64));
             }
             // The client takes a piece every 60 s, within the timeout.
-            assert!(tokio::time::timeout(Duration::from_secs(60), a.idle_for(t)).await.is_err());
+            assert!(tokio::time::timeout(Duration::from_secs(60), a.quiet_for(t)).await.is_err());
         }
         assert_eq!(sizes, [PIECE, PIECE, PIECE, PIECE, 5]);
         assert_eq!(got, big);
@@ -309,7 +323,8 @@ mod tests {
         };
         drop(fut);
         let started = Instant::now();
-        tokio::time::timeout(Duration::from_secs(80), a.idle_for(t)).await.expect("never idle");
+        let quiet = tokio::time::timeout(Duration::from_secs(80), a.quiet_for(t)).await.expect("never idle");
+        assert_eq!(quiet, Quiet::Idle);
         assert!(started.elapsed() <= t + Duration::from_secs(1));
     }
 }

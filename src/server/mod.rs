@@ -90,17 +90,11 @@ impl Drop for AddressSlot {
     }
 }
 
-async fn serve_conn<I>(
-    name: &'static str,
-    builder: &auto::Builder<TokioExecutor>,
-    watcher: hyper_util::server::graceful::Watcher,
-    io: I,
-    client: Peer,
-    handler: Handler,
-    limits: Limits,
-) where
+async fn serve_conn<I>(ctx: &Listener, watcher: hyper_util::server::graceful::Watcher, io: I, client: Peer)
+where
     I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
 {
+    let (name, limits, handler) = (ctx.name, ctx.limits, ctx.handler.clone());
     let addr = client.addr;
     let activity = idle::Activity::new();
     let tracker = activity.clone();
@@ -116,16 +110,48 @@ async fn serve_conn<I>(
         };
         async move { Ok::<_, Infallible>(fut.await.map(|b| idle::Tracked::new(b, exchange))) }
     });
-    let conn = builder.serve_connection(io, service);
-    tokio::select! {
-        ended = watcher.watch(conn) => {
-            if let Err(e) = ended {
-                tracing::debug!(listener = name, client = %addr, error = %e, "connection ended with an error");
+    let conn = ctx.builder.serve_connection(io, service);
+    tokio::pin!(conn);
+    // Held until the connection ends: the listener's drain waits for it.
+    let _watcher = watcher;
+    // A graceful close was started (a stop, or the connection was idle);
+    // an idle one must have ended by `closing_by`.
+    let mut graceful = false;
+    let mut closing_by: Option<tokio::time::Instant> = None;
+    loop {
+        tokio::select! {
+            ended = conn.as_mut() => {
+                if let Err(e) = ended {
+                    tracing::debug!(listener = name, client = %addr, error = %e, "connection ended with an error");
+                }
+                return;
             }
-        }
-        // Nothing in flight: dropping the connection cuts no exchange.
-        () = activity.idle_for(limits.idle_timeout) => {
-            tracing::debug!(listener = name, client = %addr, "idle connection closed");
+            () = ctx.shutdown.wait(), if !graceful => {
+                conn.as_mut().graceful_shutdown();
+                graceful = true;
+            }
+            quiet = activity.quiet_for(limits.idle_timeout), if closing_by.is_none() => match quiet {
+                // Nothing in flight: an HTTP/2 client is told by GOAWAY
+                // which of its requests were taken (none since), so one it
+                // sent at this moment can be retried safely; an HTTP/1.1
+                // connection closes at once.
+                idle::Quiet::Idle => {
+                    tracing::debug!(listener = name, client = %addr, "idle connection: closing");
+                    if !graceful {
+                        conn.as_mut().graceful_shutdown();
+                        graceful = true;
+                    }
+                    closing_by = Some(tokio::time::Instant::now() + limits.header_read_timeout);
+                }
+                idle::Quiet::Stalled => {
+                    tracing::debug!(listener = name, client = %addr, "stalled connection closed");
+                    return;
+                }
+            },
+            () = tokio::time::sleep_until(closing_by.unwrap_or_else(tokio::time::Instant::now)), if closing_by.is_some() => {
+                tracing::debug!(listener = name, client = %addr, "idle connection closed");
+                return;
+            }
         }
     }
 }
@@ -351,7 +377,7 @@ async fn serve_accepted(
             return;
         }
         let io = Rewind { prefix: h.buffered, inner: h.stream };
-        serve_conn(name, &ctx.builder, watcher, TokioIo::new(io), client, ctx.handler.clone(), limits).await;
+        serve_conn(ctx, watcher, TokioIo::new(io), client).await;
         return;
     };
     let accept = TlsAcceptor::from(config).accept(stream);
@@ -370,7 +396,7 @@ async fn serve_accepted(
                 .map(Arc::from);
             let client = Peer::new(addr, true, cert_cn);
             let io = TokioIo::new(Rewind { prefix: buffered, inner: tls_stream });
-            serve_conn(name, &ctx.builder, watcher, io, client, ctx.handler.clone(), limits).await;
+            serve_conn(ctx, watcher, io, client).await;
         }
         Ok(Err(e)) => tracing::debug!(listener = name, client = %addr, error = %e, "TLS handshake failed"),
         Err(_) => tracing::debug!(listener = name, client = %addr, "TLS handshake timed out"),

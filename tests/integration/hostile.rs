@@ -992,3 +992,53 @@ async fn a_slow_but_steady_h1_reader_gets_the_whole_download() {
         );
     }
 }
+
+/// An idle HTTP/2 connection is closed with a GOAWAY (NO_ERROR), not a bare
+/// close: a client that sends a request at that moment learns from the
+/// GOAWAY's last stream id that it was not processed, and may send it again
+/// on a new connection (a bare close leaves it not knowing whether a PUT
+/// was applied).
+#[tokio::test(flavor = "multi_thread")]
+async fn an_idle_h2_connection_is_closed_with_a_goaway() {
+    let cfg = "[server]\nidle_timeout_ms = 1000\n";
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start(&dir.path().join("data"), Opts { config: Some(cfg.into()), ..Opts::default() });
+    for addr in [gw.proxy, gw.api] {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        out.extend(h2_frame(0x4, 0, 0, &[])); // SETTINGS
+        s.write_all(&out).await.unwrap();
+        let started = Instant::now();
+        let (mut buf, mut chunk) = (Vec::new(), [0u8; 4096]);
+        let mut goaway = None;
+        let closed = loop {
+            while buf.len() >= 9 {
+                let len = (usize::from(buf[0]) << 16) | (usize::from(buf[1]) << 8) | usize::from(buf[2]);
+                if buf.len() < 9 + len {
+                    break;
+                }
+                let (kind, flags) = (buf[3], buf[4]);
+                let payload = buf[9..9 + len].to_vec();
+                buf.drain(..9 + len);
+                match (kind, flags & 0x1) {
+                    (0x4, 0) => s.write_all(&h2_frame(0x4, 0x1, 0, &[])).await.unwrap(), // SETTINGS ACK
+                    (0x6, 0) => {
+                        let _ = s.write_all(&h2_frame(0x6, 0x1, 0, &payload)).await;
+                        // PING ACK
+                    }
+                    (0x7, _) => goaway = Some(u32::from_be_bytes([payload[4], payload[5], payload[6], payload[7]])),
+                    _ => {}
+                }
+            }
+            match tokio::time::timeout(Duration::from_secs(15), s.read(&mut chunk)).await {
+                Ok(Ok(n)) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+                Ok(_) => break true,
+                Err(_) => break false,
+            }
+        };
+        let took = started.elapsed();
+        assert!(closed, "{addr}: an idle h2 connection was still open after {took:?}");
+        assert!(took >= Duration::from_millis(900), "{addr}: closed after {took:?}, before the timeout");
+        assert_eq!(goaway, Some(0), "{addr}: closed without a GOAWAY (NO_ERROR) after {took:?}");
+    }
+}
