@@ -796,25 +796,33 @@ async fn an_h2_upload_reset_with_no_error_before_its_length_is_not_forwarded_who
     }
 }
 
+/// A gateway whose idle timeout is 1 s, its built-in file store holding
+/// `size` bytes at `/big`, and an HTTP/2 GET of it sent by a client that
+/// opens no flow-control window for its streams
+/// (SETTINGS_INITIAL_WINDOW_SIZE = 0: no stream may send DATA yet).
+async fn windowless_download(dir: &std::path::Path, size: usize) -> (Gateway, RawH2) {
+    let cfg = "[server]\nidle_timeout_ms = 1000\n";
+    let gw = Gateway::start(&dir.join("data"), Opts { config: Some(cfg.into()), ..Opts::default() });
+    let http = Http::default();
+    let g = acquire(&http, &gw.api_url(""), "big", 600_000, 0).await.unwrap();
+    let token = g.token.to_string();
+    let put = http.send(Method::PUT, &gw.proxy_url("/big"), &[("x-fencing-token", &token)], vec![b'z'; size]).await;
+    assert!(put.status.is_success(), "{}", put.status);
+    let no_window = [0x00, 0x04, 0, 0, 0, 0];
+    let get = [(":method", "GET"), (":scheme", "http"), (":path", "/big"), (":authority", "x")];
+    let mut h2 = RawH2::open_with(gw.proxy, &no_window, &get).await;
+    h2.data(b"", true).await;
+    (gw, h2)
+}
+
 /// A response the client never takes (an h2 client that opens no
 /// flow-control window for it) does not keep its connection, nor a slot of
 /// the listener, for ever: closed about one idle timeout after the body
 /// stalled (nginx's `send_timeout`), though the request is in flight.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_response_the_client_never_takes_does_not_hold_its_connection() {
-    let cfg = "[server]\nidle_timeout_ms = 1000\n";
     let dir = tempfile::tempdir().unwrap();
-    let gw = Gateway::start(&dir.path().join("data"), Opts { config: Some(cfg.into()), ..Opts::default() });
-    let http = Http::default();
-    let g = acquire(&http, &gw.api_url(""), "big", 600_000, 0).await.unwrap();
-    let body = vec![b'z'; 256 * 1024];
-    let put = http.send(Method::PUT, &gw.proxy_url("/big"), &[("x-fencing-token", &g.token.to_string())], body).await;
-    assert!(put.status.is_success(), "{}", put.status);
-    // SETTINGS_INITIAL_WINDOW_SIZE = 0: no stream may send DATA.
-    let no_window = [0x00, 0x04, 0, 0, 0, 0];
-    let get = [(":method", "GET"), (":scheme", "http"), (":path", "/big"), (":authority", "x")];
-    let mut h2 = RawH2::open_with(gw.proxy, &no_window, &get).await;
-    h2.data(b"", true).await;
+    let (_gw, mut h2) = windowless_download(dir.path(), 256 * 1024).await;
     let started = Instant::now();
     // The head arrives, no DATA can; then the connection must close.
     let mut closed = false;
@@ -851,20 +859,9 @@ impl RawH2 {
 /// the client took, it completes.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_slow_but_steady_h2_reader_of_large_frames_gets_the_whole_download() {
-    let cfg = "[server]\nidle_timeout_ms = 1000\n";
     let dir = tempfile::tempdir().unwrap();
-    let gw = Gateway::start(&dir.path().join("data"), Opts { config: Some(cfg.into()), ..Opts::default() });
-    let http = Http::default();
-    let g = acquire(&http, &gw.api_url(""), "big", 600_000, 0).await.unwrap();
     let size = 200 * 1024;
-    let put = http
-        .send(Method::PUT, &gw.proxy_url("/big"), &[("x-fencing-token", &g.token.to_string())], vec![b'z'; size])
-        .await;
-    assert!(put.status.is_success(), "{}", put.status);
-    let no_window = [0x00, 0x04, 0, 0, 0, 0];
-    let get = [(":method", "GET"), (":scheme", "http"), (":path", "/big"), (":authority", "x")];
-    let mut h2 = RawH2::open_with(gw.proxy, &no_window, &get).await;
-    h2.data(b"", true).await;
+    let (_gw, mut h2) = windowless_download(dir.path(), size).await;
     let started = Instant::now();
     let (mut received, mut ended, mut closed) = (0usize, false, false);
     while !ended && !closed && started.elapsed() < Duration::from_secs(30) {
