@@ -21,12 +21,13 @@
 //! writes the same way (`http1::conn::send`).
 
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures_util::task::AtomicWaker;
 use http_body::{Body, Frame, SizeHint};
 use tokio::time::Instant;
 
@@ -39,8 +40,9 @@ pub struct Activity {
     /// Milliseconds from `start` to the last request head or the last end
     /// of a response body.
     last_ms: AtomicU64,
-    /// Response bodies that handed hyper a frame and have not been asked
-    /// for the next one: waiting on the client.
+    /// Response bodies that have something for hyper (a frame handed over,
+    /// or news since they last said they had none) and have not been
+    /// asked for the next frame: waiting on the client.
     waiting: AtomicUsize,
     /// Milliseconds from `start` to the last time a response body was
     /// asked for a frame or gave one.
@@ -132,11 +134,62 @@ impl Drop for InFlight {
 /// and tells its connection when it waits on the client.
 pub struct Tracked {
     inner: BoxBody,
-    in_flight: InFlight,
-    /// Gave hyper a frame and has not been asked for the next one.
-    waiting: bool,
+    _in_flight: InFlight,
+    waits: Arc<Waits>,
+    /// The waker the inner body is polled with ([`Waits`]).
+    waker: Waker,
     /// What is left of a data frame larger than [`PIECE`].
     rest: Bytes,
+}
+
+/// Whether a response body waits on the client. It does from the moment
+/// it has something for hyper — it handed over a frame, or its inner body,
+/// having answered `Pending`, woke — until hyper asks for the next frame.
+/// The wake-up counts: hyper asks a body for a frame only when it can send
+/// one (HTTP/1.1: room in its write buffer), so a body whose upstream was
+/// slower than its client for a moment answered `Pending`, and would never
+/// be asked again once the client stopped reading.
+struct Waits {
+    activity: Arc<Activity>,
+    /// Counted in `activity.waiting`.
+    waiting: AtomicBool,
+    /// The inner body answered `Pending` and has not woken since.
+    pending: AtomicBool,
+    /// The body was dropped: a late wake-up counts nothing.
+    closed: AtomicBool,
+    /// hyper's waker, woken when the inner body wakes.
+    hyper: AtomicWaker,
+}
+
+impl Waits {
+    fn set(&self, waiting: bool) {
+        let a = &self.activity;
+        if self.waiting.swap(waiting, Ordering::SeqCst) != waiting {
+            if waiting {
+                a.waiting.fetch_add(1, Ordering::AcqRel);
+            } else {
+                a.waiting.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+        a.progress_ms.store(a.now_ms(), Ordering::Relaxed);
+    }
+}
+
+impl Wake for Waits {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        if self.pending.swap(false, Ordering::SeqCst) {
+            self.set(true);
+            // Dropped meanwhile: undo (see `Drop for Tracked`).
+            if self.closed.load(Ordering::SeqCst) {
+                self.set(false);
+            }
+        }
+        self.hyper.wake();
+    }
 }
 
 /// The most of a response body handed to hyper at a time. hyper asks for
@@ -150,28 +203,22 @@ const PIECE: usize = 16 * 1024;
 
 impl Tracked {
     pub fn new(inner: BoxBody, in_flight: InFlight) -> Tracked {
-        Tracked { inner, in_flight, waiting: false, rest: Bytes::new() }
-    }
-
-    fn set_waiting(&mut self, waiting: bool) {
-        let a = &self.in_flight.0;
-        if waiting != self.waiting {
-            if waiting {
-                a.waiting.fetch_add(1, Ordering::AcqRel);
-            } else {
-                a.waiting.fetch_sub(1, Ordering::AcqRel);
-            }
-            self.waiting = waiting;
-        }
-        a.progress_ms.store(a.now_ms(), Ordering::Relaxed);
+        let waits = Arc::new(Waits {
+            activity: in_flight.0.clone(),
+            waiting: AtomicBool::new(false),
+            pending: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
+            hyper: AtomicWaker::new(),
+        });
+        let waker = Waker::from(waits.clone());
+        Tracked { inner, _in_flight: in_flight, waits, waker, rest: Bytes::new() }
     }
 }
 
 impl Drop for Tracked {
     fn drop(&mut self) {
-        if self.waiting {
-            self.in_flight.0.waiting.fetch_sub(1, Ordering::AcqRel);
-        }
+        self.waits.closed.store(true, Ordering::SeqCst);
+        self.waits.set(false);
     }
 }
 
@@ -180,9 +227,17 @@ impl Body for Tracked {
     type Error = BoxError;
 
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        self.set_waiting(false);
+        self.waits.set(false);
         let frame = if self.rest.is_empty() {
-            match Pin::new(&mut self.inner).poll_frame(cx) {
+            let this = &mut *self;
+            this.waits.hyper.register(cx.waker());
+            this.waits.pending.store(true, Ordering::SeqCst);
+            let polled = Pin::new(&mut this.inner).poll_frame(&mut Context::from_waker(&this.waker));
+            if polled.is_pending() {
+                return Poll::Pending;
+            }
+            this.waits.pending.store(false, Ordering::SeqCst);
+            match polled {
                 Poll::Ready(Some(Ok(frame))) => frame,
                 other => return other,
             }
@@ -198,7 +253,7 @@ impl Body for Tracked {
             }
             Err(frame) => frame,
         };
-        self.set_waiting(true);
+        self.waits.set(true);
         Poll::Ready(Some(Ok(frame)))
     }
 
@@ -299,6 +354,38 @@ mod tests {
         assert_eq!(sizes, [PIECE, PIECE, PIECE, PIECE, 5]);
         assert_eq!(got, big);
         assert!(body.is_end_stream());
+    }
+
+    /// A body whose upstream was slower than its client for a moment
+    /// answered `Pending`; when the upstream's data comes and hyper does
+    /// not ask for it (an HTTP/1.1 client that stopped reading: no room in
+    /// hyper's write buffer), the body waits on the client from then on.
+    #[tokio::test(start_paused = true)]
+    async fn a_body_that_woke_with_data_nobody_asks_for_is_stalled() {
+        let t = Duration::from_secs(75);
+        let a = Activity::new();
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(1);
+        let upstream = http_body_util::StreamBody::new(tokio_stream_from(rx));
+        let mut body = Tracked::new(upstream.boxed_unsync(), a.begin());
+        let mut cx = Context::from_waker(futures_util::task::noop_waker_ref());
+        assert!(Pin::new(&mut body).poll_frame(&mut cx).is_pending());
+        // Waiting on the upstream for 200 s: busy, not stalled.
+        assert!(tokio::time::timeout(Duration::from_secs(200), a.quiet_for(t)).await.is_err());
+        // The upstream's data comes; nobody asks for it.
+        tx.send(Ok(Frame::data(Bytes::from_static(b"late")))).await.expect("send");
+        let woke = Instant::now();
+        let quiet = tokio::time::timeout(3 * t, a.quiet_for(t)).await.expect("a body nobody polls kept its connection");
+        assert_eq!(quiet, Quiet::Stalled);
+        assert!(woke.elapsed() >= t, "stalled after {:?}", woke.elapsed());
+        // Asked at last: not waiting any more, and a later wake-up after
+        // the body is gone counts nothing.
+        assert!(Pin::new(&mut body).poll_frame(&mut cx).is_ready());
+        assert_eq!(a.waiting.load(Ordering::SeqCst), 1, "it handed over a frame");
+        assert!(Pin::new(&mut body).poll_frame(&mut cx).is_pending());
+        assert_eq!(a.waiting.load(Ordering::SeqCst), 0);
+        drop(body);
+        drop(tx);
+        assert_eq!(a.waiting.load(Ordering::SeqCst), 0);
     }
 
     fn tokio_stream_from<T: Send + 'static>(

@@ -885,7 +885,8 @@ async fn a_slow_but_steady_h2_reader_of_large_frames_gets_the_whole_download() {
 }
 
 /// An upstream that answers every request on a connection with `size`
-/// bytes (a `Content-Length` body): a large download.
+/// bytes (a `Content-Length` body, sent 64 KiB at a time with a pause
+/// between): a large download.
 async fn big_upstream(size: usize) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -904,8 +905,16 @@ async fn big_upstream(size: usize) -> String {
                     }
                     buf.clear();
                     let head = format!("HTTP/1.1 200 OK\r\nContent-Length: {size}\r\n\r\n");
-                    if s.write_all(head.as_bytes()).await.is_err() || s.write_all(&body).await.is_err() {
+                    if s.write_all(head.as_bytes()).await.is_err() {
                         return;
+                    }
+                    // In pieces with pauses: the gateway's reads of the
+                    // upstream often find nothing yet (`Pending`).
+                    for piece in body.chunks(64 * 1024) {
+                        if s.write_all(piece).await.is_err() {
+                            return;
+                        }
+                        tokio::time::sleep(Duration::from_millis(2)).await;
                     }
                 }
             });
