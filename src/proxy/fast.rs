@@ -257,7 +257,16 @@ async fn serve_one(
                 pool.checkin_raw(upstream);
             }
         }
-        Relayed::Broken => return Next::Gone,
+        // Cut short (the upstream failed mid-body, the client stalled).
+        // A close-delimited response ends with a reset: a FIN would end it
+        // as if it were whole. Other framings tell a short body themselves,
+        // and a FIN lets the client have what its socket already holds.
+        Relayed::Broken => {
+            if framing == Framing::Close {
+                let _ = stream.set_zero_linger();
+            }
+            return Next::Gone;
+        }
     }
     if close {
         Next::Close

@@ -888,6 +888,12 @@ async fn a_slow_but_steady_h2_reader_of_large_frames_gets_the_whole_download() {
 /// bytes (a `Content-Length` body, sent 64 KiB at a time with a pause
 /// between): a large download.
 async fn big_upstream(size: usize) -> String {
+    big_upstream_framed(size, false).await
+}
+
+/// [`big_upstream`]; `close`: the body's end is the connection's
+/// (no `Content-Length`).
+async fn big_upstream_framed(size: usize, close: bool) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
@@ -904,7 +910,11 @@ async fn big_upstream(size: usize) -> String {
                         }
                     }
                     buf.clear();
-                    let head = format!("HTTP/1.1 200 OK\r\nContent-Length: {size}\r\n\r\n");
+                    let head = if close {
+                        "HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n".to_string()
+                    } else {
+                        format!("HTTP/1.1 200 OK\r\nContent-Length: {size}\r\n\r\n")
+                    };
                     if s.write_all(head.as_bytes()).await.is_err() {
                         return;
                     }
@@ -915,6 +925,9 @@ async fn big_upstream(size: usize) -> String {
                             return;
                         }
                         tokio::time::sleep(Duration::from_millis(2)).await;
+                    }
+                    if close {
+                        return;
                     }
                 }
             });
@@ -1047,4 +1060,32 @@ async fn an_idle_h2_connection_is_closed_with_a_goaway() {
         assert!(took >= Duration::from_millis(900), "{addr}: closed after {took:?}, before the timeout");
         assert_eq!(goaway, Some(0), "{addr}: closed without a GOAWAY (NO_ERROR) after {took:?}");
     }
+}
+
+/// A close-delimited download (the upstream marks its end by closing) cut
+/// short by the gateway — here a client that stopped reading — ends with a
+/// reset, not a FIN: a FIN would end it as if it were whole.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_close_delimited_download_cut_short_ends_with_a_reset() {
+    let size = 16 * 1024 * 1024;
+    let cfg = "[server]\nidle_timeout_ms = 1000\n".to_string();
+    let upstream = Some(big_upstream_framed(size, true).await);
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start(&dir.path().join("data"), Opts { config: Some(cfg), upstream, ..Opts::default() });
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(16 * 1024).unwrap();
+    let mut s = socket.connect(gw.proxy).await.unwrap();
+    s.write_all(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let (mut n, mut chunk) = (0usize, vec![0u8; 64 * 1024]);
+    let end = loop {
+        match tokio::time::timeout(Duration::from_secs(20), s.read(&mut chunk)).await {
+            Ok(Ok(0)) => break "a clean end (FIN)",
+            Ok(Ok(k)) => n += k,
+            Ok(Err(_)) => break "a reset",
+            Err(_) => break "nothing for 20 s",
+        }
+    };
+    assert!(n < size, "the whole body came ({n} bytes): the client was not cut");
+    assert_eq!(end, "a reset", "a cut close-delimited download ended with {end} after {n} bytes");
 }
