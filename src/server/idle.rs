@@ -13,7 +13,7 @@
 //!
 //! A response the client stops taking (an HTTP/2 stream it opens no window
 //! for, an HTTP/1.1 reader that stopped) would keep its request in flight
-//! for ever: a connection whose response bodies have all waited on the
+//! for ever: a connection with a response body that has waited on the
 //! client for the same timeout is closed too (nginx's `send_timeout`, a
 //! bound between two writes, not on the whole). Waiting is counted in
 //! pieces of at most [`PIECE`] bytes, so a slow but steady reader of a
@@ -22,7 +22,7 @@
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
@@ -40,13 +40,9 @@ pub struct Activity {
     /// Milliseconds from `start` to the last request head or the last end
     /// of a response body.
     last_ms: AtomicU64,
-    /// Response bodies that have something for hyper (a frame handed over,
-    /// or news since they last said they had none) and have not been
-    /// asked for the next frame: waiting on the client.
-    waiting: AtomicUsize,
-    /// Milliseconds from `start` to the last time a response body was
-    /// asked for a frame or gave one.
-    progress_ms: AtomicU64,
+    /// The response bodies of the connection, each with how long it has
+    /// waited on the client.
+    bodies: Mutex<Vec<Arc<Waits>>>,
 }
 
 impl Activity {
@@ -55,8 +51,7 @@ impl Activity {
             start: Instant::now(),
             in_flight: AtomicUsize::new(0),
             last_ms: AtomicU64::new(0),
-            waiting: AtomicUsize::new(0),
-            progress_ms: AtomicU64::new(0),
+            bodies: Mutex::new(Vec::new()),
         })
     }
 
@@ -68,14 +63,16 @@ impl Activity {
         self.last_ms.store(self.now_ms(), Ordering::Relaxed);
     }
 
-    /// A response body has waited on the client for `timeout` and no
-    /// response body of the connection moved meanwhile.
-    fn stalled(&self, timeout: Duration) -> bool {
-        if self.waiting.load(Ordering::Acquire) == 0 {
-            return false;
-        }
-        let progress = self.start + Duration::from_millis(self.progress_ms.load(Ordering::Relaxed));
-        Instant::now() >= progress + timeout
+    fn bodies(&self) -> std::sync::MutexGuard<'_, Vec<Arc<Waits>>> {
+        self.bodies.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The longest any response body has waited on the client. Per body:
+    /// on HTTP/2 other streams moving (a small request now and then) must
+    /// not keep a stalled one, and the upstream connection behind it, for
+    /// ever.
+    fn longest_wait(&self, now: Instant) -> Option<Duration> {
+        self.bodies().iter().filter_map(|w| w.waited(now)).max()
     }
 
     /// A request head arrived: in flight until the guard is dropped —
@@ -88,23 +85,25 @@ impl Activity {
     }
 
     /// Resolves once nothing has been in flight for `timeout` (idle), or
-    /// every response body has waited on the client that long (stalled).
+    /// some response body has waited on the client that long (stalled).
     pub async fn quiet_for(&self, timeout: Duration) -> Quiet {
         loop {
-            let last = self.start + Duration::from_millis(self.last_ms.load(Ordering::Relaxed));
-            let due = last + timeout;
-            if Instant::now() >= due {
-                if self.in_flight.load(Ordering::Acquire) == 0 {
+            let now = Instant::now();
+            if self.in_flight.load(Ordering::Acquire) == 0 {
+                let due = self.start + Duration::from_millis(self.last_ms.load(Ordering::Relaxed)) + timeout;
+                if now >= due {
                     return Quiet::Idle;
                 }
-                if self.stalled(timeout) {
-                    return Quiet::Stalled;
-                }
-                // Busy: look again one timeout later (the end of the
-                // exchange moves `last`).
-                tokio::time::sleep(timeout).await;
-            } else {
                 tokio::time::sleep_until(due).await;
+                continue;
+            }
+            // Busy: stalled once a body has waited `timeout`; look again
+            // when the longest wait would reach it (a body that starts
+            // waiting later is seen within two timeouts).
+            match self.longest_wait(now) {
+                Some(waited) if waited >= timeout => return Quiet::Stalled,
+                Some(waited) => tokio::time::sleep(timeout - waited).await,
+                None => tokio::time::sleep(timeout).await,
             }
         }
     }
@@ -150,9 +149,11 @@ pub struct Tracked {
 /// slower than its client for a moment answered `Pending`, and would never
 /// be asked again once the client stopped reading.
 struct Waits {
-    activity: Arc<Activity>,
-    /// Counted in `activity.waiting`.
-    waiting: AtomicBool,
+    /// The connection's `Activity::start`.
+    start: Instant,
+    /// Milliseconds from `start`, plus one, since it waits on the client;
+    /// 0: not waiting.
+    since_ms: AtomicU64,
     /// The inner body answered `Pending` and has not woken since.
     pending: AtomicBool,
     /// The body was dropped: a late wake-up counts nothing.
@@ -163,15 +164,19 @@ struct Waits {
 
 impl Waits {
     fn set(&self, waiting: bool) {
-        let a = &self.activity;
-        if self.waiting.swap(waiting, Ordering::SeqCst) != waiting {
-            if waiting {
-                a.waiting.fetch_add(1, Ordering::AcqRel);
-            } else {
-                a.waiting.fetch_sub(1, Ordering::AcqRel);
-            }
+        if waiting {
+            let now = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX - 1) + 1;
+            // Waiting already: it waits since then.
+            let _ = self.since_ms.compare_exchange(0, now, Ordering::SeqCst, Ordering::SeqCst);
+        } else {
+            self.since_ms.store(0, Ordering::SeqCst);
         }
-        a.progress_ms.store(a.now_ms(), Ordering::Relaxed);
+    }
+
+    /// How long it has waited on the client, if it does.
+    fn waited(&self, now: Instant) -> Option<Duration> {
+        let since = self.since_ms.load(Ordering::SeqCst);
+        (since != 0).then(|| now.saturating_duration_since(self.start + Duration::from_millis(since - 1)))
     }
 }
 
@@ -204,13 +209,14 @@ const PIECE: usize = 16 * 1024;
 impl Tracked {
     pub fn new(inner: BoxBody, in_flight: InFlight) -> Tracked {
         let waits = Arc::new(Waits {
-            activity: in_flight.0.clone(),
-            waiting: AtomicBool::new(false),
+            start: in_flight.0.start,
+            since_ms: AtomicU64::new(0),
             pending: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             hyper: AtomicWaker::new(),
         });
         let waker = Waker::from(waits.clone());
+        in_flight.0.bodies().push(waits.clone());
         Tracked { inner, _in_flight: in_flight, waits, waker, rest: Bytes::new() }
     }
 }
@@ -219,6 +225,7 @@ impl Drop for Tracked {
     fn drop(&mut self) {
         self.waits.closed.store(true, Ordering::SeqCst);
         self.waits.set(false);
+        self._in_flight.0.bodies().retain(|w| !Arc::ptr_eq(w, &self.waits));
     }
 }
 
@@ -274,6 +281,15 @@ impl Body for Tracked {
 }
 
 #[cfg(test)]
+impl Activity {
+    /// Response bodies waiting on the client now.
+    fn waiting(&self) -> usize {
+        let now = Instant::now();
+        self.bodies().iter().filter(|w| w.waited(now).is_some()).count()
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use http_body_util::{BodyExt, Empty};
@@ -306,12 +322,14 @@ mod tests {
         let mut body = Tracked::new(http_body_util::StreamBody::new(frames).boxed_unsync(), a.begin());
         let started = Instant::now();
         // The client keeps reading for 200 s: not idle.
+        let mut stopped = Instant::now();
         for _ in 0..20 {
             assert!(body.frame().await.is_some());
+            stopped = Instant::now();
             assert!(tokio::time::timeout(Duration::from_secs(10), a.quiet_for(t)).await.is_err());
         }
-        // Then it stops taking frames: closed about one timeout later.
-        let stopped = Instant::now();
+        // Then it stops taking frames: closed about one timeout after the
+        // last frame it took.
         let quiet = tokio::time::timeout(10 * t, a.quiet_for(t)).await.expect("a stalled response kept its connection");
         assert_eq!(quiet, Quiet::Stalled);
         let waited = stopped.elapsed();
@@ -380,12 +398,44 @@ mod tests {
         // Asked at last: not waiting any more, and a later wake-up after
         // the body is gone counts nothing.
         assert!(Pin::new(&mut body).poll_frame(&mut cx).is_ready());
-        assert_eq!(a.waiting.load(Ordering::SeqCst), 1, "it handed over a frame");
+        assert_eq!(a.waiting(), 1, "it handed over a frame");
         assert!(Pin::new(&mut body).poll_frame(&mut cx).is_pending());
-        assert_eq!(a.waiting.load(Ordering::SeqCst), 0);
+        assert_eq!(a.waiting(), 0);
         drop(body);
         drop(tx);
-        assert_eq!(a.waiting.load(Ordering::SeqCst), 0);
+        assert_eq!(a.waiting(), 0);
+    }
+
+    /// Per body: another response of the connection that keeps moving
+    /// (on HTTP/2, a small request now and then) does not keep a stalled
+    /// one, and the upstream connection behind it, for ever.
+    #[tokio::test(start_paused = true)]
+    async fn a_stalled_body_is_not_kept_by_another_that_moves() {
+        let t = Duration::from_secs(75);
+        let a = Activity::new();
+        let frames = || {
+            let items = (0..100).map(|_| Ok::<_, BoxError>(Frame::data(Bytes::from_static(b"x"))));
+            http_body_util::StreamBody::new(futures_util::stream::iter(items)).boxed_unsync()
+        };
+        let mut stalled = Tracked::new(frames(), a.begin());
+        let mut moving = Tracked::new(frames(), a.begin());
+        assert!(stalled.frame().await.is_some());
+        let started = Instant::now();
+        let quiet = tokio::time::timeout(3 * t, async {
+            tokio::select! {
+                quiet = a.quiet_for(t) => quiet,
+                () = async {
+                    loop {
+                        tokio::time::sleep(Duration::from_secs(10)).await;
+                        assert!(moving.frame().await.is_some());
+                    }
+                } => unreachable!(),
+            }
+        })
+        .await
+        .expect("a stalled body was kept by another that moves");
+        assert_eq!(quiet, Quiet::Stalled);
+        assert!(started.elapsed() >= t, "{:?}", started.elapsed());
     }
 
     fn tokio_stream_from<T: Send + 'static>(

@@ -566,6 +566,20 @@ fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
     f
 }
 
+/// An HPACK block of literal fields (no Huffman, no indexing).
+fn header_block(fields: &[(&str, &str)]) -> Vec<u8> {
+    let mut block = Vec::new();
+    for (name, value) in fields {
+        assert!(name.len() < 127 && value.len() < 127);
+        block.push(0x00); // literal without indexing, new name
+        block.push(name.len() as u8);
+        block.extend_from_slice(name.as_bytes());
+        block.push(value.len() as u8);
+        block.extend_from_slice(value.as_bytes());
+    }
+    block
+}
+
 impl RawH2 {
     pub(crate) async fn open(addr: std::net::SocketAddr, fields: &[(&str, &str)]) -> RawH2 {
         RawH2::open_with(addr, &[], fields).await
@@ -573,15 +587,7 @@ impl RawH2 {
 
     /// `settings`: the payload of the client's SETTINGS frame.
     pub(crate) async fn open_with(addr: std::net::SocketAddr, settings: &[u8], fields: &[(&str, &str)]) -> RawH2 {
-        let mut block = Vec::new();
-        for (name, value) in fields {
-            assert!(name.len() < 127 && value.len() < 127);
-            block.push(0x00); // literal without indexing, new name
-            block.push(name.len() as u8);
-            block.extend_from_slice(name.as_bytes());
-            block.push(value.len() as u8);
-            block.extend_from_slice(value.as_bytes());
-        }
+        let block = header_block(fields);
         let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
         let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
         out.extend(h2_frame(0x4, 0, 0, settings)); // SETTINGS
@@ -1088,4 +1094,33 @@ async fn a_close_delimited_download_cut_short_ends_with_a_reset() {
     };
     assert!(n < size, "the whole body came ({n} bytes): the client was not cut");
     assert_eq!(end, "a reset", "a cut close-delimited download ended with {end} after {n} bytes");
+}
+
+/// Other streams of the connection that keep moving (a HEAD every 300 ms,
+/// which needs no window) do not keep a stalled stream — and the upstream
+/// connection behind it — for ever: the stall is judged per response.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stalled_h2_stream_is_not_kept_by_other_streams_that_move() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_gw, mut h2) = windowless_download(dir.path(), 256 * 1024).await;
+    let head = header_block(&[(":method", "HEAD"), (":scheme", "http"), (":path", "/big"), (":authority", "x")]);
+    let started = Instant::now();
+    let mut stream = 3u32;
+    let mut closed = false;
+    while !closed && started.elapsed() < Duration::from_secs(8) {
+        // HEADERS with END_STREAM and END_HEADERS on a new stream.
+        closed = h2.s.write_all(&h2_frame(0x1, 0x5, stream, &head)).await.is_err();
+        stream += 2;
+        let mut chunk = [0u8; 16 * 1024];
+        let until = Instant::now() + Duration::from_millis(300);
+        while !closed && Instant::now() < until {
+            match tokio::time::timeout(until - Instant::now(), h2.s.read(&mut chunk)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => closed = true,
+                _ => {}
+            }
+        }
+    }
+    let took = started.elapsed();
+    assert!(closed, "a stalled stream was kept for {took:?} by {} other requests", (stream - 3) / 2);
+    assert!(took >= Duration::from_millis(900), "closed after {took:?}, before the timeout");
 }
