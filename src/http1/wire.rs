@@ -32,9 +32,6 @@ pub struct Head {
 pub enum Parsed {
     Complete,
     Partial,
-    /// `Connection` names a fencing header: refused with 400 (see
-    /// [`crate::proxy::headers::fencing_header_named_hop_by_hop`]).
-    FencingHopByHop,
     /// Refused here with this error, the connection closed (see
     /// [`super::NotTaken::Malformed`]).
     Malformed(crate::error::Error),
@@ -103,9 +100,10 @@ pub fn parse_head(buf: &[u8], max_header_bytes: usize, head: &mut Head) -> Parse
     let line = match line {
         Ok(line) => line,
         Err(super::NotTaken::Partial) => return Parsed::Partial,
-        Err(super::NotTaken::FencingHopByHop) => return Parsed::FencingHopByHop,
         Err(super::NotTaken::Malformed(e)) => return Parsed::Malformed(e),
-        Err(super::NotTaken::General) => return Parsed::General,
+        // A `Connection` naming a fencing header: the general path refuses
+        // it in the language of its route (S3 routes answer S3 XML).
+        Err(super::NotTaken::FencingHopByHop | super::NotTaken::General) => return Parsed::General,
     };
     if !line.target.starts_with('/') || head.host.is_none() {
         return Parsed::General;
@@ -510,12 +508,12 @@ mod tests {
     }
 
     #[test]
-    fn connection_naming_a_fencing_header_is_refused_not_handed_over() {
+    fn connection_naming_a_fencing_header_goes_to_the_general_path() {
         for raw in [
             "PUT /a HTTP/1.1\r\nHost: h\r\nX-Fencing-Token: 1\r\nConnection: X-Fencing-Token\r\n\r\n",
             "PUT /a HTTP/1.1\r\nHost: h\r\nConnection: close, x-fencing-sequence\r\n\r\n",
         ] {
-            assert!(matches!(head(raw).0, Parsed::FencingHopByHop), "{raw:?}");
+            assert!(matches!(head(raw).0, Parsed::General), "{raw:?}");
         }
     }
 

@@ -292,9 +292,6 @@ async fn read_request_head(
             match parse_head(&c.buf, limits.max_header_bytes, &mut c.head) {
                 Parsed::Complete => return None,
                 Parsed::General => return Some(Next::General),
-                // Refused by the general path, in the language of the
-                // route it names (S3 routes answer S3 XML).
-                Parsed::FencingHopByHop => return Some(Next::General),
                 Parsed::Malformed(e) => {
                     return Some(
                         write_response(stream, e.into_response(), false, true, &mut c.out, limits.send_timeout).await,
