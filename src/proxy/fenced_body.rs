@@ -28,7 +28,7 @@ use http_body_util::BodyExt;
 
 use crate::body::{BoxBody, BoxError};
 use crate::error::Error;
-use crate::fence::InflightCtl;
+use crate::fence::{InflightCtl, InflightGuard};
 
 /// Why the body stopped early, readable by the handler after the fact.
 #[derive(Debug, Default)]
@@ -103,6 +103,11 @@ pub struct FencedBody {
     /// The frame that completed the declared length, held until the
     /// client's stream ends.
     held: Option<Frame<Bytes>>,
+    /// The request's in-flight registrations, kept while its body streams:
+    /// an upstream that answers before the body has ended (the exchange is
+    /// over for the proxy) may still receive the rest and apply it, so a
+    /// newer fence must still cut it off, and activation wait for it.
+    _hold: Option<Arc<Vec<InflightGuard>>>,
     /// The inner body is an HTTP/2 request's: its end is real only when
     /// `is_end_stream()` says so (END_STREAM received). hyper also ends it
     /// when the client resets the stream with NO_ERROR, which is a request
@@ -112,13 +117,30 @@ pub struct FencedBody {
 
 impl FencedBody {
     /// Wraps `inner`. `ctl`: the in-flight registration of a fenced
-    /// mutation (None for reads). `h2`: `inner` is an HTTP/2 request's
-    /// body (see the field).
-    pub fn new(inner: BoxBody, ctl: Option<Arc<InflightCtl>>, limit: u64, h2: bool) -> (FencedBody, Arc<BodyOutcome>) {
+    /// mutation that a newer fence cuts off (None for reads). `hold`: the
+    /// request's registrations, ended no earlier than this body. `h2`:
+    /// `inner` is an HTTP/2 request's body (see the field).
+    pub fn new(
+        inner: BoxBody,
+        ctl: Option<Arc<InflightCtl>>,
+        hold: Option<Arc<Vec<InflightGuard>>>,
+        limit: u64,
+        h2: bool,
+    ) -> (FencedBody, Arc<BodyOutcome>) {
         let outcome = Arc::new(BodyOutcome::default());
         let declared = inner.size_hint().exact();
-        let body =
-            FencedBody { inner, ctl, limit, seen: 0, outcome: outcome.clone(), done: false, declared, held: None, h2 };
+        let body = FencedBody {
+            inner,
+            ctl,
+            limit,
+            seen: 0,
+            outcome: outcome.clone(),
+            done: false,
+            declared,
+            held: None,
+            _hold: hold,
+            h2,
+        };
         (body, outcome)
     }
 
@@ -230,8 +252,12 @@ impl Body for FencedBody {
         }
     }
 
+    /// Not while cut off: hyper would end the request (the last chunk)
+    /// without asking for a frame, and a client's END_STREAM that came
+    /// after a newer fence would complete a stale write.
     fn is_end_stream(&self) -> bool {
-        self.done || (self.held.is_none() && self.inner.is_end_stream())
+        let aborted = self.ctl.as_ref().is_some_and(|c| c.is_aborted());
+        self.done || (self.held.is_none() && !aborted && self.inner.is_end_stream())
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -292,7 +318,7 @@ mod tests {
     /// Everything the fenced body hands on, in order, until its end or
     /// its first error.
     async fn handed_on(body: BoxBody) -> (Vec<Frame<Bytes>>, Option<String>) {
-        let (mut fenced, _) = FencedBody::new(body, None, 1 << 20, false);
+        let (mut fenced, _) = FencedBody::new(body, None, None, 1 << 20, false);
         let mut out = Vec::new();
         while let Some(f) = fenced.frame().await {
             match f {
@@ -331,7 +357,7 @@ mod tests {
     async fn a_declared_empty_body_is_settled_before_anything_is_sent() {
         let limit = Duration::from_secs(1);
         let settle = |body: BoxBody, ctl: Option<Arc<InflightCtl>>| async move {
-            let (fenced, outcome) = FencedBody::new(body, ctl, 1 << 20, false);
+            let (fenced, outcome) = FencedBody::new(body, ctl, None, 1 << 20, false);
             (fenced.settle_declared_empty(limit).await, outcome)
         };
         let (ok, _) = settle(client(0, vec![None, data(b"")]), None).await;

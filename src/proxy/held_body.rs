@@ -13,6 +13,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
@@ -31,7 +32,7 @@ pub struct BodyDeadline;
 /// A response body holding in-flight registrations until it ends.
 pub struct HeldBody {
     inner: Option<BoxBody>,
-    guards: Vec<InflightGuard>,
+    guards: Option<Arc<Vec<InflightGuard>>>,
     deadline: Instant,
     sleep: Pin<Box<Sleep>>,
 }
@@ -39,14 +40,14 @@ pub struct HeldBody {
 impl HeldBody {
     /// Wraps `inner`; `guards` end when it ends, fails, is dropped (after
     /// draining it), or at `deadline`.
-    pub fn new(inner: BoxBody, guards: Vec<InflightGuard>, deadline: Instant) -> HeldBody {
+    pub fn new(inner: BoxBody, guards: Arc<Vec<InflightGuard>>, deadline: Instant) -> HeldBody {
         let sleep = Box::pin(tokio::time::sleep_until(deadline));
-        HeldBody { inner: Some(inner), guards, deadline, sleep }
+        HeldBody { inner: Some(inner), guards: Some(guards), deadline, sleep }
     }
 
     fn release(&mut self) {
         self.inner = None;
-        self.guards.clear();
+        self.guards = None;
     }
 }
 
@@ -96,10 +97,7 @@ impl Body for HeldBody {
 impl Drop for HeldBody {
     fn drop(&mut self) {
         let Some(mut inner) = self.inner.take() else { return };
-        let guards = std::mem::take(&mut self.guards);
-        if guards.is_empty() {
-            return;
-        }
+        let Some(guards) = self.guards.take().filter(|g| !g.is_empty()) else { return };
         // The client went away mid-body: the upstream may still be
         // applying the write. Read the rest of its answer (up to the
         // deadline) before the registrations end.

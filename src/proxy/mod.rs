@@ -730,7 +730,9 @@ impl Proxy {
         // upstream timeout) as for any write in flight.
         let ctl = guards.first().filter(|_| route.enforce).map(|g| g.ctl().clone());
         let h2 = parts.version == http::Version::HTTP_2;
-        let (body, body_outcome) = FencedBody::new(body, ctl, route.max_body_bytes, h2);
+        let guards = Arc::new(guards);
+        let hold = (!guards.is_empty()).then(|| guards.clone());
+        let (body, body_outcome) = FencedBody::new(body, ctl, hold, route.max_body_bytes, h2);
         let body = match body.settle_declared_empty(route.upstream_timeout).await {
             Ok(body) => body,
             Err(Unsettled::Refused(error)) => return Err(error.into()),
@@ -819,7 +821,9 @@ impl Proxy {
 /// runs as its own task, which ends the registration (docs/proxy.md, "in flight")
 /// only when the upstream has answered or failed — also when the client
 /// hangs up meanwhile and the caller's future is dropped: activation must
-/// still wait for a write the upstream may yet apply.
+/// still wait for a write the upstream may yet apply. The request body
+/// holds the registration too ([`FencedBody`]), until it has ended: an
+/// upstream may answer before it has read the whole body.
 ///
 /// On an S3 route the registration ends only with the response body (or
 /// the route's upstream timeout): S3 answers some writes `200` at once and
@@ -829,7 +833,7 @@ async fn exchange(
     up: Request<FencedBody>,
     object: &str,
     token: Option<u64>,
-    guards: Vec<InflightGuard>,
+    guards: Arc<Vec<InflightGuard>>,
 ) -> Result<Response<BoxBody>, SendError> {
     if guards.is_empty() {
         return route.upstream.send(up, object, token, route.upstream_timeout).await;

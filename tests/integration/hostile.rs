@@ -5,10 +5,11 @@
 
 use crate::common;
 
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::{acquire, Gateway, Grant, Http, Opts, Recorder};
+use common::{acquire, release, Gateway, Grant, Http, Opts, Recorder};
 use http::{Method, Request, StatusCode};
 use http_body_util::Empty;
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -1123,4 +1124,115 @@ async fn a_stalled_h2_stream_is_not_kept_by_other_streams_that_move() {
     let took = started.elapsed();
     assert!(closed, "a stalled stream was kept for {took:?} by {} other requests", (stream - 3) / 2);
     assert!(took >= Duration::from_millis(900), "closed after {took:?}, before the timeout");
+}
+
+/// An upstream that answers `200` as soon as it has a request's head, then
+/// reads the chunked body; it records each body's fate: complete (its last
+/// chunk came) or not.
+async fn early_answering_upstream() -> (String, Arc<Mutex<Vec<bool>>>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let fates: Arc<Mutex<Vec<bool>>> = Arc::default();
+    let record = fates.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let record = record.clone();
+            tokio::spawn(async move {
+                let (mut buf, mut chunk) = (Vec::new(), [0u8; 4096]);
+                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut chunk).await {
+                        Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+                        _ => return,
+                    }
+                }
+                if s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok").await.is_err() {
+                    return;
+                }
+                let complete = loop {
+                    if buf.windows(5).any(|w| w == b"0\r\n\r\n") {
+                        break true;
+                    }
+                    match s.read(&mut chunk).await {
+                        Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+                        _ => break false,
+                    }
+                };
+                record.lock().unwrap().push(complete);
+            });
+        }
+    });
+    (format!("http://{addr}"), fates)
+}
+
+/// An upstream that answers before it has the whole body (the exchange is
+/// over for the proxy) may still receive the rest and apply it: the
+/// request stays in flight while its body streams, so a newer grant cuts
+/// it off — also when all that comes after the grant is the end of the
+/// stream (HTTP/2 END_STREAM on an empty DATA frame, or the last chunk).
+#[tokio::test(flavor = "multi_thread")]
+async fn an_upload_answered_early_is_still_cut_off_by_a_newer_grant() {
+    let (upstream, fates) = early_answering_upstream().await;
+    let http = Http::default();
+    for (what, fast) in [("h1 fast path on", true), ("h1 fast path off", false), ("h2", true)] {
+        for rest in [&b"world"[..], b""] {
+            let cfg = format!("[server]\nproxy_fast_path = {fast}\n");
+            let dir = tempfile::tempdir().unwrap();
+            let opts = Opts { config: Some(cfg), upstream: Some(upstream.clone()), ..Opts::default() };
+            let gw = Gateway::start(&dir.path().join("data"), opts);
+            let api = gw.api_url("");
+            let t1 = acquire(&http, &api, "early", 600_000, 0).await.unwrap();
+            let before = fates.lock().unwrap().len();
+            let token = t1.token.to_string();
+            // The upload starts; the upstream answers 200 at once.
+            let mut h1 = None;
+            let mut h2 = None;
+            if what == "h2" {
+                let fields = [
+                    (":method", "PUT"),
+                    (":scheme", "http"),
+                    (":path", "/early"),
+                    (":authority", "x"),
+                    ("x-fencing-token", &token),
+                ];
+                let mut c = RawH2::open(gw.proxy, &fields).await;
+                c.data(b"hello", false).await;
+                let answer = c.answer(Duration::from_secs(5)).await;
+                assert!(answered_200(&answer), "{what}: {answer:?}");
+                h2 = Some(c);
+            } else {
+                let mut s = tokio::net::TcpStream::connect(gw.proxy).await.unwrap();
+                let head = format!(
+                    "PUT /early HTTP/1.1\r\nHost: x\r\nX-Fencing-Token: {token}\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n"
+                );
+                s.write_all(head.as_bytes()).await.unwrap();
+                let mut got = [0u8; 1024];
+                let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut got)).await.unwrap().unwrap();
+                assert!(got[..n].starts_with(b"HTTP/1.1 200"), "{what}: {:?}", String::from_utf8_lossy(&got[..n]));
+                h1 = Some(s);
+            }
+            // A newer grant of the key.
+            release(&http, &api, &t1).await;
+            let t2 = acquire(&http, &api, "early", 600_000, 0).await.unwrap();
+            assert!(t2.token > t1.token);
+            // Then the rest of the stale upload, and its end.
+            if let Some(c) = h2.as_mut() {
+                if !rest.is_empty() {
+                    c.data(rest, false).await;
+                }
+                c.data(b"", true).await;
+            }
+            if let Some(s) = h1.as_mut() {
+                let tail =
+                    if rest.is_empty() { "0\r\n\r\n".to_string() } else { "5\r\nworld\r\n0\r\n\r\n".to_string() };
+                let _ = s.write_all(tail.as_bytes()).await;
+            }
+            tokio::time::sleep(Duration::from_millis(700)).await;
+            let seen: Vec<bool> = fates.lock().unwrap()[before..].to_vec();
+            assert!(
+                !seen.contains(&true),
+                "{what}, rest {:?}: the stale upload reached the upstream whole after a newer grant ({seen:?})",
+                String::from_utf8_lossy(rest)
+            );
+        }
+    }
 }
