@@ -59,7 +59,9 @@ impl Activity {
         u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 
-    fn touch(&self) {
+    /// Counts from now, for the idle timeout, as if an exchange had just
+    /// ended.
+    pub fn touch(&self) {
         self.last_ms.store(self.now_ms(), Ordering::Relaxed);
     }
 

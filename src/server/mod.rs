@@ -114,10 +114,8 @@ where
     tokio::pin!(conn);
     // Held until the connection ends: the listener's drain waits for it.
     let _watcher = watcher;
-    // A graceful close was started (a stop, or the connection was idle);
-    // an idle one must have ended by `closing_by`.
+    // A graceful close was started (a stop, or the connection was idle).
     let mut graceful = false;
-    let mut closing_by: Option<tokio::time::Instant> = None;
     loop {
         tokio::select! {
             ended = conn.as_mut() => {
@@ -130,28 +128,28 @@ where
                 conn.as_mut().graceful_shutdown();
                 graceful = true;
             }
-            quiet = activity.quiet_for(limits.idle_timeout), if closing_by.is_none() => match quiet {
+            quiet = activity.quiet_for(limits.idle_timeout) => match quiet {
                 // Nothing in flight: an HTTP/2 client is told by GOAWAY
-                // which of its requests were taken (none since), so one it
-                // sent at this moment can be retried safely; an HTTP/1.1
-                // connection closes at once.
-                idle::Quiet::Idle => {
+                // which of its requests were taken, so one it sent at this
+                // moment can be retried safely; an HTTP/1.1 connection
+                // closes at once. A request taken meanwhile runs to its
+                // end; the connection is dropped only once nothing has
+                // been in flight for another timeout.
+                idle::Quiet::Idle if !graceful => {
                     tracing::debug!(listener = name, client = %addr, "idle connection: closing");
-                    if !graceful {
-                        conn.as_mut().graceful_shutdown();
-                        graceful = true;
-                    }
-                    closing_by = Some(tokio::time::Instant::now() + limits.header_read_timeout);
+                    conn.as_mut().graceful_shutdown();
+                    graceful = true;
+                    activity.touch();
+                }
+                idle::Quiet::Idle => {
+                    tracing::debug!(listener = name, client = %addr, "idle connection closed");
+                    return;
                 }
                 idle::Quiet::Stalled => {
                     tracing::debug!(listener = name, client = %addr, "stalled connection closed");
                     return;
                 }
             },
-            () = tokio::time::sleep_until(closing_by.unwrap_or_else(tokio::time::Instant::now)), if closing_by.is_some() => {
-                tracing::debug!(listener = name, client = %addr, "idle connection closed");
-                return;
-            }
         }
     }
 }

@@ -1236,3 +1236,73 @@ async fn an_upload_answered_early_is_still_cut_off_by_a_newer_grant() {
         }
     }
 }
+
+/// A request the client sends as the idle close begins (after the first
+/// GOAWAY, before it answered its PING) is taken, so it must be answered:
+/// the connection is not dropped while it runs, though it runs longer than
+/// the header timeout (here the upstream takes 3 s, the timeout is 2 s).
+/// Dropped, the client would have a write applied and reported failed.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_request_taken_during_the_idle_close_is_answered() {
+    let rec = Recorder::start().await;
+    rec.set_delay("/slow", 3000);
+    let cfg = format!(
+        "[server]\nidle_timeout_ms = 1000\nheader_read_timeout_ms = 2000\n[[routes]]\nmatch = \"/{{*path}}\"\nupstream = \"{}\"\n",
+        rec.url()
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start(&dir.path().join("data"), Opts { config: Some(cfg), ..Opts::default() });
+    let g = acquire(&Http::default(), &gw.api_url(""), "slow", 600_000, 0).await.unwrap();
+    let token = g.token.to_string();
+    let mut s = tokio::net::TcpStream::connect(gw.proxy).await.unwrap();
+    let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    out.extend(h2_frame(0x4, 0, 0, &[]));
+    s.write_all(&out).await.unwrap();
+    let put = header_block(&[
+        (":method", "PUT"),
+        (":scheme", "http"),
+        (":path", "/slow"),
+        (":authority", "x"),
+        ("x-fencing-token", &token),
+    ]);
+    let (mut buf, mut chunk) = (Vec::new(), [0u8; 4096]);
+    let (mut sent, mut answered, mut pings) = (false, false, Vec::new());
+    let started = Instant::now();
+    while !answered && started.elapsed() < Duration::from_secs(10) {
+        while buf.len() >= 9 {
+            let len = (usize::from(buf[0]) << 16) | (usize::from(buf[1]) << 8) | usize::from(buf[2]);
+            if buf.len() < 9 + len {
+                break;
+            }
+            let (kind, flags) = (buf[3], buf[4]);
+            let stream = u32::from_be_bytes([buf[5], buf[6], buf[7], buf[8]]) & 0x7fff_ffff;
+            let payload = buf[9..9 + len].to_vec();
+            buf.drain(..9 + len);
+            match (kind, flags & 0x1) {
+                (0x4, 0) => s.write_all(&h2_frame(0x4, 0x1, 0, &[])).await.unwrap(),
+                // The first GOAWAY of the idle close: the request goes now,
+                // and the PING is answered only after it.
+                (0x7, _) if !sent => {
+                    let mut req = h2_frame(0x1, 0x4, 1, &put);
+                    req.extend(h2_frame(0x0, 0x1, 1, b"late"));
+                    s.write_all(&req).await.unwrap();
+                    sent = true;
+                }
+                (0x6, 0) => pings.push(payload),
+                (0x1, _) if stream == 1 => answered = payload.first() == Some(&0x88),
+                _ => {}
+            }
+        }
+        for p in pings.drain(..) {
+            let _ = s.write_all(&h2_frame(0x6, 0x1, 0, &p)).await;
+        }
+        match tokio::time::timeout(Duration::from_millis(500), s.read(&mut chunk)).await {
+            Ok(Ok(n)) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+            Ok(_) => break,
+            Err(_) => {}
+        }
+    }
+    assert!(sent, "no GOAWAY came");
+    let applied = rec.requests().iter().any(|r| r.path == "/slow" && r.complete);
+    assert!(answered, "a request taken during the idle close got no answer (applied upstream: {applied})");
+}
