@@ -731,7 +731,10 @@ impl Proxy {
         let ctl = guards.first().filter(|_| route.enforce).map(|g| g.ctl().clone());
         let h2 = parts.version == http::Version::HTTP_2;
         let guards = Arc::new(guards);
-        let hold = (!guards.is_empty()).then(|| guards.clone());
+        // Held by the body only where a newer grant can cut it (`ctl`):
+        // in shadow mode nothing would end the hold but the body itself,
+        // and activation would wait for a whole slow upload.
+        let hold = ctl.as_ref().map(|_| guards.clone());
         let (body, body_outcome) = FencedBody::new(body, ctl, hold, route.max_body_bytes, h2);
         let body = match body.settle_declared_empty(route.upstream_timeout).await {
             Ok(body) => body,

@@ -1306,3 +1306,37 @@ async fn a_request_taken_during_the_idle_close_is_answered() {
     let applied = rec.requests().iter().any(|r| r.path == "/slow" && r.complete);
     assert!(answered, "a request taken during the idle close got no answer (applied upstream: {applied})");
 }
+
+/// In shadow mode nothing cuts a stale upload, so its body does not hold
+/// the next grant either: an upload answered early whose client is still
+/// sending does not keep a new grant waiting (it waited for the whole
+/// upload, up to the activation timeout).
+#[tokio::test(flavor = "multi_thread")]
+async fn in_shadow_mode_an_upload_answered_early_does_not_hold_the_next_grant() {
+    let (upstream, _fates) = early_answering_upstream().await;
+    let http = Http::default();
+    let cfg = format!(
+        "[locks]\nactivation_timeout_ms = 20000\n[[routes]]\nmatch = \"/{{*path}}\"\nupstream = \"{upstream}\"\nenforce = false\nupstream_timeout_ms = 3000\n"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start(&dir.path().join("data"), Opts { config: Some(cfg), ..Opts::default() });
+    let api = gw.api_url("");
+    let t1 = acquire(&http, &api, "early", 600_000, 0).await.unwrap();
+    let mut s = tokio::net::TcpStream::connect(gw.proxy).await.unwrap();
+    let head = format!(
+        "PUT /early HTTP/1.1\r\nHost: x\r\nX-Fencing-Token: {}\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n",
+        t1.token
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    let mut got = [0u8; 1024];
+    let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut got)).await.unwrap().unwrap();
+    assert!(got[..n].starts_with(b"HTTP/1.1 200"), "{:?}", String::from_utf8_lossy(&got[..n]));
+    // The upload goes on (the client never ends it); a newer grant comes.
+    release(&http, &api, &t1).await;
+    let started = Instant::now();
+    let t2 = acquire(&http, &api, "early", 600_000, 0).await.unwrap();
+    let took = started.elapsed();
+    assert!(t2.token > t1.token);
+    assert!(took < Duration::from_secs(2), "the new grant waited {took:?} for a shadow-mode upload");
+    drop(s);
+}
