@@ -567,6 +567,21 @@ fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
     f
 }
 
+/// The first whole frame in `buf`, taken out of it.
+fn take_frame(buf: &mut Vec<u8>) -> Option<RawFrame> {
+    if buf.len() < 9 {
+        return None;
+    }
+    let len = (usize::from(buf[0]) << 16) | (usize::from(buf[1]) << 8) | usize::from(buf[2]);
+    if buf.len() < 9 + len {
+        return None;
+    }
+    let stream = u32::from_be_bytes([buf[5], buf[6], buf[7], buf[8]]) & 0x7fff_ffff;
+    let frame = (buf[3], buf[4], stream, buf[9..9 + len].to_vec());
+    buf.drain(..9 + len);
+    Some(frame)
+}
+
 /// An HPACK block of literal fields (no Huffman, no indexing).
 fn header_block(fields: &[(&str, &str)]) -> Vec<u8> {
     let mut block = Vec::new();
@@ -613,16 +628,7 @@ impl RawH2 {
         let mut got = Vec::new();
         let deadline = Instant::now() + limit;
         loop {
-            while self.buf.len() >= 9 {
-                let b = &self.buf;
-                let len = (usize::from(b[0]) << 16) | (usize::from(b[1]) << 8) | usize::from(b[2]);
-                if b.len() < 9 + len {
-                    break;
-                }
-                let (kind, flags) = (b[3], b[4]);
-                let stream = u32::from_be_bytes([b[5], b[6], b[7], b[8]]) & 0x7fff_ffff;
-                let payload = b[9..9 + len].to_vec();
-                self.buf.drain(..9 + len);
+            while let Some((kind, flags, stream, payload)) = take_frame(&mut self.buf) {
                 if kind == 0x4 && flags & 0x1 == 0 {
                     self.s.write_all(&h2_frame(0x4, 0x1, 0, &[])).await.unwrap();
                     // SETTINGS ACK
@@ -1038,14 +1044,7 @@ async fn an_idle_h2_connection_is_closed_with_a_goaway() {
         let (mut buf, mut chunk) = (Vec::new(), [0u8; 4096]);
         let mut goaway = None;
         let closed = loop {
-            while buf.len() >= 9 {
-                let len = (usize::from(buf[0]) << 16) | (usize::from(buf[1]) << 8) | usize::from(buf[2]);
-                if buf.len() < 9 + len {
-                    break;
-                }
-                let (kind, flags) = (buf[3], buf[4]);
-                let payload = buf[9..9 + len].to_vec();
-                buf.drain(..9 + len);
+            while let Some((kind, flags, _, payload)) = take_frame(&mut buf) {
                 match (kind, flags & 0x1) {
                     (0x4, 0) => s.write_all(&h2_frame(0x4, 0x1, 0, &[])).await.unwrap(), // SETTINGS ACK
                     (0x6, 0) => {
@@ -1269,15 +1268,7 @@ async fn a_request_taken_during_the_idle_close_is_answered() {
     let (mut sent, mut answered, mut pings) = (false, false, Vec::new());
     let started = Instant::now();
     while !answered && started.elapsed() < Duration::from_secs(10) {
-        while buf.len() >= 9 {
-            let len = (usize::from(buf[0]) << 16) | (usize::from(buf[1]) << 8) | usize::from(buf[2]);
-            if buf.len() < 9 + len {
-                break;
-            }
-            let (kind, flags) = (buf[3], buf[4]);
-            let stream = u32::from_be_bytes([buf[5], buf[6], buf[7], buf[8]]) & 0x7fff_ffff;
-            let payload = buf[9..9 + len].to_vec();
-            buf.drain(..9 + len);
+        while let Some((kind, flags, stream, payload)) = take_frame(&mut buf) {
             match (kind, flags & 0x1) {
                 (0x4, 0) => s.write_all(&h2_frame(0x4, 0x1, 0, &[])).await.unwrap(),
                 // The first GOAWAY of the idle close: the request goes now,
