@@ -116,17 +116,17 @@ pub struct FencedBody {
 }
 
 impl FencedBody {
-    /// Wraps `inner`. `ctl`: the in-flight registration of a fenced
-    /// mutation that a newer fence cuts off (None for reads). `hold`: the
-    /// request's registrations, ended no earlier than this body. `h2`:
-    /// `inner` is an HTTP/2 request's body (see the field).
+    /// Wraps `inner`. `hold`: the in-flight registrations of a fenced
+    /// mutation that a newer fence cuts off (None for reads and in shadow
+    /// mode), ended no earlier than this body; the first one's fence cuts
+    /// it. `h2`: `inner` is an HTTP/2 request's body (see the field).
     pub fn new(
         inner: BoxBody,
-        ctl: Option<Arc<InflightCtl>>,
         hold: Option<Arc<Vec<InflightGuard>>>,
         limit: u64,
         h2: bool,
     ) -> (FencedBody, Arc<BodyOutcome>) {
+        let ctl = hold.as_ref().and_then(|g| g.first()).map(|g| g.ctl().clone());
         let outcome = Arc::new(BodyOutcome::default());
         let declared = inner.size_hint().exact();
         let body = FencedBody {
@@ -318,7 +318,7 @@ mod tests {
     /// Everything the fenced body hands on, in order, until its end or
     /// its first error.
     async fn handed_on(body: BoxBody) -> (Vec<Frame<Bytes>>, Option<String>) {
-        let (mut fenced, _) = FencedBody::new(body, None, None, 1 << 20, false);
+        let (mut fenced, _) = FencedBody::new(body, None, 1 << 20, false);
         let mut out = Vec::new();
         while let Some(f) = fenced.frame().await {
             match f {
@@ -356,8 +356,8 @@ mod tests {
     #[tokio::test]
     async fn a_declared_empty_body_is_settled_before_anything_is_sent() {
         let limit = Duration::from_secs(1);
-        let settle = |body: BoxBody, ctl: Option<Arc<InflightCtl>>| async move {
-            let (fenced, outcome) = FencedBody::new(body, ctl, None, 1 << 20, false);
+        let settle = |body: BoxBody, hold: Option<Arc<Vec<InflightGuard>>>| async move {
+            let (fenced, outcome) = FencedBody::new(body, hold, 1 << 20, false);
             (fenced.settle_declared_empty(limit).await, outcome)
         };
         let (ok, _) = settle(client(0, vec![None, data(b"")]), None).await;

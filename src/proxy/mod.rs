@@ -728,14 +728,13 @@ impl Proxy {
         // already read whole. Not in shadow mode, which reports and never
         // refuses: there activation waits for the body (bounded by the
         // upstream timeout) as for any write in flight.
-        let ctl = guards.first().filter(|_| route.enforce).map(|g| g.ctl().clone());
         let h2 = parts.version == http::Version::HTTP_2;
         let guards = Arc::new(guards);
-        // Held by the body only where a newer grant can cut it (`ctl`):
-        // in shadow mode nothing would end the hold but the body itself,
-        // and activation would wait for a whole slow upload.
-        let hold = ctl.as_ref().map(|_| guards.clone());
-        let (body, body_outcome) = FencedBody::new(body, ctl, hold, route.max_body_bytes, h2);
+        // Held by the body only where a newer grant cuts it: in shadow
+        // mode nothing would end the hold but the body itself, and
+        // activation would wait for a whole slow upload.
+        let hold = (route.enforce && !guards.is_empty()).then(|| guards.clone());
+        let (body, body_outcome) = FencedBody::new(body, hold, route.max_body_bytes, h2);
         let body = match body.settle_declared_empty(route.upstream_timeout).await {
             Ok(body) => body,
             Err(Unsettled::Refused(error)) => return Err(error.into()),
