@@ -3,7 +3,9 @@
 //! grants, the proxy, both listeners and the expiry task. Used by
 //! `fencegate serve` and by in-process tests alike.
 
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -95,7 +97,17 @@ pub fn check(cfg: &Config) -> Result<(), Error> {
 impl Gateway {
     /// Binds both listeners, opens the store, rebuilds the fence table,
     /// restores live grants and starts serving.
-    pub async fn start(cfg: Config) -> Result<Gateway, Error> {
+    ///
+    /// The future is boxed here, at the crate boundary (as is [`Gateway::wait`]'s):
+    /// awaited as a concrete type from another crate (the binary, an example,
+    /// a test) rustc would compile the whole gateway's async code again in that
+    /// crate; behind a `dyn Future` it is compiled once, in this one.
+    #[inline(never)]
+    pub fn start(cfg: Config) -> Pin<Box<dyn Future<Output = Result<Gateway, Error>> + Send>> {
+        Box::pin(Self::start_inner(cfg))
+    }
+
+    async fn start_inner(cfg: Config) -> Result<Gateway, Error> {
         check(&cfg)?;
         // Bind first: a port already in use must fail the start before the
         // store counts a boot (an aborted start is not an unclean stop, and
@@ -202,7 +214,12 @@ impl Gateway {
     /// is clean only once every such registration has ended — waited for
     /// up to the longest upstream timeout; cut short, the stop is not
     /// recorded as clean and the next start quarantines.
-    pub async fn wait(mut self) {
+    #[inline(never)]
+    pub fn wait(self) -> Pin<Box<dyn Future<Output = ()> + Send>> {
+        Box::pin(self.wait_inner())
+    }
+
+    async fn wait_inner(mut self) {
         let mut clean = true;
         while let Some(done) = self.tasks.join_next().await {
             clean &= done.unwrap_or(false);

@@ -23,7 +23,9 @@
 //! stream it does not terminate.
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 
 use http::uri::{Authority, Scheme};
@@ -86,7 +88,19 @@ struct State {
 /// proxy listener (`http://host:port`), the only place requests go.
 /// `bearer`: sent as `Proxy-Authorization` for routes that require a
 /// principal.
-pub async fn start(gateway: &str, token: u64, bearer: Option<&str>) -> Result<Injector, Error> {
+///
+/// Boxed at the crate boundary, like `Gateway::start`: awaited as a concrete
+/// future from the binary, its async code would be compiled again there.
+#[inline(never)]
+pub fn start<'a>(
+    gateway: &'a str,
+    token: u64,
+    bearer: Option<&'a str>,
+) -> Pin<Box<dyn Future<Output = Result<Injector, Error>> + Send + 'a>> {
+    Box::pin(start_inner(gateway, token, bearer))
+}
+
+async fn start_inner(gateway: &str, token: u64, bearer: Option<&str>) -> Result<Injector, Error> {
     let uri: Uri = gateway.parse().map_err(|e| Error::Config(format!("gateway proxy URL {gateway:?}: {e}")))?;
     if uri.scheme() != Some(&Scheme::HTTP) {
         // The injector speaks plain http to the gateway; an https:// gateway

@@ -1,7 +1,7 @@
 //! Cluster mode against a real 3-member etcd cluster and 3 gateways (the
 //! real binary) on loopback: fences across gateways, token uniqueness,
 //! FIFO across gateways, losing the etcd leader, a stopped gateway's
-//! self-fencing, and etcd unavailable. The tests of this file run one at a
+//! self-fencing, and etcd unavailable. The tests of this file run two at a
 //! time (each starts 6 processes).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -15,7 +15,9 @@ use common::{acquire, release, Gateway, Http, Opts, Recorder};
 use etcd::EtcdCluster;
 use http::{Method, StatusCode};
 
-static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+/// How many of these tests run at once (each starts 6 processes): two keep
+/// both cores busy while the others wait on leases and timeouts.
+static AT_ONCE: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(2);
 
 /// Member TTL of the test gateways: etcd's floor on default timeouts.
 const MEMBER_TTL_MS: u64 = 2000;
@@ -136,7 +138,7 @@ impl Setup {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grant_on_one_gateway_fences_the_old_holder_on_all_three() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
     let s = setup(3).await;
     let http = &s.http;
 
@@ -215,7 +217,7 @@ async fn a_grant_on_one_gateway_fences_the_old_holder_on_all_three() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokens_are_unique_across_gateways_and_waiters_are_served_in_order() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
     let s = setup(3).await;
     // Concurrent grants of distinct keys through all three gateways.
     let mut tasks = Vec::new();
@@ -282,7 +284,7 @@ async fn tokens_are_unique_across_gateways_and_waiters_are_served_in_order() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_etcd_leader_keeps_grants_and_fenced_writes_working() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
     let mut s = setup(3).await;
     let g = acquire(&s.http, &s.api(0), "ha/before", 30_000, 0).await.unwrap();
     let leader = s.etcd.leader().await;
@@ -328,7 +330,7 @@ async fn killing_the_etcd_leader_keeps_grants_and_fenced_writes_working() {
 /// member's endpoint and keeps being handed its refused connection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_one_etcd_member_down_every_request_succeeds() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
     let mut s = setup(3).await;
     let before = acquire(&s.http, &s.api(0), "minority/before", 60_000, 0).await.unwrap();
     let leader = s.etcd.leader().await;
@@ -382,7 +384,7 @@ async fn with_one_etcd_member_down_every_request_succeeds() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_gateway_refuses_mutations_as_not_current_and_the_others_grant() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
     let s = setup(3).await;
     let old = acquire(&s.http, &s.api(0), "paused", 2000, 0).await.unwrap();
     assert_eq!(s.put(2, "/paused", old.token).await.status, StatusCode::OK);
@@ -417,7 +419,7 @@ async fn a_stopped_gateway_refuses_mutations_as_not_current_and_the_others_grant
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_etcd_down_grants_and_mutations_fail_closed_with_503_and_recover() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
     let mut s = setup(2).await;
     let g = acquire(&s.http, &s.api(0), "down", 30_000, 0).await.unwrap();
     for i in 0..3 {
@@ -478,7 +480,7 @@ async fn a_file_route_is_refused_in_cluster_mode_unless_per_gateway() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_whose_watch_fell_behind_a_compaction_reloads_and_keeps_the_fences() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
     let s = setup(2).await;
     let old = acquire(&s.http, &s.api(0), "compacted", 2000, 0).await.unwrap();
     assert_eq!(s.put(1, "/compacted", old.token).await.status, StatusCode::OK);
@@ -517,7 +519,7 @@ async fn a_gateway_whose_watch_fell_behind_a_compaction_reloads_and_keeps_the_fe
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grant_latency_with_one_gateway_for_comparison() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
     let s = setup(1).await;
     let mut grant_ms = Vec::new();
     for _ in 0..30 {
@@ -536,7 +538,7 @@ async fn grant_latency_with_one_gateway_for_comparison() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leader_election_fails_over_across_gateways_when_the_leaders_gateway_dies() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
     let mut s = setup(3).await;
     // Campaign = acquire with a long wait; term = token.
     let leader = acquire(&s.http, &s.api(0), "election", 2000, 0).await.unwrap();
@@ -572,7 +574,7 @@ async fn leader_election_fails_over_across_gateways_when_the_leaders_gateway_die
 /// before the next holder's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_restarted_at_once_under_its_id_does_not_skip_its_quarantine() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
     // Quarantine 8.5 s; the write gw0 forwards just before dying lands 7 s later.
     let mut s = setup_with(2, 8000).await;
     let old = acquire(&s.http, &s.api(0), "fast", 30_000, 0).await.unwrap();
@@ -602,7 +604,7 @@ async fn a_gateway_restarted_at_once_under_its_id_does_not_skip_its_quarantine()
 /// start, naming the id, instead of standing in for the other's acks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_live_gateway_with_the_same_id_refuses_to_start() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
     let s = setup(1).await;
     let config = gateway_config(&s.etcd, "gw0", &s.rec.url());
     let mut dup = Gateway::spawn(&s.dir().join("dup"), &Opts { config: Some(config), ..Opts::default() });
@@ -616,7 +618,7 @@ async fn a_second_live_gateway_with_the_same_id_refuses_to_start() {
 /// never saw it leave; its grants still wait one quarantine from its load.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_started_after_a_peer_died_still_waits_its_quarantine() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
     let mut s = setup(2).await;
     // The fresh gateway's quarantine (upstream timeout 8 s) covers a write
     // stalled 7 s, forwarded by gw0 just before it died.
@@ -650,7 +652,7 @@ async fn a_gateway_started_after_a_peer_died_still_waits_its_quarantine() {
 /// once A's TTL, counted from A's answer, has run out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grant_is_not_answered_to_two_holders_when_activation_outlasts_its_ttl() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
     let dir = tempfile::tempdir().unwrap();
     let etcd = EtcdCluster::start(dir.path(), 3).await;
     let rec = Recorder::start().await;
@@ -697,7 +699,7 @@ async fn a_grant_is_not_answered_to_two_holders_when_activation_outlasts_its_ttl
 /// lease lives stops admitting at once, then rejoins.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_whose_member_key_is_deleted_stops_admitting_and_rejoins() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
     let s = setup(2).await;
     let mut client = s.etcd.client().await;
     let deleted = client.delete("/fencegate/m/gw0", None).await.unwrap();
@@ -719,7 +721,7 @@ async fn a_gateway_whose_member_key_is_deleted_stops_admitting_and_rejoins() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_grants_shared_in_batches_stay_unique_ordered_and_exclusive() {
     use std::sync::{Arc, Mutex};
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
     let s = Arc::new(setup(3).await);
     // Distinct keys: 90 acquires at once, 30 per gateway.
     let mut tasks = Vec::new();
@@ -788,7 +790,7 @@ async fn concurrent_grants_shared_in_batches_stay_unique_ordered_and_exclusive()
 #[tokio::test(flavor = "multi_thread")]
 async fn grants_at_the_end_of_the_token_space_are_refused_not_repeated() {
     use std::sync::Arc;
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
     let s = Arc::new(setup(3).await);
     let to = u64::MAX - 64 * 3 - 1;
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_fencegate"))
@@ -829,7 +831,7 @@ async fn grants_at_the_end_of_the_token_space_are_refused_not_repeated() {
 /// grant transaction 1 s late: the hang-up lands in that window.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_acquire_whose_client_hung_up_during_its_grant_transaction_leaves_the_key_free() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
     let dir = tempfile::tempdir().unwrap();
     let (etcd, _rec, slow, peer) = slow_and_peer(dir.path()).await;
     let http = Http::default();
@@ -888,7 +890,7 @@ async fn an_acquire_whose_client_hung_up_during_its_grant_transaction_leaves_the
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_waiter_entry_outlives_its_acquire_across_an_etcd_leader_kill() {
     use std::sync::Arc;
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
     let mut s = setup(3).await;
     let http = s.http.clone();
     let apis: Arc<Vec<String>> = Arc::new((0..3).map(|i| s.api(i)).collect());
@@ -965,7 +967,7 @@ async fn no_waiter_entry_outlives_its_acquire_across_an_etcd_leader_kill() {
 /// twice, until an operator raises the floor; then tokens start above it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_a_new_etcd_cluster_grants_wait_for_raise_floor_and_then_start_above_it() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
     let dir = tempfile::tempdir().unwrap();
     let rec = Recorder::start().await;
     let http = Http::default();
@@ -1057,7 +1059,7 @@ fn write_pki(dir: &std::path::Path) -> (etcd::Tls, etcd::Tls) {
 /// client certificate cannot start (etcd refuses it), and says so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_mode_speaks_mutual_tls_to_etcd() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
     let dir = tempfile::tempdir().unwrap();
     let (server, client) = write_pki(dir.path());
     let etcd_dir = dir.path().join("etcd");
@@ -1165,7 +1167,7 @@ async fn acquire_ttl(http: &Http, api: &str, key: &str, ttl_ms: u64) -> (common:
 /// not grant it frees the key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grant_not_renewed_expires_and_a_renewed_one_lives_on_released_through_another_gateway() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
     let s = setup(3).await;
     // Past the quarantine every gateway applies after its first load.
     tokio::time::sleep(Duration::from_millis(UPSTREAM_TIMEOUT_MS + 600)).await;
@@ -1217,7 +1219,7 @@ async fn a_grant_not_renewed_expires_and_a_renewed_one_lives_on_released_through
 /// grant's quarantine for the dead gateway + 2 s after the answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn when_the_expiring_gateway_is_killed_its_peers_expire_grants() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
     let mut s = setup(3).await;
     tokio::time::sleep(Duration::from_millis(UPSTREAM_TIMEOUT_MS + 600)).await;
     let (old, promised, answered) = acquire_ttl(&s.http, &s.api(1), "orphaned", 2000).await;
@@ -1243,7 +1245,7 @@ async fn when_the_expiring_gateway_is_killed_its_peers_expire_grants() {
 /// of the key to another holder within the renewed TTL.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_renewal_racing_expiry_never_yields_two_holders() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
     let s = setup(3).await;
     tokio::time::sleep(Duration::from_millis(UPSTREAM_TIMEOUT_MS + 600)).await;
     for round in 0..4u64 {
@@ -1287,7 +1289,7 @@ async fn a_renewal_racing_expiry_never_yields_two_holders() {
 /// granted to another holder (or the renewal lost).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_renewed_grant_survives_an_expirer_that_never_saw_the_renewals() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
     let dir = tempfile::tempdir().unwrap();
     let etcd = EtcdCluster::start(dir.path(), 3).await;
     let rec = Recorder::start().await;
@@ -1329,7 +1331,7 @@ async fn a_renewed_grant_survives_an_expirer_that_never_saw_the_renewals() {
 /// fences; after it, the key is granted again and the old token refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grant_outlives_every_gateway_killed_and_restarted_within_its_ttl() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
     let mut s = setup(3).await;
     let (g, promised, answered) = acquire_ttl(&s.http, &s.api(0), "survivor", 15_000).await;
     for gw in std::mem::take(&mut s.gws) {
@@ -1374,7 +1376,7 @@ async fn a_grant_outlives_every_gateway_killed_and_restarted_within_its_ttl() {
 /// fence still refuses anyone's older token once a new grant is answered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_right_after_its_release_through_the_same_gateway_is_refused() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
     let s = setup(2).await;
     let mut forwarded = Vec::new();
     for n in 0..40 {
@@ -1399,7 +1401,7 @@ async fn a_write_right_after_its_release_through_the_same_gateway_is_refused() {
 /// client gets the key before the answered time is up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_renewal_answered_late_promises_only_the_time_it_is_sure_of() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
     let dir = tempfile::tempdir().unwrap();
     let (etcd, _rec, slow, peer) = slow_and_peer(dir.path()).await;
     let http = Http::default();
