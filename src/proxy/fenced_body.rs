@@ -25,35 +25,66 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
+use tokio::sync::Notify;
 
 use crate::body::{BoxBody, BoxError};
 use crate::error::Error;
 use crate::fence::{InflightCtl, InflightGuard};
 
-/// Why the body stopped early, readable by the handler after the fact.
+/// How the body ended, readable by the handler after the fact, and
+/// awaitable ([`BodyOutcome::settled`]) by an exchange whose upstream
+/// answered before the body had ended.
 #[derive(Debug, Default)]
-pub struct BodyOutcome(AtomicU8);
+pub struct BodyOutcome {
+    state: AtomicU8,
+    settled: Notify,
+}
 
+const STREAMING: u8 = 0;
 const ABORTED: u8 = 1;
 const TOO_LARGE: u8 = 2;
 const CLIENT_BROKE: u8 = 3;
+/// Handed over whole: the last frame went upstream.
+const ENDED: u8 = 4;
+/// Dropped before its end by the HTTP client (the upstream answered and
+/// wants no more of it, or the exchange was given up).
+const DROPPED: u8 = 5;
 
 impl BodyOutcome {
     /// A newer fence cut the upload off.
     pub fn aborted(&self) -> bool {
-        self.0.load(Ordering::Acquire) == ABORTED
+        self.state.load(Ordering::Acquire) == ABORTED
     }
     /// The body passed the route's size limit.
     pub fn too_large(&self) -> bool {
-        self.0.load(Ordering::Acquire) == TOO_LARGE
+        self.state.load(Ordering::Acquire) == TOO_LARGE
     }
     /// The client's own body failed: malformed chunked framing, or the
     /// client went away mid-body. A fault of the request, not the upstream.
     pub fn client_broke(&self) -> bool {
-        self.0.load(Ordering::Acquire) == CLIENT_BROKE
+        self.state.load(Ordering::Acquire) == CLIENT_BROKE
+    }
+    /// The body stopped with an error (any of the three above).
+    pub fn cut(&self) -> bool {
+        matches!(self.state.load(Ordering::Acquire), ABORTED | TOO_LARGE | CLIENT_BROKE)
+    }
+    /// Waits until the body has ended, been cut, or been dropped. One
+    /// waiter at a time (the exchange).
+    pub async fn settled(&self) {
+        while self.state.load(Ordering::Acquire) == STREAMING {
+            // `notify_one` keeps a permit when nobody waits yet: no wake-up
+            // is lost between the load and the wait.
+            self.settled.notified().await;
+        }
     }
     fn set(&self, v: u8) {
-        self.0.store(v, Ordering::Release);
+        self.state.store(v, Ordering::Release);
+        self.settled.notify_one();
+    }
+    fn set_if_streaming(&self, v: u8) {
+        if self.state.compare_exchange(STREAMING, v, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+            self.settled.notify_one();
+        }
     }
 }
 
@@ -180,6 +211,13 @@ impl FencedBody {
         if let Some(ctl) = &self.ctl {
             ctl.mark_body_done();
         }
+        self.outcome.set_if_streaming(ENDED);
+    }
+}
+
+impl Drop for FencedBody {
+    fn drop(&mut self) {
+        self.outcome.set_if_streaming(DROPPED);
     }
 }
 
@@ -370,6 +408,33 @@ mod tests {
         // A body with a length, or one already ended, is given back as is.
         let (streaming, _) = settle(client(5, vec![data(b"HELLO")]), None).await;
         assert!(streaming.is_ok_and(|b| b.size_hint().exact() == Some(5)));
+    }
+
+    #[tokio::test]
+    async fn the_outcome_settles_when_the_body_ends_breaks_or_is_dropped() {
+        let within = Duration::from_secs(2);
+        // Ended whole: settled, not cut.
+        let (mut fenced, outcome) = FencedBody::new(client(5, vec![data(b"HELLO")]), None, 1 << 20, false);
+        let waiter = tokio::spawn({
+            let outcome = outcome.clone();
+            async move { outcome.settled().await }
+        });
+        while fenced.frame().await.is_some() {}
+        tokio::time::timeout(within, waiter).await.unwrap().unwrap();
+        assert!(!outcome.cut());
+        // Broken: settled, cut.
+        let broken: BoxError = "reset".into();
+        let (mut fenced, outcome) = FencedBody::new(client(5, vec![Some(Err(broken))]), None, 1 << 20, false);
+        assert!(fenced.frame().await.is_some_and(|f| f.is_err()));
+        tokio::time::timeout(within, outcome.settled()).await.unwrap();
+        assert!(outcome.cut() && outcome.client_broke());
+        // Dropped before its end (the upstream wanted no more): settled,
+        // not cut. Still streaming: not settled.
+        let (fenced, outcome) = FencedBody::new(client(5, vec![data(b"HE"), None]), None, 1 << 20, false);
+        assert!(tokio::time::timeout(Duration::from_millis(50), outcome.settled()).await.is_err());
+        drop(fenced);
+        tokio::time::timeout(within, outcome.settled()).await.unwrap();
+        assert!(!outcome.cut());
     }
 
     #[tokio::test]

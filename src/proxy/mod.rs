@@ -734,6 +734,7 @@ impl Proxy {
         // mode nothing would end the hold but the body itself, and
         // activation would wait for a whole slow upload.
         let hold = (route.enforce && !guards.is_empty()).then(|| guards.clone());
+        let hold_is_set = hold.is_some();
         let (body, body_outcome) = FencedBody::new(body, hold, route.max_body_bytes, h2);
         let body = match body.settle_declared_empty(route.upstream_timeout).await {
             Ok(body) => body,
@@ -745,7 +746,8 @@ impl Proxy {
         let mut up = Request::from_parts(parts, body);
         headers::prepare_request(&mut up, client, route.host_header, route.upstream.host(), route.forward_token);
         let started = Instant::now();
-        let sent = exchange(route, up, object, token, guards).await;
+        let held = hold_is_set.then(|| body_outcome.clone());
+        let sent = exchange(route, up, object, token, guards, held).await;
         route.upstream_duration.observe(started.elapsed().as_secs_f64());
         match sent {
             Ok(mut resp) => {
@@ -836,6 +838,7 @@ async fn exchange(
     object: &str,
     token: Option<u64>,
     guards: Arc<Vec<InflightGuard>>,
+    held: Option<Arc<BodyOutcome>>,
 ) -> Result<Response<BoxBody>, SendError> {
     if guards.is_empty() {
         return route.upstream.send(up, object, token, route.upstream_timeout).await;
@@ -845,6 +848,10 @@ async fn exchange(
     let task = tokio::spawn(async move {
         let deadline = tokio::time::Instant::now() + timeout;
         let sent = upstream.send(up, &object, token, timeout).await;
+        let sent = match (sent, held) {
+            (Ok(resp), Some(body)) if resp.status().is_success() => answer_after_body(resp, &body, deadline).await,
+            (sent, _) => sent,
+        };
         match sent {
             Ok(resp) if hold_body => Ok(resp.map(|b| BoxBody::new(held_body::HeldBody::new(b, guards, deadline)))),
             sent => {
@@ -856,5 +863,30 @@ async fn exchange(
     match task.await {
         Ok(sent) => sent,
         Err(e) => Err(SendError::Other(format!("the exchange task failed: {e}"))),
+    }
+}
+
+/// A success the upstream gave before the request body had ended (it
+/// answers on the head and reads on) is passed on only once the body has
+/// ended: until then the upload can still be cut off — by a newer grant,
+/// the size limit or the client's own stream breaking — and the upstream
+/// then never gets the whole request, so its `2xx` would tell the client
+/// of a write that was not applied. A cut body makes the exchange fail as
+/// any cut upload does (`409 stale_fencing_token` for a newer grant); a
+/// body still streaming at the route's upstream timeout fails it as a
+/// timeout, as the same upload would against an upstream that answers at
+/// the end. Answers other than `2xx` are passed on at once: none of them
+/// tells of an applied write.
+async fn answer_after_body(
+    resp: Response<BoxBody>,
+    body: &BodyOutcome,
+    deadline: tokio::time::Instant,
+) -> Result<Response<BoxBody>, SendError> {
+    match tokio::time::timeout_at(deadline, body.settled()).await {
+        Err(_) => Err(SendError::Timeout),
+        Ok(()) if body.cut() => {
+            Err(SendError::Other("the request body was cut off after the upstream had answered".into()))
+        }
+        Ok(()) => Ok(resp),
     }
 }

@@ -1168,12 +1168,17 @@ async fn early_answering_upstream() -> (String, Arc<Mutex<Vec<bool>>>) {
 /// request stays in flight while its body streams, so a newer grant cuts
 /// it off — also when all that comes after the grant is the end of the
 /// stream (HTTP/2 END_STREAM on an empty DATA frame, or the last chunk).
+/// And the client is not told of a write that was not applied: the
+/// upstream's early `200` waits for the body's end, and a body cut off by
+/// the newer grant is answered `409 stale_fencing_token` instead. Without
+/// a newer grant the `200` comes once the body has ended.
 #[tokio::test(flavor = "multi_thread")]
 async fn an_upload_answered_early_is_still_cut_off_by_a_newer_grant() {
     let (upstream, fates) = early_answering_upstream().await;
     let http = Http::default();
     for (what, fast) in [("h1 fast path on", true), ("h1 fast path off", false), ("h2", true)] {
-        for rest in [&b"world"[..], b""] {
+        for (rest, newer_grant) in [(&b"world"[..], true), (b"", true), (b"world", false)] {
+            let case = format!("{what}, rest {:?}, newer grant {newer_grant}", String::from_utf8_lossy(rest));
             let cfg = format!("[server]\nproxy_fast_path = {fast}\n");
             let dir = tempfile::tempdir().unwrap();
             let opts = Opts { config: Some(cfg), upstream: Some(upstream.clone()), ..Opts::default() };
@@ -1182,7 +1187,8 @@ async fn an_upload_answered_early_is_still_cut_off_by_a_newer_grant() {
             let t1 = acquire(&http, &api, "early", 600_000, 0).await.unwrap();
             let before = fates.lock().unwrap().len();
             let token = t1.token.to_string();
-            // The upload starts; the upstream answers 200 at once.
+            // The upload starts; the upstream answers 200 at once, which
+            // the client must not have while its body streams.
             let mut h1 = None;
             let mut h2 = None;
             if what == "h2" {
@@ -1195,8 +1201,8 @@ async fn an_upload_answered_early_is_still_cut_off_by_a_newer_grant() {
                 ];
                 let mut c = RawH2::open(gw.proxy, &fields).await;
                 c.data(b"hello", false).await;
-                let answer = c.answer(Duration::from_secs(5)).await;
-                assert!(answered_200(&answer), "{what}: {answer:?}");
+                let answer = c.answer(Duration::from_millis(700)).await;
+                assert!(!answer.iter().any(|f| f.0 == 0x1), "{case}: answered while the body streams: {answer:?}");
                 h2 = Some(c);
             } else {
                 let mut s = tokio::net::TcpStream::connect(gw.proxy).await.unwrap();
@@ -1205,33 +1211,48 @@ async fn an_upload_answered_early_is_still_cut_off_by_a_newer_grant() {
                 );
                 s.write_all(head.as_bytes()).await.unwrap();
                 let mut got = [0u8; 1024];
-                let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut got)).await.unwrap().unwrap();
-                assert!(got[..n].starts_with(b"HTTP/1.1 200"), "{what}: {:?}", String::from_utf8_lossy(&got[..n]));
+                let early = tokio::time::timeout(Duration::from_millis(700), s.read(&mut got)).await;
+                assert!(early.is_err(), "{case}: answered while the body streams: {early:?}");
                 h1 = Some(s);
             }
-            // A newer grant of the key.
-            release(&http, &api, &t1).await;
-            let t2 = acquire(&http, &api, "early", 600_000, 0).await.unwrap();
-            assert!(t2.token > t1.token);
-            // Then the rest of the stale upload, and its end.
-            if let Some(c) = h2.as_mut() {
+            if newer_grant {
+                release(&http, &api, &t1).await;
+                let t2 = acquire(&http, &api, "early", 600_000, 0).await.unwrap();
+                assert!(t2.token > t1.token);
+            }
+            // Then the rest of the upload, and its end; the answer.
+            let answer: Vec<u8> = if let Some(c) = h2.as_mut() {
                 if !rest.is_empty() {
                     c.data(rest, false).await;
                 }
                 c.data(b"", true).await;
-            }
-            if let Some(s) = h1.as_mut() {
+                let frames = c.answer(Duration::from_secs(5)).await;
+                if !newer_grant {
+                    assert!(answered_200(&frames), "{case}: {frames:?}");
+                }
+                frames.into_iter().filter(|f| f.0 == 0x0).flat_map(|f| f.3).collect()
+            } else {
+                let s = h1.as_mut().unwrap();
                 let tail =
                     if rest.is_empty() { "0\r\n\r\n".to_string() } else { "5\r\nworld\r\n0\r\n\r\n".to_string() };
                 let _ = s.write_all(tail.as_bytes()).await;
-            }
-            tokio::time::sleep(Duration::from_millis(700)).await;
+                let mut got = vec![0u8; 4096];
+                let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut got)).await.unwrap().unwrap_or(0);
+                got.truncate(n);
+                let status = if newer_grant { &b"HTTP/1.1 409"[..] } else { b"HTTP/1.1 200" };
+                assert!(got.starts_with(status), "{case}: {:?}", String::from_utf8_lossy(&got));
+                got
+            };
+            let text = String::from_utf8_lossy(&answer).to_string();
+            tokio::time::sleep(Duration::from_millis(300)).await;
             let seen: Vec<bool> = fates.lock().unwrap()[before..].to_vec();
-            assert!(
-                !seen.contains(&true),
-                "{what}, rest {:?}: the stale upload reached the upstream whole after a newer grant ({seen:?})",
-                String::from_utf8_lossy(rest)
-            );
+            if newer_grant {
+                assert!(!seen.contains(&true), "{case}: the stale upload reached the upstream whole ({seen:?})");
+                assert!(text.contains("stale_fencing_token"), "{case}: told {text:?}");
+            } else {
+                assert_eq!(seen, vec![true], "{case}: the upload reached the upstream whole");
+                assert!(text.ends_with("ok"), "{case}: the upstream's answer: {text:?}");
+            }
         }
     }
 }
