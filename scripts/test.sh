@@ -39,12 +39,24 @@ stage "benches in test mode"
 sdk_log="${TMPDIR:-/tmp}/fencegate-aws-sdk-build.$$.log"
 nice -n 10 cargo test --locked -j 1 --no-run --manifest-path examples/aws-sdk-s3/Cargo.toml >"$sdk_log" 2>&1 &
 sdk_build=$!
+# The side-by-side smoke's load generator (release), on the other core the
+# same way; the smoke's own build step then finds it built.
+lg_log="${TMPDIR:-/tmp}/fencegate-loadgen-build.$$.log"
+nice -n 10 bash benches/compare/build-loadgen.sh -j 1 >"$lg_log" 2>&1 &
+lg_build=$!
 # The nemesis: real processes under pauses, kill -9, dying upstreams and a
 # partition, checked from the upstream's log; then the self-test that the
 # checker catches an unfenced gateway; then both in cluster mode (3 etcd
 # members, 3 gateways; the self-test's broken gateway needs this debug build).
 FENCEGATE_BIN="${CARGO_TARGET_DIR:-$PWD/target}/debug/fencegate" bash nemesis/run-ci.sh
 stage nemesis
+if ! wait "$lg_build"; then
+    cat "$lg_log"
+    echo "the side-by-side load generator did not build" >&2
+    exit 1
+fi
+rm -f "$lg_log"
+stage "load generator build (what outlasted the nemesis)"
 # The side-by-side harness in its short form (every part, ~2 min of load), so
 # it cannot rot: it fails when any target errs or a measurement is missing.
 # Its figures on a shared CI box are not the benchmark; the full run is

@@ -291,11 +291,7 @@ mkdir -p "$WORK/bin"
 cp "$FG_SRC" "$WORK/bin/fencegate"   # a snapshot: a concurrent rebuild cannot swap it mid-run
 FG=$WORK/bin/fencegate
 log "building the load generator (benches/compare/loadgen, release)"
-# A shared CARGO_TARGET_DIR gets a subdirectory of its own (reused across clones).
-LG_TARGET=${CARGO_TARGET_DIR:+$CARGO_TARGET_DIR/compare-loadgen}
-LG_TARGET=${LG_TARGET:-$HERE/loadgen/target}
-(cd "$HERE/loadgen" && CARGO_TARGET_DIR="$LG_TARGET" cargo build --quiet --release)
-LOADGEN=$LG_TARGET/release/loadgen
+LOADGEN=$(bash "$HERE/build-loadgen.sh")
 T_BUILT=$(date +%s)
 
 if [ -n "${FENCEGATE_BIN:-}" ]; then
