@@ -607,6 +607,11 @@ impl FenceTable {
         self.slots.get(key).map_or(0, |s| s.fence)
     }
 
+    /// The highest `X-Fencing-Sequence` taken under `key`'s current fence.
+    pub fn last_sequence(&self, key: &str) -> Option<u64> {
+        self.slots.get(key).and_then(|s| s.last_sequence())
+    }
+
     /// The highest fence of `key` known to be fsynced: what a crash now
     /// would leave, and all that readers (status, watch) are shown.
     pub fn durable_fence(&self, key: &str) -> u64 {

@@ -729,6 +729,7 @@ impl Proxy {
         // refuses: there activation waits for the body (bounded by the
         // upstream timeout) as for any write in flight.
         let h2 = parts.version == http::Version::HTTP_2;
+        let stamp = Stamp { token, sequence: guards.first().and_then(InflightGuard::sequence) };
         let guards = Arc::new(guards);
         // Held by the body only where a newer grant cuts it: in shadow
         // mode nothing would end the hold but the body itself, and
@@ -740,7 +741,7 @@ impl Proxy {
             Ok(body) => body,
             Err(Unsettled::Refused(error)) => return Err(error.into()),
             Err(Unsettled::Cut(e)) => {
-                return Err(self.failed_exchange(route, key, mutation, token, &body_outcome, SendError::Other(e)))
+                return Err(self.failed_exchange(route, key, mutation, stamp, &body_outcome, SendError::Other(e)))
             }
         };
         let mut up = Request::from_parts(parts, body);
@@ -757,7 +758,7 @@ impl Proxy {
                 }
                 Ok(resp)
             }
-            Err(e) => Err(self.failed_exchange(route, key, mutation, token, &body_outcome, e)),
+            Err(e) => Err(self.failed_exchange(route, key, mutation, stamp, &body_outcome, e)),
         }
     }
 
@@ -769,7 +770,7 @@ impl Proxy {
         route: &Route,
         key: &str,
         mutation: bool,
-        token: Option<u64>,
+        stamp: Stamp,
         body_outcome: &BodyOutcome,
         failure: SendError,
     ) -> ErrorReply {
@@ -777,11 +778,23 @@ impl Proxy {
         let cut_short = |fallback: Error| -> ErrorReply {
             if body_outcome.aborted() {
                 self.metrics.aborted_uploads.with_label_values(&[&route.name]).inc();
-                // The fence moved past this token while its body streamed:
-                // the upstream got a truncated request and cannot apply it.
-                let fence = self.fences().fence(key);
-                let error = Error::StaleFencingToken { key: key.to_string(), token: token.unwrap_or(0), fence };
-                return ErrorReply { error, outcome: outcome_word(Outcome::Stale) };
+                // The fence moved past this token while its body streamed —
+                // or, under the same token, the holder's own higher
+                // sequence: the upstream got a truncated request and cannot
+                // apply it.
+                let (key, token) = (key.to_string(), stamp.token.unwrap_or(0));
+                let fence = self.fences().fence(&key);
+                let last = self.fences().last_sequence(&key);
+                return match (stamp.sequence, last) {
+                    (Some(sequence), Some(last_sequence)) if fence == token && last_sequence > sequence => {
+                        let error = Error::StaleSequence { key, token, sequence, last_sequence };
+                        ErrorReply { error, outcome: outcome_word(Outcome::StaleSequence) }
+                    }
+                    _ => ErrorReply {
+                        error: Error::StaleFencingToken { key, token, fence },
+                        outcome: outcome_word(Outcome::Stale),
+                    },
+                };
             }
             if body_outcome.too_large() {
                 return Error::PayloadTooLarge { limit_bytes: route.max_body_bytes }.into();
@@ -819,6 +832,13 @@ impl Proxy {
             }
         }
     }
+}
+
+/// What a forwarded mutation carried: its token and its sequence, if any.
+#[derive(Debug, Clone, Copy)]
+struct Stamp {
+    token: Option<u64>,
+    sequence: Option<u64>,
 }
 
 /// Sends `up` to the route's upstream. A registered mutation's exchange

@@ -1257,6 +1257,42 @@ async fn an_upload_answered_early_is_still_cut_off_by_a_newer_grant() {
     }
 }
 
+/// The same with the holder's own next write: a higher `X-Fencing-Sequence`
+/// cuts off its lower-numbered upload still streaming, whose early `200`
+/// then never reaches the client: it is told `409 stale_sequence` (the
+/// fence did not move, its own later write overtook it).
+#[tokio::test(flavor = "multi_thread")]
+async fn an_upload_answered_early_and_overtaken_by_its_holders_next_sequence_is_told_so() {
+    let (upstream, fates) = early_answering_upstream().await;
+    let http = Http::default();
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start(&dir.path().join("data"), Opts { upstream: Some(upstream), ..Opts::default() });
+    let t = acquire(&http, &gw.api_url(""), "early", 600_000, 0).await.unwrap().token;
+    let put = |seq: u64, body: &str| {
+        format!("PUT /early HTTP/1.1\r\nHost: x\r\nX-Fencing-Token: {t}\r\nX-Fencing-Sequence: {seq}\r\nTransfer-Encoding: chunked\r\n\r\n{body}")
+    };
+    let mut first = tokio::net::TcpStream::connect(gw.proxy).await.unwrap();
+    first.write_all(put(1, "5\r\nhello\r\n").as_bytes()).await.unwrap();
+    let mut got = vec![0u8; 4096];
+    let early = tokio::time::timeout(Duration::from_millis(500), first.read(&mut got)).await;
+    assert!(early.is_err(), "answered while the body streams: {early:?}");
+    // The holder's next write, whole: applied, answered 200.
+    let mut second = tokio::net::TcpStream::connect(gw.proxy).await.unwrap();
+    second.write_all(put(2, "5\r\nworld\r\n0\r\n\r\n").as_bytes()).await.unwrap();
+    let n = tokio::time::timeout(Duration::from_secs(5), second.read(&mut got)).await.unwrap().unwrap();
+    assert!(got[..n].starts_with(b"HTTP/1.1 200"), "{:?}", String::from_utf8_lossy(&got[..n]));
+    // The first one's end comes late: cut off, and told why.
+    let _ = first.write_all(b"5\r\nlater\r\n0\r\n\r\n").await;
+    let n = tokio::time::timeout(Duration::from_secs(5), first.read(&mut got)).await.unwrap().unwrap_or(0);
+    let answer = String::from_utf8_lossy(&got[..n]).to_string();
+    assert!(answer.starts_with("HTTP/1.1 409") && answer.contains("stale_sequence"), "{answer}");
+    assert!(answer.contains("\"last_sequence\":2"), "{answer}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut seen = fates.lock().unwrap().clone();
+    seen.sort();
+    assert_eq!(seen, vec![false, true], "only the second write reached the upstream whole");
+}
+
 /// A request the client sends as the idle close begins (after the first
 /// GOAWAY, before it answered its PING) is taken, so it must be answered:
 /// the connection is not dropped while it runs, though it runs longer than
