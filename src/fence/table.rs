@@ -118,6 +118,11 @@ impl InflightCtl {
     pub fn mark_body_done(&self) {
         self.body_done.store(true, Ordering::Release);
     }
+    /// Cuts the upload off as a newer fence would (the exchange gave up on
+    /// it); false when its body had already been handed over whole.
+    pub fn abort(&self) -> bool {
+        self.abort_if_streaming()
+    }
     fn abort_if_streaming(&self) -> bool {
         if self.body_done.load(Ordering::Acquire) {
             return false;

@@ -68,6 +68,10 @@ impl BodyOutcome {
     pub fn cut(&self) -> bool {
         matches!(self.state.load(Ordering::Acquire), ABORTED | TOO_LARGE | CLIENT_BROKE)
     }
+    /// True once the body has ended, been cut, or been dropped.
+    pub fn settled_now(&self) -> bool {
+        self.state.load(Ordering::Acquire) != STREAMING
+    }
     /// Waits until the body has ended, been cut, or been dropped. One
     /// waiter at a time (the exchange).
     pub async fn settled(&self) {

@@ -41,7 +41,7 @@ use crate::body::{content_length, BoxBody};
 use crate::config::{Config, FenceAuthority, HostHeader, RouteKindName, TrailingSlash};
 use crate::error::Error;
 use crate::fence::token::TokenError;
-use crate::fence::{parse_token_header, Admission, CheckPolicy, FenceTable, InflightGuard, Refusal};
+use crate::fence::{parse_token_header, Admission, CheckPolicy, FenceTable, InflightCtl, InflightGuard, Refusal};
 use crate::leases::Leases;
 use crate::metrics::{Metrics, MutationCounters, Outcome};
 use crate::peer::Peer;
@@ -868,12 +868,43 @@ async fn exchange(
     let task = tokio::spawn(async move {
         let deadline = tokio::time::Instant::now() + timeout;
         let sent = upstream.send(up, &object, token, timeout).await;
+        // Answered while the body still streamed: this upstream answers
+        // before it has read a request whole, so what it has not read yet
+        // may still be applied after the answer (see `answer_after_body`).
+        let early = held.as_ref().filter(|b| !b.settled_now()).cloned();
         let sent = match (sent, held) {
-            (Ok(resp), Some(body)) if resp.status().is_success() => answer_after_body(resp, &body, deadline).await,
+            (Ok(resp), Some(body)) if resp.status().is_success() && http_body::Body::is_end_stream(resp.body()) => {
+                let ctl = guards.first().map(|g| g.ctl().clone());
+                answer_after_body(resp, &body, ctl.as_deref(), deadline).await
+            }
             (sent, _) => sent,
         };
         match sent {
-            Ok(resp) if hold_body => Ok(resp.map(|b| BoxBody::new(held_body::HeldBody::new(b, guards, deadline)))),
+            Ok(resp) if hold_body && early.is_none() => {
+                Ok(resp.map(|b| BoxBody::new(held_body::HeldBody::new(b, guards, deadline))))
+            }
+            sent if early.is_some() => {
+                // Until the deadline, or until the body is cut off (then the
+                // upstream never gets it whole: nothing left to wait for).
+                let body = early;
+                tokio::spawn(async move {
+                    let cut = async {
+                        if let Some(body) = &body {
+                            body.settled().await;
+                            if body.cut() {
+                                return;
+                            }
+                        }
+                        std::future::pending::<()>().await;
+                    };
+                    tokio::select! {
+                        _ = tokio::time::sleep_until(deadline) => {}
+                        _ = cut => {}
+                    }
+                    drop(guards);
+                });
+                sent
+            }
             sent => {
                 drop(guards);
                 sent
@@ -886,24 +917,38 @@ async fn exchange(
     }
 }
 
-/// A success the upstream gave before the request body had ended (it
-/// answers on the head and reads on) is passed on only once the body has
-/// ended: until then the upload can still be cut off — by a newer grant,
-/// the size limit or the client's own stream breaking — and the upstream
-/// then never gets the whole request, so its `2xx` would tell the client
-/// of a write that was not applied. A cut body makes the exchange fail as
-/// any cut upload does (`409 stale_fencing_token` for a newer grant); a
-/// body still streaming at the route's upstream timeout fails it as a
-/// timeout, as the same upload would against an upstream that answers at
-/// the end. Answers other than `2xx` are passed on at once: none of them
-/// tells of an applied write.
+/// A success without a body that the upstream gave before the request
+/// body had ended (it answers on the head and reads on) is passed on only
+/// once the body has ended: until then the upload can still be cut off —
+/// by a newer grant, the size limit or the client's own stream breaking —
+/// and the upstream then never gets the whole request, so its `2xx` would
+/// tell the client of a write that was not applied. A cut body makes the
+/// exchange fail as any cut upload does (`409 stale_fencing_token` for a
+/// newer grant); a body still streaming at the route's upstream timeout is
+/// cut off here (so the upstream never gets it whole either) and the
+/// exchange fails as a timeout. Answers with a body are passed on at once:
+/// holding one back would stall an upstream that answers as it reads (an
+/// echo, a full-duplex stream), waiting for us to read its answer before it
+/// reads on. Answers other than `2xx` are passed on at once too: none tells
+/// of an applied write.
+///
+/// Whatever the answer, an exchange answered while its body streamed keeps
+/// its registrations until the upstream timeout (from the exchange's start):
+/// the upstream may read, and apply, the end of the body after answering,
+/// so a newer grant must wait for that as for any write in flight.
 async fn answer_after_body(
     resp: Response<BoxBody>,
     body: &BodyOutcome,
+    ctl: Option<&InflightCtl>,
     deadline: tokio::time::Instant,
 ) -> Result<Response<BoxBody>, SendError> {
     match tokio::time::timeout_at(deadline, body.settled()).await {
-        Err(_) => Err(SendError::Timeout),
+        Err(_) => {
+            if let Some(ctl) = ctl {
+                ctl.abort();
+            }
+            Err(SendError::Timeout)
+        }
         Ok(()) if body.cut() => {
             Err(SendError::Other("the request body was cut off after the upstream had answered".into()))
         }
