@@ -873,7 +873,7 @@ async fn exchange(
         // may still be applied after the answer (see `answer_after_body`).
         let early = held.as_ref().filter(|b| !b.settled_now()).cloned();
         let sent = match (sent, held) {
-            (Ok(resp), Some(body)) if resp.status().is_success() && http_body::Body::is_end_stream(resp.body()) => {
+            (Ok(resp), Some(body)) if resp.status().is_success() => {
                 let ctl = guards.first().map(|g| g.ctl().clone());
                 answer_after_body(resp, &body, ctl.as_deref(), deadline).await
             }
@@ -917,20 +917,21 @@ async fn exchange(
     }
 }
 
-/// A success without a body that the upstream gave before the request
-/// body had ended (it answers on the head and reads on) is passed on only
-/// once the body has ended: until then the upload can still be cut off —
-/// by a newer grant, the size limit or the client's own stream breaking —
-/// and the upstream then never gets the whole request, so its `2xx` would
-/// tell the client of a write that was not applied. A cut body makes the
-/// exchange fail as any cut upload does (`409 stale_fencing_token` for a
-/// newer grant); a body still streaming at the route's upstream timeout is
-/// cut off here (so the upstream never gets it whole either) and the
-/// exchange fails as a timeout. Answers with a body are passed on at once:
-/// holding one back would stall an upstream that answers as it reads (an
-/// echo, a full-duplex stream), waiting for us to read its answer before it
-/// reads on. Answers other than `2xx` are passed on at once too: none tells
-/// of an applied write.
+/// A success that the upstream gave before the request body had ended (it
+/// answers on the head and reads on) is passed on only once the body has
+/// ended: until then the upload can still be cut off — by a newer grant,
+/// the size limit or the client's own stream breaking — and the upstream
+/// then never gets the whole request, so its `2xx` would tell the client
+/// of a write that was not applied. A cut body makes the exchange fail as
+/// any cut upload does (`409 stale_fencing_token` for a newer grant); a
+/// body still streaming at the route's upstream timeout is cut off here
+/// (so the upstream never gets it whole either) and the exchange fails as
+/// a timeout. The whole answer waits, its body too: a complete answer
+/// (a small body, or an empty chunked one) is a success the client keeps
+/// whatever comes after it. The cost: an upstream that answers a fenced
+/// write as it reads it (an echo, a full-duplex stream) waits for us to
+/// read its answer, stops reading, and the exchange times out. Answers
+/// other than `2xx` are passed on at once: none tells of an applied write.
 ///
 /// Whatever the answer, an exchange answered while its body streamed keeps
 /// its registrations until the upstream timeout (from the exchange's start):

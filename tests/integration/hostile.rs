@@ -1125,7 +1125,7 @@ async fn a_stalled_h2_stream_is_not_kept_by_other_streams_that_move() {
     assert!(took >= Duration::from_millis(900), "closed after {took:?}, before the timeout");
 }
 
-/// An upstream that answers `200` (no body) as soon as it has a request's head, then
+/// An upstream that answers `200` (a two-byte body) as soon as it has a request's head, then
 /// reads the chunked body; it records each body's fate: complete (its last
 /// chunk came) or not.
 async fn early_answering_upstream() -> (String, Arc<Mutex<Vec<bool>>>) {
@@ -1144,7 +1144,7 @@ async fn early_answering_upstream() -> (String, Arc<Mutex<Vec<bool>>>) {
                         _ => return,
                     }
                 }
-                if s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n").await.is_err() {
+                if s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok").await.is_err() {
                     return;
                 }
                 let complete = loop {
@@ -1251,7 +1251,7 @@ async fn an_upload_answered_early_is_still_cut_off_by_a_newer_grant() {
                 assert!(text.contains("stale_fencing_token"), "{case}: told {text:?}");
             } else {
                 assert_eq!(seen, vec![true], "{case}: the upload reached the upstream whole");
-                assert!(!text.contains("error"), "{case}: the upstream's answer: {text:?}");
+                assert!(text.ends_with("ok"), "{case}: the upstream's answer: {text:?}");
             }
         }
     }
@@ -1291,83 +1291,6 @@ async fn an_upload_answered_early_and_overtaken_by_its_holders_next_sequence_is_
     let mut seen = fates.lock().unwrap().clone();
     seen.sort();
     assert_eq!(seen, vec![false, true], "only the second write reached the upstream whole");
-}
-
-/// An upstream that answers as it reads (an echo: `200`, then each chunk
-/// of the request body sent back as it comes) is not held up: the answer
-/// of a fenced upload with a body is passed on as it comes, so client and
-/// upstream can take turns (ping-pong) to the end.
-#[tokio::test(flavor = "multi_thread")]
-async fn a_fenced_upload_to_an_upstream_that_answers_as_it_reads_is_not_stalled() {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        while let Ok((mut s, _)) = listener.accept().await {
-            tokio::spawn(async move {
-                let (mut buf, mut chunk) = (Vec::new(), [0u8; 4096]);
-                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match s.read(&mut chunk).await {
-                        Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
-                        _ => return,
-                    }
-                }
-                let at = buf.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
-                buf.drain(..at);
-                let head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n";
-                if s.write_all(head).await.is_err() {
-                    return;
-                }
-                // Echo the raw chunked bytes as they come, up to the last chunk.
-                loop {
-                    if !buf.is_empty() {
-                        if s.write_all(&buf).await.is_err() {
-                            return;
-                        }
-                        if buf.windows(5).any(|w| w == b"0\r\n\r\n") {
-                            return;
-                        }
-                        buf.clear();
-                    }
-                    match s.read(&mut chunk).await {
-                        Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
-                        _ => return,
-                    }
-                }
-            });
-        }
-    });
-    let http = Http::default();
-    for fast in [true, false] {
-        let dir = tempfile::tempdir().unwrap();
-        let cfg = format!("[server]\nproxy_fast_path = {fast}\n");
-        let opts = Opts { config: Some(cfg), upstream: Some(format!("http://{addr}")), ..Opts::default() };
-        let gw = Gateway::start(&dir.path().join("data"), opts);
-        let t = acquire(&http, &gw.api_url(""), "echo", 600_000, 0).await.unwrap().token;
-        let mut c = tokio::net::TcpStream::connect(gw.proxy).await.unwrap();
-        let head =
-            format!("PUT /echo HTTP/1.1\r\nHost: x\r\nX-Fencing-Token: {t}\r\nTransfer-Encoding: chunked\r\n\r\n");
-        c.write_all(head.as_bytes()).await.unwrap();
-        let mut got = Vec::new();
-        for round in 0..5u8 {
-            let ball = format!("ball{round}");
-            c.write_all(format!("5\r\n{ball}\r\n").as_bytes()).await.unwrap();
-            // The echo of this round's chunk must come back before the next is sent.
-            let deadline = Instant::now() + Duration::from_secs(3);
-            while !String::from_utf8_lossy(&got).contains(&ball) {
-                let mut chunk = [0u8; 4096];
-                let left = deadline.saturating_duration_since(Instant::now());
-                match tokio::time::timeout(left, c.read(&mut chunk)).await {
-                    Ok(Ok(n)) if n > 0 => got.extend_from_slice(&chunk[..n]),
-                    other => panic!(
-                        "fast path {fast}, round {round}: no echo ({other:?}): {:?}",
-                        String::from_utf8_lossy(&got)
-                    ),
-                }
-            }
-        }
-        c.write_all(b"0\r\n\r\n").await.unwrap();
-        assert!(got.starts_with(b"HTTP/1.1 200"), "{:?}", String::from_utf8_lossy(&got));
-    }
 }
 
 /// An upstream that answered before it had the whole body may read the
