@@ -1125,6 +1125,19 @@ async fn a_stalled_h2_stream_is_not_kept_by_other_streams_that_move() {
     assert!(took >= Duration::from_millis(900), "closed after {took:?}, before the timeout");
 }
 
+/// Reads from `s` into `buf` until `buf` holds `end`; false when the
+/// stream ends or fails first.
+async fn read_until(s: &mut tokio::net::TcpStream, buf: &mut Vec<u8>, end: &[u8]) -> bool {
+    let mut chunk = [0u8; 4096];
+    while !buf.windows(end.len()).any(|w| w == end) {
+        match s.read(&mut chunk).await {
+            Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+            _ => return false,
+        }
+    }
+    true
+}
+
 /// An upstream that answers `200` (a two-byte body) as soon as it has a request's head, then
 /// reads the chunked body; it records each body's fate: complete (its last
 /// chunk came) or not.
@@ -1137,25 +1150,14 @@ async fn early_answering_upstream() -> (String, Arc<Mutex<Vec<bool>>>) {
         while let Ok((mut s, _)) = listener.accept().await {
             let record = record.clone();
             tokio::spawn(async move {
-                let (mut buf, mut chunk) = (Vec::new(), [0u8; 4096]);
-                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match s.read(&mut chunk).await {
-                        Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
-                        _ => return,
-                    }
+                let mut buf = Vec::new();
+                if !read_until(&mut s, &mut buf, b"\r\n\r\n").await {
+                    return;
                 }
                 if s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok").await.is_err() {
                     return;
                 }
-                let complete = loop {
-                    if buf.windows(5).any(|w| w == b"0\r\n\r\n") {
-                        break true;
-                    }
-                    match s.read(&mut chunk).await {
-                        Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
-                        _ => break false,
-                    }
-                };
+                let complete = read_until(&mut s, &mut buf, b"0\r\n\r\n").await;
                 record.lock().unwrap().push(complete);
             });
         }
@@ -1310,12 +1312,9 @@ async fn a_write_answered_early_and_read_late_still_comes_before_the_next_holder
         while let Ok((mut s, _)) = listener.accept().await {
             let (record, first) = (record.clone(), first.clone());
             tokio::spawn(async move {
-                let (mut buf, mut chunk) = (Vec::new(), [0u8; 4096]);
-                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match s.read(&mut chunk).await {
-                        Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
-                        _ => return,
-                    }
+                let mut buf = Vec::new();
+                if !read_until(&mut s, &mut buf, b"\r\n\r\n").await {
+                    return;
                 }
                 let slow = first.swap(false, std::sync::atomic::Ordering::SeqCst);
                 if s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n").await.is_err() {
@@ -1324,11 +1323,8 @@ async fn a_write_answered_early_and_read_late_still_comes_before_the_next_holder
                 if slow {
                     tokio::time::sleep(Duration::from_millis(1500)).await;
                 }
-                while !buf.windows(5).any(|w| w == b"0\r\n\r\n") {
-                    match s.read(&mut chunk).await {
-                        Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
-                        _ => return,
-                    }
+                if !read_until(&mut s, &mut buf, b"0\r\n\r\n").await {
+                    return;
                 }
                 let text = String::from_utf8_lossy(&buf).to_lowercase();
                 let token = text.split("x-fencing-token: ").nth(1).and_then(|t| t.split("\r\n").next()).unwrap_or("?");
