@@ -879,32 +879,26 @@ async fn exchange(
             }
             (sent, _) => sent,
         };
-        match sent {
-            Ok(resp) if hold_body && early.is_none() => {
-                Ok(resp.map(|b| BoxBody::new(held_body::HeldBody::new(b, guards, deadline))))
-            }
-            sent if early.is_some() => {
-                // Until the deadline, or until the body is cut off (then the
-                // upstream never gets it whole: nothing left to wait for).
-                let body = early;
-                tokio::spawn(async move {
-                    let cut = async {
-                        if let Some(body) = &body {
-                            body.settled().await;
-                            if body.cut() {
-                                return;
-                            }
-                        }
+        if let Some(body) = early {
+            // Until the deadline, or until the body is cut off (then the
+            // upstream never gets it whole: nothing left to wait for).
+            tokio::spawn(async move {
+                let cut = async {
+                    body.settled().await;
+                    if !body.cut() {
                         std::future::pending::<()>().await;
-                    };
-                    tokio::select! {
-                        _ = tokio::time::sleep_until(deadline) => {}
-                        _ = cut => {}
                     }
-                    drop(guards);
-                });
-                sent
-            }
+                };
+                tokio::select! {
+                    _ = tokio::time::sleep_until(deadline) => {}
+                    _ = cut => {}
+                }
+                drop(guards);
+            });
+            return sent;
+        }
+        match sent {
+            Ok(resp) if hold_body => Ok(resp.map(|b| BoxBody::new(held_body::HeldBody::new(b, guards, deadline)))),
             sent => {
                 drop(guards);
                 sent
