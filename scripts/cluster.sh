@@ -59,6 +59,18 @@ for i in 1 2 3; do
   pids+=($!)
 done
 
+# The members elect a leader before the gateways start: a gateway that
+# cannot read its cluster within its etcd timeout at start exits.
+for _ in $(seq 1 300); do
+  healthy=0
+  for i in 1 2 3; do
+    curl -sf -o /dev/null --max-time 1 "http://127.0.0.1:$((BASE_ETCD + i))/health" && healthy=$((healthy + 1))
+  done
+  [ "$healthy" -eq 3 ] && break
+  sleep 0.1
+done
+[ "$healthy" -eq 3 ] || { echo "the etcd members did not become healthy within 30 s; logs in $dir" >&2; exit 1; }
+
 # One shared directory behind all three gateways (they run on one
 # machine): a per-gateway file:// route on purpose.
 mkdir -p "$dir/objects"

@@ -1,13 +1,26 @@
 //! The durable token floor. Tokens are etcd revisions (plus an offset); an
 //! etcd restored from a snapshot, or a new etcd cluster, numbers revisions
 //! from lower again, and would issue tokens a second time. Each gateway
-//! keeps the highest token it has seen in `<data_dir>/cluster-floor.json`
+//! keeps the highest token it has seen in `<data_dir>/cluster-floor`
 //! (fsynced, coalesced), with the etcd cluster id it came from. A grant is
 //! refused while `offset + etcd's revision` is below the floor; the
 //! operator raises the offset with `fencegate cluster raise-floor --to N`.
+//!
+//! Every grant waits for its token to be in the file, and every gateway
+//! writes the tokens it sees, so the file is written all the time under
+//! load: in place, not by a new file renamed over the old one. It holds
+//! two 512-byte slots written in turn, each a record with a sequence
+//! number and a checksum, and one `fdatasync` makes a write durable (no
+//! file is created or renamed, no directory synced: ~0.1 ms instead of
+//! ~0.6 ms per write here, and one device flush instead of three). A write
+//! torn by a crash spoils at most the slot it was writing, whose value no
+//! grant had waited for yet: the other slot holds the floor before it.
+//! The file is created whole once (written, synced, renamed into place).
+//! A floor kept by an older version in `cluster-floor.json` is carried over.
 
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use etcd_client::{Compare, CompareOp, GetOptions, Txn, TxnOp};
 use serde::{Deserialize, Serialize};
@@ -17,16 +30,131 @@ use crate::config::ClusterConfig;
 use crate::error::Error;
 use crate::shutdown::Shutdown;
 
-#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
+/// The floor file's name in the data dir, and the older version's.
+const FILE: &str = "cluster-floor";
+const OLD_FILE: &str = "cluster-floor.json";
+/// One slot: a sector, so that a slot's write never shares a sector with
+/// the other slot.
+const SLOT: usize = 512;
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 struct Record {
     floor: u64,
     cluster_id: u64,
+}
+
+/// One slot as written: the record, its sequence number (the slot with the
+/// higher one is the newer), and a checksum of both.
+#[derive(Debug, Serialize, Deserialize)]
+struct Slot {
+    seq: u64,
+    floor: u64,
+    cluster_id: u64,
+    check: String,
+}
+
+fn check_of(seq: u64, r: Record) -> String {
+    let d = ring::digest::digest(&ring::digest::SHA256, format!("{seq}/{}/{}", r.floor, r.cluster_id).as_bytes());
+    d.as_ref()[..8].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A slot's bytes: its JSON, padded with spaces, ending in a newline.
+fn encode(seq: u64, r: Record) -> Result<Vec<u8>, String> {
+    let slot = Slot { seq, floor: r.floor, cluster_id: r.cluster_id, check: check_of(seq, r) };
+    let mut bytes = serde_json::to_vec(&slot).map_err(|e| e.to_string())?;
+    if bytes.len() >= SLOT {
+        return Err("a floor record longer than its slot".into());
+    }
+    bytes.resize(SLOT - 1, b' ');
+    bytes.push(b'\n');
+    Ok(bytes)
+}
+
+/// The record a slot holds, if it is whole (parses, checksum right).
+fn decode(bytes: &[u8]) -> Option<(u64, Record)> {
+    let slot: Slot = serde_json::from_slice(bytes.trim_ascii()).ok()?;
+    let record = Record { floor: slot.floor, cluster_id: slot.cluster_id };
+    (check_of(slot.seq, record) == slot.check).then_some((slot.seq, record))
+}
+
+/// The newest whole slot of a floor file's contents; `None` when neither is.
+fn newest(bytes: &[u8]) -> Option<(u64, Record)> {
+    bytes.chunks(SLOT).take(2).filter_map(decode).max_by_key(|(seq, _)| *seq)
+}
+
+/// The floor file, open for writes in place.
+#[derive(Debug)]
+struct File {
+    file: std::fs::File,
+    /// Sequence number of the last slot written.
+    seq: u64,
+}
+
+impl File {
+    /// Opens the floor file in `dir`, creating it whole (from the older
+    /// version's file, if any) when there is none. Fails when the file is
+    /// there but neither slot is whole: that is not a torn write, and a
+    /// floor of 0 would let tokens repeat.
+    fn open(dir: &Path) -> Result<(File, Record), Error> {
+        let path = dir.join(FILE);
+        let store_err = |what: &str, e: std::io::Error| Error::Store(format!("{what} {}: {e}", path.display()));
+        match std::fs::read(&path) {
+            Ok(bytes) => {
+                let (seq, record) = newest(&bytes).ok_or_else(|| {
+                    Error::Store(format!(
+                        "{} holds no whole floor record (damaged?): refusing to start with a floor of 0; restore it, \
+                         or remove it and raise the floor with `fencegate cluster raise-floor`",
+                        path.display()
+                    ))
+                })?;
+                let file = std::fs::OpenOptions::new().write(true).open(&path).map_err(|e| store_err("opening", e))?;
+                Ok((File { file, seq }, record))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let record = read_old(&dir.join(OLD_FILE))?;
+                let tmp = dir.join(format!("{FILE}.tmp"));
+                let mut bytes = encode(0, record).map_err(Error::Store)?;
+                bytes.extend(encode(1, record).map_err(Error::Store)?);
+                std::fs::write(&tmp, &bytes).map_err(|e| store_err("creating", e))?;
+                let file = std::fs::OpenOptions::new().write(true).open(&tmp).map_err(|e| store_err("opening", e))?;
+                file.sync_all().map_err(|e| store_err("syncing", e))?;
+                std::fs::rename(&tmp, &path).map_err(|e| store_err("renaming into", e))?;
+                std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(|e| store_err("syncing the dir of", e))?;
+                // The old file's floor is in the new one now, durably.
+                let _ = std::fs::remove_file(dir.join(OLD_FILE));
+                Ok((File { file, seq: 1 }, record))
+            }
+            Err(e) => Err(store_err("reading", e)),
+        }
+    }
+
+    /// Writes `record` over the older slot and syncs it.
+    fn write(&mut self, record: Record) -> Result<(), String> {
+        let seq = self.seq + 1;
+        let bytes = encode(seq, record)?;
+        let at = (seq % 2) * SLOT as u64;
+        self.file.write_all_at(&bytes, at).map_err(|e| format!("writing the floor: {e}"))?;
+        self.file.sync_data().map_err(|e| format!("syncing the floor: {e}"))?;
+        self.seq = seq;
+        Ok(())
+    }
+}
+
+/// The floor an older version kept (0 when there is none).
+fn read_old(path: &Path) -> Result<Record, Error> {
+    match std::fs::read(path) {
+        Ok(bytes) => serde_json::from_slice::<Record>(&bytes)
+            .map_err(|e| Error::Store(format!("{} does not parse: {e}", path.display()))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Record::default()),
+        Err(e) => Err(Error::Store(format!("reading {}: {e}", path.display()))),
+    }
 }
 
 /// The floor of one gateway.
 #[derive(Debug)]
 pub(super) struct Floor {
     path: PathBuf,
+    file: Arc<Mutex<File>>,
     highest: watch::Sender<u64>,
     persisted: watch::Sender<u64>,
     cluster_id: Mutex<u64>,
@@ -36,21 +164,15 @@ impl Floor {
     /// Reads the floor kept in `dir` (0 when there is none yet).
     pub(super) fn open(dir: &Path) -> Result<Floor, Error> {
         std::fs::create_dir_all(dir).map_err(|e| Error::Store(format!("creating {}: {e}", dir.display())))?;
-        let path = dir.join("cluster-floor.json");
-        let record = match std::fs::read(&path) {
-            Ok(bytes) => serde_json::from_slice::<Record>(&bytes)
-                .map_err(|e| Error::Store(format!("{} does not parse: {e}", path.display())))?,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Record::default(),
-            Err(e) => return Err(Error::Store(format!("reading {}: {e}", path.display()))),
-        };
+        let (file, record) = File::open(dir)?;
         Ok(Floor {
-            path,
+            path: dir.join(FILE),
+            file: Arc::new(Mutex::new(file)),
             highest: watch::channel(record.floor).0,
             persisted: watch::channel(record.floor).0,
             cluster_id: Mutex::new(record.cluster_id),
         })
     }
-
     /// The highest token seen.
     pub(super) fn get(&self) -> u64 {
         *self.highest.borrow()
@@ -100,14 +222,17 @@ impl Floor {
 
     /// Writes the floor whenever it rises (one write in flight; the
     /// latest value).
-    pub(super) async fn run(self: std::sync::Arc<Self>, stop: Shutdown) {
+    pub(super) async fn run(self: Arc<Self>, stop: Shutdown) {
         let mut rx = self.highest.subscribe();
         loop {
             let floor = *rx.borrow_and_update();
             let cluster_id = *self.cluster_id.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            let path = self.path.clone();
             let record = Record { floor, cluster_id };
-            let written = tokio::task::spawn_blocking(move || write_atomically(&path, &record)).await;
+            let file = self.file.clone();
+            let written = tokio::task::spawn_blocking(move || {
+                file.lock().unwrap_or_else(std::sync::PoisonError::into_inner).write(record)
+            })
+            .await;
             match written {
                 Ok(Ok(())) => {
                     self.persisted.send_if_modified(|p| {
@@ -116,7 +241,7 @@ impl Floor {
                         up
                     });
                 }
-                Ok(Err(e)) => tracing::error!(error = %e, "writing the token floor failed; grants wait"),
+                Ok(Err(e)) => tracing::error!(path = %self.path.display(), error = %e, "writing the token floor failed; grants wait"),
                 Err(e) => tracing::error!(error = %e, "the token floor writer panicked"),
             }
             tokio::select! {
@@ -125,20 +250,6 @@ impl Floor {
             }
         }
     }
-}
-
-fn write_atomically(path: &Path, record: &Record) -> Result<(), String> {
-    use std::io::Write;
-    let tmp = path.with_extension("json.tmp");
-    let bytes = serde_json::to_vec(record).map_err(|e| e.to_string())?;
-    let mut f = std::fs::File::create(&tmp).map_err(|e| format!("creating {}: {e}", tmp.display()))?;
-    f.write_all(&bytes).map_err(|e| e.to_string())?;
-    f.sync_all().map_err(|e| e.to_string())?;
-    std::fs::rename(&tmp, path).map_err(|e| e.to_string())?;
-    if let Some(dir) = path.parent() {
-        std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(|e| e.to_string())?;
-    }
-    Ok(())
 }
 
 /// The operator's command after an etcd restore: raises the token offset
@@ -179,4 +290,73 @@ pub async fn raise_floor(cfg: &ClusterConfig, to: u64) -> Result<u64, Error> {
         }
     }
     Err(Error::Unavailable("the token offset kept changing; try again".into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn floor_in(dir: &Path) -> Record {
+        let f = Floor::open(dir).expect("open");
+        let cluster_id = *f.cluster_id.lock().expect("lock");
+        Record { floor: f.get(), cluster_id }
+    }
+
+    fn write(dir: &Path, floor: u64, cluster_id: u64) {
+        let (mut file, _) = File::open(dir).expect("open");
+        file.write(Record { floor, cluster_id }).expect("write");
+    }
+
+    #[test]
+    fn the_floor_is_read_back_after_each_write() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        assert_eq!(floor_in(dir.path()), Record::default());
+        for floor in [5, 6, 1_000, u64::MAX] {
+            write(dir.path(), floor, 42);
+            assert_eq!(floor_in(dir.path()), Record { floor, cluster_id: 42 });
+        }
+        assert_eq!(std::fs::metadata(dir.path().join(FILE)).expect("stat").len(), 2 * SLOT as u64);
+    }
+
+    #[test]
+    fn a_torn_write_leaves_the_floor_before_it() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut file, _) = File::open(dir.path()).expect("open");
+        file.write(Record { floor: 10, cluster_id: 1 }).expect("write");
+        file.write(Record { floor: 20, cluster_id: 1 }).expect("write");
+        // The next write goes to the slot holding 10; a crash tears it.
+        let at = ((file.seq + 1) % 2) * SLOT as u64;
+        let mut torn = encode(file.seq + 1, Record { floor: 30, cluster_id: 1 }).expect("encode");
+        torn[20..].fill(0);
+        file.file.write_all_at(&torn, at).expect("tear");
+        assert_eq!(floor_in(dir.path()).floor, 20);
+        // Whole again, it wins.
+        file.write(Record { floor: 30, cluster_id: 1 }).expect("write");
+        assert_eq!(floor_in(dir.path()).floor, 30);
+    }
+
+    #[test]
+    fn a_floor_file_with_no_whole_slot_refuses_to_open() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        write(dir.path(), 7, 1);
+        let path = dir.path().join(FILE);
+        let mut bytes = std::fs::read(&path).expect("read");
+        // A changed digit in each slot: the checksums no longer match.
+        for slot in bytes.chunks_mut(SLOT) {
+            let i = slot.iter().position(|b| b.is_ascii_digit()).expect("digit");
+            slot[i] = if slot[i] == b'9' { b'8' } else { slot[i] + 1 };
+        }
+        std::fs::write(&path, &bytes).expect("write");
+        let err = Floor::open(dir.path()).expect_err("must refuse");
+        assert!(err.to_string().contains("no whole floor record"), "{err}");
+    }
+
+    #[test]
+    fn an_older_versions_floor_is_carried_over() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(dir.path().join(OLD_FILE), br#"{"floor":77,"cluster_id":5}"#).expect("write");
+        assert_eq!(floor_in(dir.path()), Record { floor: 77, cluster_id: 5 });
+        assert!(!dir.path().join(OLD_FILE).exists());
+        assert_eq!(floor_in(dir.path()), Record { floor: 77, cluster_id: 5 });
+    }
 }
