@@ -282,6 +282,138 @@ async fn tokens_are_unique_across_gateways_and_waiters_are_served_in_order() {
     );
 }
 
+/// `fencegate_cluster_resyncs_total` of gateway `i`: full reads of the
+/// mirror after its watch broke.
+async fn resyncs(s: &Setup, i: usize) -> u64 {
+    let metrics = String::from_utf8(s.http.get(&s.gws[i].api_url("/metrics")).await.body.to_vec()).unwrap();
+    let line = metrics.lines().find(|l| l.starts_with("fencegate_cluster_resyncs_total")).unwrap_or("");
+    line.rsplit(' ').next().and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("no resyncs counter: {line:?}"))
+}
+
+/// A watch broken by etcd's members restarting on their data (the same
+/// history) is resumed where it stopped, with no full read of the mirror
+/// (which would make the next grant here wait a quarantine), and the
+/// gateway judges with what was written meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_broken_by_etcd_restarting_is_resumed_without_a_full_read() {
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
+    let mut s = setup(2).await;
+    let old = acquire(&s.http, &s.api(0), "resumed", 30_000, 0).await.unwrap();
+    for i in 0..3 {
+        s.etcd.kill9(i);
+    }
+    for i in 0..3 {
+        s.etcd.restart(i);
+    }
+    s.etcd.wait_healthy(Duration::from_secs(30)).await;
+    for i in 0..2 {
+        s.wait_current(i, Duration::from_secs(20)).await;
+    }
+    let started = Instant::now();
+    let new = loop {
+        release(&s.http, &s.api(0), &old).await;
+        match acquire(&s.http, &s.api(0), "resumed", 30_000, 0).await {
+            Ok(g) => break g,
+            Err(r) => assert!(started.elapsed() < Duration::from_secs(20), "no grant: {} {:?}", r.status, r.body),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(s.put(1, "/resumed", old.token).await.error_code(), "stale_fencing_token");
+    assert_eq!(s.put(1, "/resumed", new.token).await.status, StatusCode::OK);
+    for i in 0..2 {
+        assert_eq!(resyncs(&s, i).await, 0, "gateway {i} read its mirror in full: {}", s.gws[i].log_text());
+    }
+}
+
+/// etcd restored from a snapshot under a gateway that was stopped across
+/// the restore. The restored cluster keeps its cluster id, and by the time
+/// the gateway runs again its new history has gone past every revision the
+/// gateway had seen: only the history itself tells. Resumed in the old
+/// numbering, the watch would skip the fences the new history wrote at
+/// revisions the gateway had seen already, and admit writes they make
+/// stale; the gateway must read the new history in full instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_whose_etcd_was_restored_under_it_reads_the_new_history_in_full() {
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
+    let mut s = setup(2).await;
+    acquire(&s.http, &s.api(0), "restored/before", 60_000, 0).await.unwrap();
+    let snapshot = s.dir().join("snapshot.db");
+    s.etcd.snapshot(&snapshot);
+    // What the restore loses: a grant of `restored/key` and more.
+    let lost = acquire(&s.http, &s.api(0), "restored/key", 60_000, 0).await.unwrap();
+    assert_eq!(s.put(1, "/restored/key", lost.token).await.status, StatusCode::OK);
+    for i in 0..10 {
+        acquire(&s.http, &s.api(0), &format!("restored/lost/{i}"), 60_000, 0).await.unwrap();
+    }
+    let (seen_rev, cluster_id) = {
+        let mut c = s.etcd.client().await;
+        let h = c.get("/fencegate/", None).await.unwrap().header().cloned().unwrap();
+        (h.revision(), h.cluster_id())
+    };
+    let pid = s.gws[1].child.id();
+    common::signal(pid, "STOP");
+    s.etcd.restore_all(&snapshot);
+    s.etcd.wait_healthy(Duration::from_secs(30)).await;
+    let mut c = s.etcd.client().await;
+    let h = c.get("/fencegate/", None).await.unwrap().header().cloned().unwrap();
+    assert_eq!(h.cluster_id(), cluster_id, "the restored cluster got a new cluster id: this test needs the same one");
+    assert!(h.revision() < seen_rev, "the restore did not roll revisions back ({} vs {seen_rev})", h.revision());
+    // The new history: the floor raised past every token issued, then
+    // `restored/key` granted anew through the other gateway.
+    let started = Instant::now();
+    let floor = loop {
+        match acquire(&s.http, &s.api(0), "restored/key", 60_000, 0).await {
+            Ok(g) => panic!("granted token {} below the floor after the restore", g.token),
+            Err(r) if String::from_utf8_lossy(&r.body).contains("raise-floor") => {
+                let message = String::from_utf8_lossy(&r.body).into_owned();
+                break message
+                    .split("the token floor ")
+                    .nth(1)
+                    .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
+                    .and_then(|n| n.parse::<u64>().ok())
+                    .unwrap_or_else(|| panic!("the refusal names no floor: {message}"));
+            }
+            Err(r) => assert!(started.elapsed() < Duration::from_secs(30), "{} {:?}", r.status, r.body),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fencegate"))
+        .args(["cluster", "raise-floor", "--etcd", &s.etcd.endpoints().join(","), "--to", &floor.to_string()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "raise-floor: {}", String::from_utf8_lossy(&out.stderr));
+    let started = Instant::now();
+    let new = loop {
+        match acquire(&s.http, &s.api(0), "restored/key", 60_000, 0).await {
+            Ok(g) => break g,
+            Err(r) => assert!(started.elapsed() < Duration::from_secs(30), "{} {:?}", r.status, r.body),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(new.token > lost.token);
+    // Past every revision the stopped gateway had seen.
+    let mut n = 0;
+    while c.put(format!("/fencegate/filler/{n}"), "x", None).await.unwrap().header().unwrap().revision() <= seen_rev + 1
+    {
+        n += 1;
+        assert!(n < 10_000, "the new history does not grow");
+    }
+    let resyncs_before = resyncs(&s, 0).await;
+    common::signal(pid, "CONT");
+    s.wait_current(1, Duration::from_secs(30)).await;
+    assert_eq!(
+        s.put(1, "/restored/key", lost.token).await.error_code(),
+        "stale_fencing_token",
+        "the stopped gateway admitted a write the restored history's grant made stale"
+    );
+    assert_eq!(s.put(1, "/restored/key", new.token).await.status, StatusCode::OK);
+    assert!(resyncs(&s, 1).await >= 1, "the stopped gateway never read the new history in full");
+    // It was the history that told it, not a revision it had not seen yet.
+    let log = s.gws[1].log_text();
+    assert!(log.contains("etcd no longer holds revision"), "{log}");
+    assert!(resyncs_before >= 1, "the running gateway resumed its watch across the restore");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_etcd_leader_keeps_grants_and_fenced_writes_working() {
     let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");

@@ -190,6 +190,11 @@ impl Floor {
         });
     }
 
+    /// The etcd cluster id last read (0 before the first read).
+    pub(super) fn cluster_id(&self) -> u64 {
+        *self.cluster_id.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     /// Records the etcd cluster id; logs when it changed (a restore or a
     /// new cluster) and the revision is below the floor.
     pub(super) fn observe_cluster(&self, cluster_id: u64, revision: i64) {
@@ -241,7 +246,9 @@ impl Floor {
                         up
                     });
                 }
-                Ok(Err(e)) => tracing::error!(path = %self.path.display(), error = %e, "writing the token floor failed; grants wait"),
+                Ok(Err(e)) => {
+                    tracing::error!(path = %self.path.display(), error = %e, "writing the token floor failed; grants wait")
+                }
                 Err(e) => tracing::error!(error = %e, "the token floor writer panicked"),
             }
             tokio::select! {

@@ -244,6 +244,55 @@ impl EtcdCluster {
         self.spawn(i);
     }
 
+    /// Saves a snapshot of the cluster's data (through member 0) to `path`.
+    pub fn snapshot(&self, path: &Path) {
+        assert!(self.tls.is_none(), "snapshots of TLS clusters are not needed by any test");
+        let out = Command::new("etcdctl")
+            .env("ETCDCTL_API", "3")
+            .arg("--endpoints")
+            .arg(&self.members[0].client_url)
+            .arg("snapshot")
+            .arg("save")
+            .arg(path)
+            .output()
+            .expect("running etcdctl (etcd-client package)");
+        assert!(out.status.success(), "etcdctl snapshot save: {}", String::from_utf8_lossy(&out.stderr));
+    }
+
+    /// What an operator does to restore a cluster: every member stopped,
+    /// its data replaced by `snapshot` restored under the same name, peer
+    /// URL and cluster token (so the cluster keeps its cluster id), and
+    /// started again.
+    pub fn restore_all(&mut self, snapshot: &Path) {
+        for i in 0..self.members.len() {
+            self.kill9(i);
+        }
+        for m in &self.members {
+            let _ = std::fs::remove_dir_all(&m.data_dir);
+            let out = Command::new("etcdctl")
+                .env("ETCDCTL_API", "3")
+                .arg("snapshot")
+                .arg("restore")
+                .arg(snapshot)
+                .arg("--name")
+                .arg(&m.name)
+                .arg("--data-dir")
+                .arg(&m.data_dir)
+                .arg("--initial-cluster")
+                .arg(&self.initial_cluster)
+                .arg("--initial-cluster-token")
+                .arg(&self.token)
+                .arg("--initial-advertise-peer-urls")
+                .arg(&m.peer_url)
+                .output()
+                .expect("running etcdctl (etcd-client package)");
+            assert!(out.status.success(), "etcdctl snapshot restore: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        for i in 0..self.members.len() {
+            self.spawn(i);
+        }
+    }
+
     pub fn logs(&self) -> String {
         self.members
             .iter()
