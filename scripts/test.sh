@@ -59,9 +59,10 @@ rm -f "$lg_log"
 stage "load generator build (what outlasted the nemesis)"
 # The side-by-side harness in its short form (every part, ~2 min of load), so
 # it cannot rot: it fails when any target errs or a measurement is missing.
-# Its figures on a shared CI box are not the benchmark; the full run is
+# Its figures on a shared CI box are not the benchmark (one repetition of
+# each measurement is enough to catch rot); the full run is
 # `bash benches/compare/run.sh`.
-FENCEGATE_BIN="${CARGO_TARGET_DIR:-$PWD/target}/debug/fencegate" FENCEGATE_REV="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" \
+BENCH_REPS=1 FENCEGATE_BIN="${CARGO_TARGET_DIR:-$PWD/target}/debug/fencegate" FENCEGATE_REV="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" \
     bash benches/compare/run.sh --smoke --out "${TMPDIR:-/tmp}/fencegate-compare-smoke.md"
 stage "side-by-side smoke"
 if ! wait "$sdk_build"; then

@@ -290,48 +290,15 @@ async fn resyncs(s: &Setup, i: usize) -> u64 {
     line.rsplit(' ').next().and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("no resyncs counter: {line:?}"))
 }
 
-/// A watch broken by etcd's members restarting on their data (the same
-/// history) is resumed where it stopped, with no full read of the mirror
-/// (which would make the next grant here wait a quarantine), and the
-/// gateway judges with what was written meanwhile.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_watch_broken_by_etcd_restarting_is_resumed_without_a_full_read() {
-    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
-    let mut s = setup(2).await;
-    let old = acquire(&s.http, &s.api(0), "resumed", 30_000, 0).await.unwrap();
-    for i in 0..3 {
-        s.etcd.kill9(i);
-    }
-    for i in 0..3 {
-        s.etcd.restart(i);
-    }
-    s.etcd.wait_healthy(Duration::from_secs(30)).await;
-    for i in 0..2 {
-        s.wait_current(i, Duration::from_secs(20)).await;
-    }
-    let started = Instant::now();
-    let new = loop {
-        release(&s.http, &s.api(0), &old).await;
-        match acquire(&s.http, &s.api(0), "resumed", 30_000, 0).await {
-            Ok(g) => break g,
-            Err(r) => assert!(started.elapsed() < Duration::from_secs(20), "no grant: {} {:?}", r.status, r.body),
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    assert_eq!(s.put(1, "/resumed", old.token).await.error_code(), "stale_fencing_token");
-    assert_eq!(s.put(1, "/resumed", new.token).await.status, StatusCode::OK);
-    for i in 0..2 {
-        assert_eq!(resyncs(&s, i).await, 0, "gateway {i} read its mirror in full: {}", s.gws[i].log_text());
-    }
-}
-
 /// etcd restored from a snapshot under a gateway that was stopped across
 /// the restore. The restored cluster keeps its cluster id, and by the time
 /// the gateway runs again its new history has gone past every revision the
-/// gateway had seen: only the history itself tells. Resumed in the old
-/// numbering, the watch would skip the fences the new history wrote at
-/// revisions the gateway had seen already, and admit writes they make
-/// stale; the gateway must read the new history in full instead.
+/// gateway had seen. A watch resumed in the old numbering would skip the
+/// fences the new history wrote at revisions the gateway had seen already,
+/// and admit writes they make stale: a broken watch is never resumed, the
+/// gateway reads the new history in full. (A resume guarded by a check of
+/// the last event was tried and taken out: fencegate's own events repeat
+/// across histories, and a review lined one up.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_whose_etcd_was_restored_under_it_reads_the_new_history_in_full() {
     let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
@@ -408,9 +375,6 @@ async fn a_gateway_whose_etcd_was_restored_under_it_reads_the_new_history_in_ful
     );
     assert_eq!(s.put(1, "/restored/key", new.token).await.status, StatusCode::OK);
     assert!(resyncs(&s, 1).await >= 1, "the stopped gateway never read the new history in full");
-    // It was the history that told it, not a revision it had not seen yet.
-    let log = s.gws[1].log_text();
-    assert!(log.contains("etcd no longer holds revision"), "{log}");
     assert!(resyncs_before >= 1, "the running gateway resumed its watch across the restore");
 }
 

@@ -72,7 +72,7 @@ if [ "$MODE" = smoke ]; then
     D_SCALE=1
     HOLD_LEASES=10000
     D_CLUSTER=1        # s per run (part 6)
-    CLUSTER_REPS=2
+    CLUSTER_REPS=${BENCH_REPS:-2}
     D_CLUSTER_PUT=1
 else
     REPS=${BENCH_REPS:-5}

@@ -1,9 +1,7 @@
 //! The fence feed: the mirror and the fence table loaded by one consistent
 //! read at revision R, then fed by a watch from R+1 (never from "now", which
-//! could skip a fence). A watch that ends, errs or is cancelled marks the
-//! gateway not current at once; it is resumed from the revision after the
-//! last one applied once etcd is seen to hold the same history (else, and
-//! after a compaction, the mirror is read in full again). Each
+//! could skip a fence). A watch that ends, errs or is cancelled by a
+//! compaction marks the gateway not current at once and reloads. Each
 //! installed fence runs the local activation barrier; the highest revision
 //! up to which every fence is installed and activated is acknowledged in
 //! `a/GW` (coalesced: one put in flight, always the latest value).
@@ -17,31 +15,6 @@ use etcd_client::{EventType, GetOptions, KeyValue, PutOptions, WatchOptions};
 use super::mirror::{GrantEntry, GrantValue, MemberEntry};
 use super::{call, token_of, Cluster, Kind};
 use crate::error::Error;
-
-/// How a watch ended: why, whether only a full read can go on from there,
-/// and whether it delivered anything (then the next try waits the shortest
-/// pause again).
-struct WatchEnded {
-    why: String,
-    reload: bool,
-    delivered: bool,
-}
-
-/// The last event a watch delivered: a resumed watch first checks that
-/// etcd still holds it at its revision.
-struct LastEvent {
-    key: Vec<u8>,
-    revision: i64,
-    /// A put's value and create revision; `None` for a delete.
-    put: Option<(Vec<u8>, i64)>,
-}
-
-/// An answer that says etcd no longer has the revisions asked for: they
-/// were compacted, or they lie in its future (a restore rolled it back).
-fn history_gone(e: &Error) -> bool {
-    let m = e.to_string();
-    m.contains("required revision has been compacted") || m.contains("required revision is a future revision")
-}
 
 /// Keys per page of a reload (each page well under gRPC's 4 MiB).
 const LOAD_PAGE: i64 = 500;
@@ -174,6 +147,7 @@ impl Cluster {
                     // A fence that cannot be installed must not be acknowledged.
                     tracing::error!(key, token, error = %e, "cannot install a fence; this gateway stops admitting");
                     self.fences.set_not_current("a fence from etcd could not be installed (fence quota)");
+                    self.metrics.cluster_current.set(0);
                     self.feed_ok.store(false, Ordering::Release);
                     return;
                 }
@@ -273,81 +247,23 @@ impl Cluster {
         self.ack_kick.notify_one();
     }
 
-    /// Feeds the mirror from the watch. A watch that breaks is resumed
-    /// from the revision after the last one it delivered (etcd delivers a
-    /// revision's events together, and every revision after a watch's
-    /// start, so nothing is skipped), as etcd's own client resumes its
-    /// watches; the mirror is read again in full only when the watch cannot
-    /// go on from there: a compaction removed those revisions, or the
-    /// answers come from another etcd cluster (a restore, or a new one).
-    /// Resuming spares the grants answered here the quarantine a full read
-    /// costs (a member that left during the break is seen leaving, in the
-    /// watch, instead of being unknown). Either way the gateway is not
-    /// current from the break until it proves it is again (its own
-    /// acknowledgement back through the new watch).
+    /// Feeds the mirror from the watch; reloads after any break.
     pub(super) async fn run_feed(self: Arc<Self>, mut from: i64) {
         let mut backoff = Duration::from_millis(100);
-        // The last event applied, and how long a broken watch is tried
-        // again before the mirror is read in full instead.
-        let mut last_event: Option<LastEvent> = None;
-        let mut resume_until: Option<tokio::time::Instant> = None;
         loop {
             if self.stop.is_triggered() {
                 return;
             }
             self.feed_ok.store(true, Ordering::Release);
-            let mut last = from - 1;
-            let ended = tokio::select! {
-                ended = self.watch_from(from, &mut last, &mut last_event) => ended,
+            let why = tokio::select! {
+                why = self.watch_from(from) => why,
                 () = self.stop.wait() => return,
             };
             self.feed_ok.store(false, Ordering::Release);
             self.fences.set_not_current("the gateway's etcd watch may be behind; resynchronising");
-            if ended.delivered {
-                backoff = Duration::from_millis(100);
-                resume_until = None;
-            }
-            let why = if ended.reload {
-                ended.why
-            } else {
-                tracing::warn!(gateway = %self.gateway_id, reason = %ended.why, from = last + 1, "etcd watch broken; resuming");
-                let until = *resume_until.get_or_insert_with(|| tokio::time::Instant::now() + self.member_ttl * 2);
-                let resumable = loop {
-                    tokio::select! {
-                        () = tokio::time::sleep(backoff) => {}
-                        () = self.stop.wait() => return,
-                    }
-                    backoff = (backoff * 2).min(Duration::from_secs(2));
-                    let Some(ev) = &last_event else {
-                        break Err("no event seen since the last full read to check the history against".to_string());
-                    };
-                    match self.same_history(ev).await {
-                        Ok(true) => break Ok(()),
-                        Ok(false) => {
-                            break Err(format!(
-                                "etcd no longer holds revision {} as this gateway saw it (a restore?)",
-                                ev.revision
-                            ))
-                        }
-                        Err(e) if history_gone(&e) => break Err(e.to_string()),
-                        Err(e) if tokio::time::Instant::now() >= until => {
-                            break Err(format!("could not resume in time: {e}"))
-                        }
-                        Err(e) => tracing::debug!(error = %e, "checking the watch can resume; trying again"),
-                    }
-                };
-                match resumable {
-                    Ok(()) => {
-                        from = last + 1;
-                        continue;
-                    }
-                    Err(why) => why,
-                }
-            };
-            resume_until = None;
-            last_event = None;
+            self.metrics.cluster_current.set(0);
             self.metrics.cluster_resyncs.inc();
-            tracing::warn!(gateway = %self.gateway_id, reason = %why, "etcd watch cannot go on; reloading");
+            tracing::warn!(gateway = %self.gateway_id, reason = %why, "etcd watch broken; reloading");
             loop {
                 tokio::select! {
                     () = tokio::time::sleep(backoff) => {}
@@ -368,92 +284,42 @@ impl Cluster {
         }
     }
 
-    /// Watches from `from` until the watch breaks, applying each event;
-    /// `last` is the last revision applied. Says why it ended.
-    async fn watch_from(&self, from: i64, last: &mut i64, last_event: &mut Option<LastEvent>) -> WatchEnded {
-        let ended = |why: String, reload: bool, delivered: bool| WatchEnded { why, reload, delivered };
+    /// Watches from `from` until the watch breaks; returns why.
+    async fn watch_from(&self, from: i64) -> String {
         let mut client = self.client.watch_client();
         let opts = WatchOptions::new().with_prefix().with_start_revision(from);
         let watch = client.watch(self.keys.prefix.as_str(), Some(opts));
         let mut stream = match tokio::time::timeout(self.timeout, watch).await {
             Ok(Ok(s)) => s,
-            Ok(Err(e)) => return ended(format!("starting the watch: {e}"), false, false),
-            Err(_) => return ended("starting the watch: timed out".into(), false, false),
+            Ok(Err(e)) => return format!("starting the watch: {e}"),
+            Err(_) => return "starting the watch: timed out".into(),
         };
-        let mut delivered = false;
         loop {
             let msg = match stream.message().await {
                 Ok(Some(m)) => m,
-                Ok(None) => return ended("the watch stream ended".into(), false, delivered),
-                Err(e) => return ended(format!("watch error: {e}"), false, delivered),
+                Ok(None) => return "the watch stream ended".into(),
+                Err(e) => return format!("watch error: {e}"),
             };
-            if msg.compact_revision() > 0 {
-                return ended(format!("compacted at revision {}", msg.compact_revision()), true, delivered);
-            }
-            // Another etcd cluster (restored, or new) numbers its revisions
-            // afresh: what was read from the old one says nothing of it.
-            let cluster_id = msg.header().map_or(0, |h| h.cluster_id());
-            let known = self.floor.cluster_id();
-            if cluster_id != 0 && known != 0 && cluster_id != known {
-                return ended(format!("the etcd cluster id changed ({known} to {cluster_id})"), true, delivered);
-            }
             if msg.canceled() {
-                return ended(format!("watch cancelled: {}", msg.cancel_reason()), false, delivered);
+                if msg.compact_revision() > 0 {
+                    return format!("compacted at revision {}", msg.compact_revision());
+                }
+                return format!("watch cancelled: {}", msg.cancel_reason());
             }
-            let mut seen = 0;
+            let mut last = 0;
             for ev in msg.events() {
                 let Some(kv) = ev.kv() else { continue };
-                let put = match ev.event_type() {
-                    EventType::Put => {
-                        self.apply_put(kv);
-                        Some((kv.value().to_vec(), kv.create_revision()))
-                    }
-                    EventType::Delete => {
-                        self.apply_delete(kv.key());
-                        None
-                    }
-                };
-                if kv.mod_revision() >= seen {
-                    *last_event = Some(LastEvent { key: kv.key().to_vec(), revision: kv.mod_revision(), put });
+                match ev.event_type() {
+                    EventType::Put => self.apply_put(kv),
+                    EventType::Delete => self.apply_delete(kv.key()),
                 }
-                seen = seen.max(kv.mod_revision());
+                last = last.max(kv.mod_revision());
             }
-            if seen > 0 {
-                delivered = true;
-                *last = (*last).max(seen);
-                self.applied.send_modify(|v| *v = (*v).max(seen));
+            if last > 0 {
+                self.applied.send_modify(|v| *v = (*v).max(last));
                 self.recompute_activated();
             }
         }
-    }
-
-    /// Whether etcd still holds the history this gateway applied: the same
-    /// cluster, and at the last event's revision that very event (the put
-    /// with its value and create revision; for a delete, the key gone at
-    /// that revision and there just before). An etcd restored from an older
-    /// snapshot numbers its revisions afresh from below: a watch resumed
-    /// from the old numbering would skip what the new history wrote up to
-    /// it, so only a full read may follow a restore. A restore is caught
-    /// here unless it recreated the very same event at the same revision.
-    async fn same_history(&self, ev: &LastEvent) -> Result<bool, Error> {
-        let get = |rev: i64| {
-            call(self.timeout, "checking the watch can resume", move || {
-                let (mut kv, key) = (self.client.kv_client(), ev.key.clone());
-                async move { kv.get(key, Some(GetOptions::new().with_revision(rev))).await }
-            })
-        };
-        let at = get(ev.revision).await?;
-        let known = self.floor.cluster_id();
-        if at.header().is_some_and(|h| known != 0 && h.cluster_id() != known) {
-            return Ok(false);
-        }
-        Ok(match (&ev.put, at.kvs().first()) {
-            (Some((value, created)), Some(kv)) => {
-                kv.mod_revision() == ev.revision && kv.create_revision() == *created && kv.value() == value.as_slice()
-            }
-            (None, None) => get(ev.revision - 1).await?.kvs().first().is_some_and(|kv| kv.mod_revision() < ev.revision),
-            _ => false,
-        })
     }
 
     /// Writes `a/GW` whenever the activated revision moves (coalesced).

@@ -100,7 +100,7 @@ impl File {
         let store_err = |what: &str, e: std::io::Error| Error::Store(format!("{what} {}: {e}", path.display()));
         match std::fs::read(&path) {
             Ok(bytes) => {
-                let (seq, record) = newest(&bytes).ok_or_else(|| {
+                let (seq, mut record) = newest(&bytes).ok_or_else(|| {
                     Error::Store(format!(
                         "{} holds no whole floor record (damaged?): refusing to start with a floor of 0; restore it, \
                          or remove it and raise the floor with `fencegate cluster raise-floor`",
@@ -108,7 +108,20 @@ impl File {
                     ))
                 })?;
                 let file = std::fs::OpenOptions::new().write(true).open(&path).map_err(|e| store_err("opening", e))?;
-                Ok((File { file, seq }, record))
+                let mut file = File { file, seq };
+                // An older version's file beside it (written by that version
+                // after a downgrade, say): the higher floor wins, kept in
+                // the new file before the old one goes.
+                let old_path = dir.join(OLD_FILE);
+                if old_path.exists() {
+                    let old = read_old(&old_path)?;
+                    if old.floor > record.floor {
+                        record = old;
+                        file.write(record).map_err(Error::Store)?;
+                    }
+                    let _ = std::fs::remove_file(&old_path);
+                }
+                Ok((file, record))
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 let record = read_old(&dir.join(OLD_FILE))?;
@@ -188,11 +201,6 @@ impl Floor {
                 false
             }
         });
-    }
-
-    /// The etcd cluster id last read (0 before the first read).
-    pub(super) fn cluster_id(&self) -> u64 {
-        *self.cluster_id.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Records the etcd cluster id; logs when it changed (a restore or a
@@ -356,6 +364,19 @@ mod tests {
         std::fs::write(&path, &bytes).expect("write");
         let err = Floor::open(dir.path()).expect_err("must refuse");
         assert!(err.to_string().contains("no whole floor record"), "{err}");
+    }
+
+    #[test]
+    fn beside_the_new_file_an_older_versions_higher_floor_wins() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        write(dir.path(), 5, 1);
+        std::fs::write(dir.path().join(OLD_FILE), br#"{"floor":999,"cluster_id":2}"#).expect("write");
+        assert_eq!(floor_in(dir.path()), Record { floor: 999, cluster_id: 2 });
+        assert!(!dir.path().join(OLD_FILE).exists());
+        assert_eq!(floor_in(dir.path()), Record { floor: 999, cluster_id: 2 });
+        // A lower one does not lower it.
+        std::fs::write(dir.path().join(OLD_FILE), br#"{"floor":7,"cluster_id":2}"#).expect("write");
+        assert_eq!(floor_in(dir.path()).floor, 999);
     }
 
     #[test]
