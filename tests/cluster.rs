@@ -378,6 +378,81 @@ async fn a_gateway_whose_etcd_was_restored_under_it_reads_the_new_history_in_ful
     assert!(resyncs_before >= 1, "the running gateway resumed its watch across the restore");
 }
 
+/// The floor in a refusal's message ("… the token floor N …").
+fn floor_named(body: &[u8]) -> Option<u64> {
+    let message = String::from_utf8_lossy(body);
+    message.split("the token floor ").nth(1)?.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
+}
+
+/// A gateway stopped (data dir kept) while another went on granting, then
+/// etcd restored from a snapshot older than those grants: the stopped
+/// gateway's own floor is below the tokens the restore lost, so alone it
+/// would grant them again. The gateway that issued them holds such a
+/// grant back (it never acknowledges it), so it is never answered; after
+/// `raise-floor` grants come back above every token issued.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_restore_a_gateway_that_missed_the_lost_tokens_cannot_grant_them_again() {
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
+    let mut s = setup(2).await;
+    acquire(&s.http, &s.api(0), "gap/before", 60_000, 0).await.unwrap();
+    let snapshot = s.dir().join("snapshot.db");
+    s.etcd.snapshot(&snapshot);
+    let gw1 = s.gws.remove(1);
+    assert_eq!(gw1.terminate().code(), Some(0));
+    let mut highest = 0;
+    for i in 0..10 {
+        highest = highest.max(acquire(&s.http, &s.api(0), &format!("gap/{i}"), 60_000, 0).await.unwrap().token);
+    }
+    s.etcd.restore_all(&snapshot);
+    s.etcd.wait_healthy(Duration::from_secs(30)).await;
+    let config = Some(gateway_config(&s.etcd, "gw1", &s.rec.url()));
+    s.gws.push(Gateway::start(&s.dir().join("gw1"), Opts { config, ..Opts::default() }));
+    s.wait_current(1, Duration::from_secs(30)).await;
+    // Through the gateway that missed them: never a token at or below them.
+    let started = Instant::now();
+    let refusal = loop {
+        match acquire(&s.http, &s.api(1), "gap/0", 60_000, 0).await {
+            Ok(g) => panic!("token {} granted after the restore (highest issued before it: {highest})", g.token),
+            Err(r) if r.status == StatusCode::SERVICE_UNAVAILABLE => break r,
+            Err(r) => assert!(started.elapsed() < Duration::from_secs(40), "{} {:?}", r.status, r.body),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    println!(
+        "FIGURE after a restore, the gateway below the lost tokens: {:?} after {:?}",
+        refusal.body,
+        started.elapsed()
+    );
+    // Then grants come back above every token issued before the restore:
+    // once etcd's revisions pass the floor, or once an operator raises it
+    // past the floor a refusal names.
+    let started = Instant::now();
+    let after = loop {
+        match acquire(&s.http, &s.api(1), "gap/after", 60_000, 0).await {
+            Ok(g) => break g,
+            Err(r) => {
+                if let Some(floor) = floor_named(&r.body) {
+                    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fencegate"))
+                        .args([
+                            "cluster",
+                            "raise-floor",
+                            "--etcd",
+                            &s.etcd.endpoints().join(","),
+                            "--to",
+                            &floor.to_string(),
+                        ])
+                        .output()
+                        .unwrap();
+                    assert!(out.status.success(), "raise-floor: {}", String::from_utf8_lossy(&out.stderr));
+                }
+                assert!(started.elapsed() < Duration::from_secs(60), "{} {:?}", r.status, r.body);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(after.token > highest, "token {} not above the highest issued before the restore ({highest})", after.token);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_etcd_leader_keeps_grants_and_fenced_writes_working() {
     let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");

@@ -16,6 +16,16 @@ use super::mirror::{GrantEntry, GrantValue, MemberEntry};
 use super::{call, token_of, Cluster, Kind};
 use crate::error::Error;
 
+/// The token a fence `f/KEY` names: `offset/slot` (a batched grant) or
+/// `offset` (one grant per transaction), at the put's revision.
+fn fence_token(kv: &KeyValue) -> u64 {
+    let v = kv.value_str().unwrap_or("").trim();
+    let (o, slot) = v.split_once('/').map_or((v, None), |(o, i)| (o, Some(i)));
+    let offset = o.parse::<u64>().unwrap_or(0);
+    let slot = slot.map(|i| i.parse::<u64>().unwrap_or(0));
+    token_of(offset, kv.mod_revision(), slot)
+}
+
 /// Keys per page of a reload (each page well under gRPC's 4 MiB).
 const LOAD_PAGE: i64 = 500;
 
@@ -57,6 +67,22 @@ impl Cluster {
             }
         }
         self.floor.observe_cluster(cluster_id, revision);
+        if revision < *self.applied.borrow() {
+            // etcd's revisions went back (a restore, or another cluster):
+            // what this gateway counted in the old numbering — its last
+            // acknowledgement, its last fence, activations under way —
+            // says nothing of the new one, and an acknowledgement carried
+            // over would cover revisions it never saw.
+            tracing::warn!(
+                revision,
+                seen = *self.applied.borrow(),
+                "etcd's revision went back: acknowledgements start over"
+            );
+            *self.ack_lock.lock().await = 0;
+            *self.last_fence.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = 0;
+            self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clear();
+            *self.floor_watch.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = super::FloorWatch::default();
+        }
         {
             let mut m = self.lock_mirror();
             // Departures already seen keep their quarantine; the load
@@ -136,13 +162,7 @@ impl Cluster {
                 m.grants.insert(key.to_string(), GrantEntry { token, created, modified, deadline, value });
             }
             Kind::Fence(key) => {
-                // `offset/slot` (a batched grant) or `offset` (one grant per
-                // transaction).
-                let v = kv.value_str().unwrap_or("").trim();
-                let (o, slot) = v.split_once('/').map_or((v, None), |(o, i)| (o, Some(i)));
-                let offset = o.parse::<u64>().unwrap_or(0);
-                let slot = slot.map(|i| i.parse::<u64>().unwrap_or(0));
-                let token = token_of(offset, kv.mod_revision(), slot);
+                let token = fence_token(kv);
                 if let Err(e) = self.fences.install(key, token) {
                     // A fence that cannot be installed must not be acknowledged.
                     tracing::error!(key, token, error = %e, "cannot install a fence; this gateway stops admitting");
@@ -236,10 +256,55 @@ impl Cluster {
     pub(super) fn ack_target(&self) -> i64 {
         let last = *self.last_fence.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let first = self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner).first().copied();
-        match first {
+        let held = self.first_held_back();
+        match first.into_iter().chain(held).min() {
             Some(p) => (p - 1).min(last),
             None => last,
         }
+    }
+
+    /// A grant the watch delivered (its fence `key` at `rev`, `token`):
+    /// held back, never acknowledged here, when its token is not above
+    /// this gateway's token floor as it stood before that revision. In one
+    /// history tokens only grow with revisions, so such a token was issued
+    /// before: etcd was restored or replaced, and a gateway that missed the
+    /// tokens issued since (stopped, paused, cut off; its own floor lower)
+    /// is granting again below them. Without this gateway's acknowledgement
+    /// no grant at or after that revision is answered, anywhere; the hold
+    /// ends when the grant is gone (withdrawn by its gateway when
+    /// activation times out, released or expired).
+    fn check_against_floor(&self, key: &str, rev: i64, token: u64) {
+        let mut fw = self.floor_watch.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if rev != fw.rev {
+            fw.rev = rev;
+            fw.before = self.floor.get();
+        }
+        if token > fw.before {
+            return;
+        }
+        tracing::error!(
+            key,
+            token,
+            revision = rev,
+            floor = fw.before,
+            "a grant's token is not above this gateway's token floor: etcd was restored or replaced and a gateway \
+             that missed the tokens issued since is granting again; no grant is acknowledged here until it is gone \
+             (run `fencegate cluster raise-floor --to {floor}`)",
+            floor = fw.before
+        );
+        fw.held.entry(rev).or_default().push(key.to_string());
+    }
+
+    /// The lowest revision held back by [`Cluster::check_against_floor`]
+    /// whose grant still exists in the mirror (those gone are dropped).
+    fn first_held_back(&self) -> Option<i64> {
+        let mut fw = self.floor_watch.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if fw.held.is_empty() {
+            return None;
+        }
+        let m = self.lock_mirror();
+        fw.held.retain(|rev, keys| keys.iter().any(|k| m.grants.get(k).is_some_and(|g| g.created == *rev)));
+        fw.held.keys().next().copied()
     }
 
     /// Wakes the ack writer: the ack target may have moved.
@@ -310,7 +375,12 @@ impl Cluster {
             for ev in msg.events() {
                 let Some(kv) = ev.kv() else { continue };
                 match ev.event_type() {
-                    EventType::Put => self.apply_put(kv),
+                    EventType::Put => {
+                        if let Kind::Fence(key) = self.keys.kind(kv.key()) {
+                            self.check_against_floor(key, kv.mod_revision(), fence_token(kv));
+                        }
+                        self.apply_put(kv);
+                    }
                     EventType::Delete => self.apply_delete(kv.key()),
                 }
                 last = last.max(kv.mod_revision());

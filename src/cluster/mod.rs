@@ -253,6 +253,15 @@ impl crate::fence::GrantLiveness for Cluster {
     }
 }
 
+/// The token floor as the watch delivers grants: the floor before the
+/// revision being applied, and the grants held back (revision → keys).
+#[derive(Debug, Default)]
+pub(super) struct FloorWatch {
+    rev: i64,
+    before: u64,
+    held: std::collections::BTreeMap<i64, Vec<String>>,
+}
+
 /// The cluster-mode authority of one gateway.
 pub struct Cluster {
     client: Client,
@@ -277,6 +286,9 @@ pub struct Cluster {
     pending: Arc<Mutex<std::collections::BTreeSet<i64>>>,
     /// The last fence revision applied.
     last_fence: Mutex<i64>,
+    /// Grants whose tokens were not above the token floor (`feed.rs`,
+    /// `check_against_floor`).
+    floor_watch: Mutex<FloorWatch>,
     membership: Mutex<Membership>,
     /// The watch is running and was loaded from a consistent read.
     feed_ok: AtomicBool,
@@ -342,6 +354,7 @@ impl Cluster {
             ack_kick: Arc::default(),
             pending: Arc::default(),
             last_fence: Mutex::new(0),
+            floor_watch: Mutex::default(),
             membership: Mutex::default(),
             feed_ok: AtomicBool::new(false),
             ack_lock: tokio::sync::Mutex::new(0),
