@@ -67,6 +67,9 @@ impl Cluster {
             }
         }
         self.floor.observe_cluster(cluster_id, revision);
+        // The grants this gateway knew before this read: key → (create
+        // revision, lease-id hash).
+        let known: std::collections::HashMap<String, (i64, String)>;
         if revision < *self.applied.borrow() {
             // etcd's revisions went back (a restore, or another cluster):
             // what this gateway counted in the old numbering — its last
@@ -81,7 +84,9 @@ impl Cluster {
             *self.ack_lock.lock().await = 0;
             *self.last_fence.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = 0;
             self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clear();
-            *self.floor_watch.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = super::FloorWatch::default();
+            // Grants held back stay held: they are judged by what they are.
+            let mut fw = self.floor_watch.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            (fw.rev, fw.before) = (0, 0);
         }
         {
             let mut m = self.lock_mirror();
@@ -91,6 +96,7 @@ impl Cluster {
             // Grants already seen keep their expiry deadline (a put seen
             // again counts from when it was first seen).
             let seen = std::mem::take(&mut m.grants);
+            known = seen.iter().map(|(k, g)| (k.clone(), (g.created, g.value.s.clone()))).collect();
             *m = super::mirror::Mirror { departed, loaded_at: Some(tokio::time::Instant::now()), ..Default::default() };
             m.grants = seen;
         }
@@ -116,6 +122,7 @@ impl Cluster {
                 self.apply_put(kv);
             }
         }
+        self.hold_unknown_grants_below_floor(kvs, revision, &known);
         for kv in kvs {
             if matches!(self.keys.kind(kv.key()), Kind::Fence(_)) {
                 self.apply_put(kv);
@@ -293,6 +300,45 @@ impl Cluster {
             floor = fw.before
         );
         fw.held.entry(rev).or_default().push(key.to_string());
+    }
+
+    /// [`Cluster::check_against_floor`] for a full read at `revision`: when
+    /// etcd is behind this gateway's floor (every token it could issue now
+    /// is at or below it: restored, or replaced), a grant read whose token
+    /// is not above the floor and that this gateway did not know before
+    /// (its key, create revision and lease-id hash) was made in the new
+    /// numbering by a gateway with a lower floor: held back as if the
+    /// watch had delivered it. A gateway that comes back to the cluster
+    /// through a full read (paused, cut off) must not acknowledge it either.
+    fn hold_unknown_grants_below_floor(
+        &self,
+        kvs: &[KeyValue],
+        revision: i64,
+        known: &std::collections::HashMap<String, (i64, String)>,
+    ) {
+        let floor = self.floor.get();
+        let offset = self.lock_mirror().offset;
+        if floor < token_of(offset, revision, Some(super::TOKEN_SLOTS - 1)) {
+            return;
+        }
+        for kv in kvs {
+            let Kind::Grant(key) = self.keys.kind(kv.key()) else { continue };
+            let Ok(value) = serde_json::from_slice::<GrantValue>(kv.value()) else { continue };
+            let token = token_of(value.o, kv.create_revision(), value.i);
+            if token > floor || known.get(key) == Some(&(kv.create_revision(), value.s.clone())) {
+                continue;
+            }
+            tracing::error!(
+                key,
+                token,
+                revision = kv.create_revision(),
+                floor,
+                "a grant read from etcd has a token not above this gateway's token floor and was not seen before: \
+                 etcd was restored or replaced; no grant is acknowledged here until it is gone"
+            );
+            let mut fw = self.floor_watch.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            fw.held.entry(kv.create_revision()).or_default().push(key.to_string());
+        }
     }
 
     /// The lowest revision held back by [`Cluster::check_against_floor`]
