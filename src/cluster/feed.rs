@@ -70,6 +70,7 @@ impl Cluster {
         // The grants this gateway knew before this read: key → (create
         // revision, lease-id hash).
         let known: std::collections::HashMap<String, (i64, String)>;
+        let first_load = *self.applied.borrow() == 0;
         if revision < *self.applied.borrow() {
             // etcd's revisions went back (a restore, or another cluster):
             // what this gateway counted in the old numbering — its last
@@ -122,7 +123,7 @@ impl Cluster {
                 self.apply_put(kv);
             }
         }
-        self.hold_unknown_grants_below_floor(kvs, revision, &known);
+        self.hold_unknown_grants_below_floor(kvs, revision, &known, first_load);
         for kv in kvs {
             if matches!(self.keys.kind(kv.key()), Kind::Fence(_)) {
                 self.apply_put(kv);
@@ -302,23 +303,29 @@ impl Cluster {
         fw.held.entry(rev).or_default().push(key.to_string());
     }
 
-    /// [`Cluster::check_against_floor`] for a full read at `revision`: when
-    /// etcd is behind this gateway's floor (every token it could issue now
-    /// is at or below it: restored, or replaced), a grant read whose token
-    /// is not above the floor and that this gateway did not know before
-    /// (its key, create revision and lease-id hash) was made in the new
-    /// numbering by a gateway with a lower floor: held back as if the
-    /// watch had delivered it. A gateway that comes back to the cluster
+    /// [`Cluster::check_against_floor`] for a full read at `revision`: a
+    /// grant read whose token is not above this gateway's floor and that
+    /// it did not know before (its key, create revision and lease-id hash)
+    /// was made in another numbering (etcd restored or replaced) by a
+    /// gateway with a lower floor — in one history, a grant made while this
+    /// gateway's watch was down has a token above every token it had seen:
+    /// held back as if the watch had delivered it. A gateway that comes back
     /// through a full read (paused, cut off) must not acknowledge it either.
+    /// On the first read of a process nothing was known before: then only
+    /// while etcd is behind the floor (every token it could issue now is at
+    /// or below it) — once etcd's revisions have passed the floor, a new
+    /// process cannot tell a repeated token from an old grant it saw in its
+    /// previous life.
     fn hold_unknown_grants_below_floor(
         &self,
         kvs: &[KeyValue],
         revision: i64,
         known: &std::collections::HashMap<String, (i64, String)>,
+        first_load: bool,
     ) {
         let floor = self.floor.get();
         let offset = self.lock_mirror().offset;
-        if floor < token_of(offset, revision, Some(super::TOKEN_SLOTS - 1)) {
+        if first_load && floor < token_of(offset, revision, Some(super::TOKEN_SLOTS - 1)) {
             return;
         }
         for kv in kvs {
@@ -460,7 +467,10 @@ impl Cluster {
         let Some(lease) = self.member_lease() else {
             return Err(Error::Unavailable("not a member".into()));
         };
-        let target = self.ack_target().max(*last);
+        // Acknowledgements only go up — but never over a grant held back
+        // (`check_against_floor`): one written in an old numbering before
+        // a restore would otherwise cover it.
+        let target = if self.first_held_back().is_some() { self.ack_target() } else { self.ack_target().max(*last) };
         let resp = call(self.timeout, "acknowledging", || {
             let (mut kv, key) = (self.client.kv_client(), self.keys.ack(&self.gateway_id));
             async move { kv.put(key, target.to_string(), Some(PutOptions::new().with_lease(lease))).await }
