@@ -332,23 +332,14 @@ async fn a_gateway_whose_etcd_was_restored_under_it_reads_the_new_history_in_ful
         match acquire(&s.http, &s.api(0), "restored/key", 60_000, 0).await {
             Ok(g) => panic!("granted token {} below the floor after the restore", g.token),
             Err(r) if String::from_utf8_lossy(&r.body).contains("raise-floor") => {
-                let message = String::from_utf8_lossy(&r.body).into_owned();
-                break message
-                    .split("the token floor ")
-                    .nth(1)
-                    .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
-                    .and_then(|n| n.parse::<u64>().ok())
-                    .unwrap_or_else(|| panic!("the refusal names no floor: {message}"));
+                break floor_named(&r.body)
+                    .unwrap_or_else(|| panic!("the refusal names no floor: {}", String::from_utf8_lossy(&r.body)));
             }
             Err(r) => assert!(started.elapsed() < Duration::from_secs(30), "{} {:?}", r.status, r.body),
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fencegate"))
-        .args(["cluster", "raise-floor", "--etcd", &s.etcd.endpoints().join(","), "--to", &floor.to_string()])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "raise-floor: {}", String::from_utf8_lossy(&out.stderr));
+    raise_floor(&s.etcd, floor);
     let started = Instant::now();
     let new = loop {
         match acquire(&s.http, &s.api(0), "restored/key", 60_000, 0).await {
@@ -376,6 +367,15 @@ async fn a_gateway_whose_etcd_was_restored_under_it_reads_the_new_history_in_ful
     assert_eq!(s.put(1, "/restored/key", new.token).await.status, StatusCode::OK);
     assert!(resyncs(&s, 1).await >= 1, "the stopped gateway never read the new history in full");
     assert!(resyncs_before >= 1, "the running gateway resumed its watch across the restore");
+}
+
+/// `fencegate cluster raise-floor --to TO` against `etcd`, as an operator runs it.
+fn raise_floor(etcd: &EtcdCluster, to: u64) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fencegate"))
+        .args(["cluster", "raise-floor", "--etcd", &etcd.endpoints().join(","), "--to", &to.to_string()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "raise-floor: {}", String::from_utf8_lossy(&out.stderr));
 }
 
 /// The floor in a refusal's message ("… the token floor N …").
@@ -432,18 +432,7 @@ async fn after_a_restore_a_gateway_that_missed_the_lost_tokens_cannot_grant_them
             Ok(g) => break g,
             Err(r) => {
                 if let Some(floor) = floor_named(&r.body) {
-                    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fencegate"))
-                        .args([
-                            "cluster",
-                            "raise-floor",
-                            "--etcd",
-                            &s.etcd.endpoints().join(","),
-                            "--to",
-                            &floor.to_string(),
-                        ])
-                        .output()
-                        .unwrap();
-                    assert!(out.status.success(), "raise-floor: {}", String::from_utf8_lossy(&out.stderr));
+                    raise_floor(&s.etcd, floor);
                 }
                 assert!(started.elapsed() < Duration::from_secs(60), "{} {:?}", r.status, r.body);
             }
@@ -964,11 +953,7 @@ async fn grants_at_the_end_of_the_token_space_are_refused_not_repeated() {
     let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
     let s = Arc::new(setup(3).await);
     let to = u64::MAX - 64 * 3 - 1;
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fencegate"))
-        .args(["cluster", "raise-floor", "--etcd", &s.etcd.endpoints().join(","), "--to", &to.to_string()])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "raise-floor: {}", String::from_utf8_lossy(&out.stderr));
+    raise_floor(&s.etcd, to);
     let mut tasks = Vec::new();
     for n in 0..24 {
         let s = s.clone();
@@ -1172,19 +1157,10 @@ async fn on_a_new_etcd_cluster_grants_wait_for_raise_floor_and_then_start_above_
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     assert_eq!(refusal.status, StatusCode::SERVICE_UNAVAILABLE);
-    let message = String::from_utf8_lossy(&refusal.body).into_owned();
-    let floor: u64 = message
-        .split("the token floor ")
-        .nth(1)
-        .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("the refusal names no floor: {message}"));
+    let floor = floor_named(&refusal.body)
+        .unwrap_or_else(|| panic!("the refusal names no floor: {}", String::from_utf8_lossy(&refusal.body)));
     assert!(floor >= highest, "floor {floor} below the highest token issued {highest}");
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fencegate"))
-        .args(["cluster", "raise-floor", "--etcd", &new.endpoints().join(","), "--to", &floor.to_string()])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "raise-floor: {}", String::from_utf8_lossy(&out.stderr));
+    raise_floor(&new, floor);
     let started = Instant::now();
     let after = loop {
         match acquire(&http, &gw.api_url(""), "restore/after", 60_000, 0).await {
