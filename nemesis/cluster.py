@@ -568,7 +568,8 @@ connect_timeout_ms = 1000
         a, b = self.rng.sample(self.gws, 2)
         d = self.rng.uniform(2.0, 4.0)
         start = mono()
-        m.proc.signal(signal.SIGSTOP)
+        if m.proc.pause() is None:
+            raise RuntimeError(f"etcd member {m.name} did not stop within 5 s of SIGSTOP")
         t, res = self.start_probe(start, a, b)
         time.sleep(d)
         new_leader = self.leader()
@@ -668,7 +669,13 @@ connect_timeout_ms = 1000
                 prev, n = op1, n + 1
         inflight = self.recorder_stats().get("inflight")
         t_stop = mono()
-        g.proc.signal(signal.SIGSTOP)
+        # The zombie write below must reach a gateway that is already
+        # stopped: one sent while the stop had not yet taken hold is the
+        # holder's legitimate write (it still holds the lock), and it
+        # would overtake the held one.
+        took = g.proc.pause()
+        if took is None:
+            raise RuntimeError(f"{g.name} did not stop within 5 s of SIGSTOP")
         zres = {}
 
         def zombie():
@@ -699,7 +706,8 @@ connect_timeout_ms = 1000
         z.close()
         nn.close()
         self.record_fault(kind=kind, start=start, end=end, target=g.name, key=key, token=token,
-                          stopped_s=round(end - t_stop, 3), upstream_inflight_at_stop=inflight,
+                          stopped_s=round(end - t_stop, 3), stop_took_ms=round(1000 * took, 2),
+                          upstream_inflight_at_stop=inflight,
                           held_write_in_flight=held, release_st=rel,
                           successor_token=ntok, successor_granted_after_stop_s=granted_after,
                           successor_write_st=nst, zombie_write_st=zres.get("st"), zombie_write_code=zres.get("code"))

@@ -156,6 +156,32 @@ class Proc:
             except ProcessLookupError:
                 pass
 
+    def pause(self, within=5.0):
+        """SIGSTOP, then waits until every thread of the process is stopped.
+        A stop takes effect only when the kernel next schedules the thread
+        it picked to take it: on a busy machine the process can go on for
+        milliseconds after kill() returned (forward a request sent after
+        it, say). Returns the seconds the stop took to take hold, or None
+        if it did not within `within` s (or the process is gone)."""
+        if not self.alive():
+            return None
+        t0 = mono()
+        self.signal(signal.SIGSTOP)
+        task_dir = f"/proc/{self.p.pid}/task"
+        while mono() - t0 < within:
+            try:
+                states = []
+                for tid in os.listdir(task_dir):
+                    with open(f"{task_dir}/{tid}/stat") as f:
+                        # The state follows the command name's closing parenthesis.
+                        states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                return None
+            if states and all(s in ("T", "t") for s in states):
+                return mono() - t0
+            time.sleep(0.0005)
+        return None
+
     def kill9(self):
         if self.p is None:
             return

@@ -185,7 +185,8 @@ connect_timeout_ms = 1000
     def fault_gateway_pause(self):
         d = self.rng.uniform(self.ttl_max / 1000 + 0.5, self.ttl_max / 1000 + 2.0)
         start = mono()
-        self.gateway.signal(signal.SIGSTOP)
+        if self.gateway.pause() is None:
+            raise RuntimeError("the gateway did not stop within 5 s of SIGSTOP")
         time.sleep(d)
         self.gateway.signal(signal.SIGCONT)
         self.record_fault(kind="gateway-pause", start=start, end=mono(), seconds=round(d, 3))
