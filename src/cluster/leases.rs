@@ -495,7 +495,7 @@ impl Cluster {
         loop {
             let (missing, quarantine_until) = {
                 let m = self.lock_mirror();
-                let mut missing = 0usize;
+                let mut missing: Vec<&str> = Vec::new();
                 // A member that vanished without draining shortly before
                 // this grant may still have requests on their way to an
                 // upstream: its quarantine counts too.
@@ -508,7 +508,7 @@ impl Cluster {
                     match m.members.get(gw) {
                         Some(e) if e.lease == *lease => {
                             if !e.drained && m.acks.get(gw).copied().unwrap_or(0) < rev {
-                                missing += 1;
+                                missing.push(gw);
                             }
                         }
                         _ => {
@@ -524,7 +524,7 @@ impl Cluster {
                 }
                 (missing, until)
             };
-            if missing == 0 {
+            if missing.is_empty() {
                 if let Some(u) = quarantine_until {
                     if u > deadline {
                         return Err(Error::Unavailable(
@@ -537,10 +537,45 @@ impl Cluster {
                 return Ok(());
             }
             if tokio::time::timeout_at(deadline, rx.changed()).await.is_err() {
-                return Err(Error::Unavailable(format!(
-                    "{missing} gateway(s) did not acknowledge the grant within activation_timeout_ms"
-                )));
+                return Err(Error::Unavailable(not_acknowledged(&missing)));
             }
         }
+    }
+}
+
+/// Why activation gave up, naming the gateways that did not acknowledge
+/// (the first few): an operator must know which one holds the cluster up.
+fn not_acknowledged(missing: &[&str]) -> String {
+    const NAMED: usize = 5;
+    let mut names = missing.iter().take(NAMED).copied().collect::<Vec<_>>().join(", ");
+    if missing.len() > NAMED {
+        names.push_str(&format!(" and {} more", missing.len() - NAMED));
+    }
+    format!(
+        "{} gateway(s) did not acknowledge the grant within activation_timeout_ms: {names}. A gateway paused or cut \
+         off from etcd counts until its membership lease expires; one whose token floor is not below this grant's \
+         token holds it back until `fencegate cluster raise-floor` (its log says so; see docs/cluster.md)",
+        missing.len()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::not_acknowledged;
+
+    #[test]
+    fn an_activation_failure_names_the_gateways_that_did_not_acknowledge() {
+        let one = not_acknowledged(&["gw3"]);
+        assert!(
+            one.starts_with("1 gateway(s) did not acknowledge the grant within activation_timeout_ms: gw3."),
+            "{one}"
+        );
+        let many = not_acknowledged(&["a", "b", "c", "d", "e", "f", "g"]);
+        assert!(
+            many.starts_with(
+                "7 gateway(s) did not acknowledge the grant within activation_timeout_ms: a, b, c, d, e and 2 more."
+            ),
+            "{many}"
+        );
     }
 }

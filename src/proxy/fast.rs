@@ -140,51 +140,19 @@ async fn serve_one(
     let started = Instant::now();
 
     // 2. Route; anything the fast path does not take goes to the general path.
-    let head = &c.head;
-    if c.buf[head.target.clone()].contains(&b'#') {
-        // A fragment has no place in an origin-form request-target (RFC
-        // 9112 3.2.1). Upstreams that drop it would write another key than
-        // the one fenced here; the general path's parser drops it before
-        // the key is made, so only this path can see it: refuse here.
-        let error = Error::BadRequest("path refused: a request-target may not carry a fragment (\"#\")".into());
-        return write_response(stream, error.into_response(), false, true, &mut c.out, limits.send_timeout).await;
-    }
-    let Ok(target) = std::str::from_utf8(&c.buf[head.target.clone()]) else { return Next::General };
-    if http::uri::PathAndQuery::try_from(target).is_err() {
+    let checked = match checked_target(&c.buf, &c.head) {
+        Ok(Some(checked)) => checked,
+        Ok(None) => return Next::General,
+        Err(error) => {
+            return write_response(stream, error.into_response(), false, true, &mut c.out, limits.send_timeout).await
+        }
+    };
+    let Some(Taken { route, key, method, mutation, pool, prefix, upstream_host, log }) = take(proxy, c, &checked)
+    else {
         return Next::General;
-    }
-    let path_only = target.split_once('?').map_or(target, |(p, _)| p);
-    let Ok(checked) = path::check_path(path_only) else { return Next::General };
-    let Some((route, key)) = proxy.route_for(path_only, &checked) else { return Next::General };
-    let Ok(method) = Method::from_bytes(&c.buf[head.method.clone()]) else { return Next::General };
-    let mutation = route.is_mutation(&method);
-    // A header name with an underscore may be an alias of one of ours
-    // (`headers::underscore_alias`): the general path decides.
-    if head.forward.iter().any(|(n, _)| c.buf[n.clone()].contains(&b'_')) {
-        return Next::General;
-    }
-    // A read carrying a method override is judged by the general path
-    // (`Route::is_mutation_request`).
-    if !mutation
-        && head
-            .forward
-            .iter()
-            .any(|(n, _)| METHOD_OVERRIDES.iter().any(|o| c.buf[n.clone()].eq_ignore_ascii_case(o.as_bytes())))
-    {
-        return Next::General;
-    }
-    // The path rule's route-dependent half: a refusal is the general path's.
-    if route.check_trailing_slash(&checked, mutation).is_err() {
-        return Next::General;
-    }
-    let Some((pool, prefix, upstream_host)) = route.upstream.plain_http() else { return Next::General };
-    if route.auth || route.policy.external || head.content_length > MAX_FAST_BODY.min(route.max_body_bytes) {
-        return Next::General;
-    }
-    // The access log's fields are gathered only when it is on.
-    let log = tracing::enabled!(target: "fencegate::access", tracing::Level::INFO)
-        .then(|| Access { path: path_only.to_string(), req_bytes: head.content_length });
+    };
     let head_request = method == Method::HEAD;
+    let head = &c.head;
 
     // 3. The whole body (small by the check above) before the admission.
     let need = head.len + usize::try_from(head.content_length).unwrap_or(usize::MAX);
@@ -223,7 +191,7 @@ async fn serve_one(
     // The upstream has answered (or failed): no longer in flight.
     drop(guard);
     c.buf.advance(need);
-    let mut upstream = match sent {
+    let upstream = match sent {
         Some(Ok(up)) => up,
         failed => {
             let error = forward_failure(proxy, route, &key, token, failed.map(|r| r.err()));
@@ -245,13 +213,97 @@ async fn serve_one(
     }
 
     // 6. The response: its head with this hop's edits, then the body as it comes.
+    relay_response(stream, upstream, pool, client_close, c, limits.send_timeout).await
+}
+
+/// What phase 2 decided the fast path takes.
+struct Taken<'p, 'c> {
+    route: &'p Route,
+    key: std::borrow::Cow<'c, str>,
+    method: Method,
+    mutation: bool,
+    pool: &'p std::sync::Arc<Pool>,
+    prefix: &'p str,
+    upstream_host: Option<&'p http::HeaderValue>,
+    log: Option<Access>,
+}
+
+/// Phase 2's first half: the request-target's path, checked. `Ok(None)`:
+/// the general path decides (not UTF-8, not a valid path and query, a
+/// path the check refuses: it refuses in the language of its route).
+/// `Err`: a fragment, which only this path can see (below).
+fn checked_target(buf: &[u8], head: &Head) -> Result<Option<path::CheckedPath>, Error> {
+    if buf[head.target.clone()].contains(&b'#') {
+        // A fragment has no place in an origin-form request-target (RFC
+        // 9112 3.2.1). Upstreams that drop it would write another key than
+        // the one fenced here; the general path's parser drops it before
+        // the key is made, so only this path can see it: refuse here.
+        return Err(Error::BadRequest("path refused: a request-target may not carry a fragment (\"#\")".into()));
+    }
+    let Ok(target) = std::str::from_utf8(&buf[head.target.clone()]) else { return Ok(None) };
+    if http::uri::PathAndQuery::try_from(target).is_err() {
+        return Ok(None);
+    }
+    Ok(path::check_path(path_of(target)).ok())
+}
+
+/// The path of a request-target (without its query).
+fn path_of(target: &str) -> &str {
+    target.split_once('?').map_or(target, |(p, _)| p)
+}
+
+/// Phase 2's second half: the route and key, and whether the fast path
+/// takes the request. `None`: the general path serves it.
+fn take<'p, 'c>(proxy: &'p Proxy, c: &Conn, checked: &'c path::CheckedPath) -> Option<Taken<'p, 'c>> {
+    let head = &c.head;
+    let path_only = path_of(std::str::from_utf8(&c.buf[head.target.clone()]).ok()?);
+    let (route, key) = proxy.route_for(path_only, checked)?;
+    let method = Method::from_bytes(&c.buf[head.method.clone()]).ok()?;
+    let mutation = route.is_mutation(&method);
+    // A header name with an underscore may be an alias of one of ours
+    // (`headers::underscore_alias`): the general path decides.
+    if head.forward.iter().any(|(n, _)| c.buf[n.clone()].contains(&b'_')) {
+        return None;
+    }
+    // A read carrying a method override is judged by the general path
+    // (`Route::is_mutation_request`).
+    if !mutation
+        && head
+            .forward
+            .iter()
+            .any(|(n, _)| METHOD_OVERRIDES.iter().any(|o| c.buf[n.clone()].eq_ignore_ascii_case(o.as_bytes())))
+    {
+        return None;
+    }
+    // The path rule's route-dependent half: a refusal is the general path's.
+    route.check_trailing_slash(checked, mutation).ok()?;
+    let (pool, prefix, upstream_host) = route.upstream.plain_http()?;
+    if route.auth || route.policy.external || head.content_length > MAX_FAST_BODY.min(route.max_body_bytes) {
+        return None;
+    }
+    // The access log's fields are gathered only when it is on.
+    let log = tracing::enabled!(target: "fencegate::access", tracing::Level::INFO)
+        .then(|| Access { path: path_only.to_string(), req_bytes: head.content_length });
+    Some(Taken { route, key, method, mutation, pool, prefix, upstream_host, log })
+}
+
+/// Phase 6: the response head with this hop's edits, then the body as it
+/// comes; the upstream connection goes back to the pool if it is clean.
+async fn relay_response(
+    stream: &mut TcpStream,
+    mut upstream: TcpStream,
+    pool: &Pool,
+    client_close: bool,
+    c: &mut Conn,
+    send_timeout: Duration,
+) -> Next {
     let resp = &c.resp;
     let framing = resp.framing.unwrap_or(Framing::Close);
     let close = client_close || framing == Framing::Close;
     encode_response_head(&c.rbuf, resp, framing, close, &mut c.out);
     let reusable = resp.reusable;
     let body_start = resp.len;
-    match relay(stream, &mut upstream, framing, &mut c.out, &mut c.rbuf, body_start, limits.send_timeout).await {
+    match relay(stream, &mut upstream, framing, &mut c.out, &mut c.rbuf, body_start, send_timeout).await {
         Relayed::Done { upstream_clean } => {
             if reusable && upstream_clean {
                 pool.checkin_raw(upstream);
@@ -275,7 +327,6 @@ async fn serve_one(
     }
 }
 
-/// Sends the request and reads the response head into `rbuf` / `resp`.
 /// Phase 1: reads until a whole request head is parsed into `c.head`.
 /// `Some`: how the connection goes on instead — handed over (also a
 /// `Connection` naming a fencing header: the general path refuses it in
@@ -423,6 +474,8 @@ fn encode_response_head(rbuf: &[u8], resp: &RespHead, framing: Framing, close: b
     out.extend_from_slice(b"\r\n");
 }
 
+/// Phase 5: sends the request and reads the response head into `rbuf` /
+/// `resp`.
 async fn exchange(
     pool: &Pool,
     request: &[u8],
