@@ -67,6 +67,11 @@ pub struct Gateway {
     /// mutation can stay in flight.
     longest_upstream_timeout: Duration,
     trigger: Trigger,
+    /// Ends the cluster's own loops (watch, acknowledgements, membership)
+    /// once the drain is over: a draining member keeps acknowledging
+    /// fences (after its older in-flight mutations, as always), so peers'
+    /// grants do not wait for its membership to lapse.
+    cluster_trigger: Trigger,
     /// Each task ends with true if it stopped cleanly (listeners: drained).
     tasks: JoinSet<bool>,
 }
@@ -126,7 +131,8 @@ impl Gateway {
         store.for_each_fence(|key, record| fences.load_record(key, record))?;
         fences.set_max_fences(cfg.locks.max_fences);
         let (trigger, stop) = shutdown::channel();
-        let authority = start_authority(&cfg, &fences, &store, &metrics, &stop, started).await?;
+        let (cluster_trigger, cluster_stop) = shutdown::channel();
+        let authority = start_authority(&cfg, &fences, &store, &metrics, &cluster_stop, started).await?;
         let auth = Arc::new(Auth::load(&cfg.auth)?);
         let proxy = Arc::new(Proxy::new(&cfg, authority.clone(), store.clone(), metrics.clone(), auth.clone())?);
 
@@ -195,6 +201,7 @@ impl Gateway {
             fences,
             longest_upstream_timeout,
             trigger,
+            cluster_trigger,
             tasks,
         })
     }
@@ -246,6 +253,7 @@ impl Gateway {
             // bring back a lease already refused as expired.
             Leases::Embedded(a) => a.end_overdue(),
         }
+        self.cluster_trigger.trigger();
         if !clean {
             tracing::warn!("not every request drained: the next start will wait out the upstream timeout");
         } else if let Err(e) = self.store.mark_clean().await {

@@ -215,6 +215,39 @@ async fn a_grant_on_one_gateway_fences_the_old_holder_on_all_three() {
     assert!(started.elapsed() < Duration::from_millis(UPSTREAM_TIMEOUT_MS), "waited {:?}", started.elapsed());
 }
 
+/// A gateway draining after SIGTERM (a slow read still open through it)
+/// keeps acknowledging fences until the drain is over: another gateway's
+/// grant does not wait for the drain, nor for its membership to lapse and
+/// the quarantine after it (review finding: its acknowledgements stopped at
+/// once, and grants stalled ~6 s with a 5 s member TTL).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_gateway_keeps_acknowledging_until_its_drain_is_over() {
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
+    let mut s = setup_with(3, 5000).await;
+    // A first grant waits out the quarantine after each gateway's first
+    // full read (the 5.5 s quarantine of this setup).
+    acquire(&s.http, &s.api(0), "drain/first", 5000, 0).await.unwrap();
+    s.rec.set_delay("/drain/slow", 3000);
+    let (http, slow_url) = (s.http.clone(), s.gws[2].proxy_url("/drain/slow"));
+    let slow = tokio::spawn(async move { http.get(&slow_url).await.status });
+    // The read reaches the upstream (held there 3 s, below the 5 s timeout).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let gw = s.gws.pop().unwrap();
+    common::signal(gw.child.id(), "TERM");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let started = Instant::now();
+    let g = acquire(&s.http, &s.api(0), "drain/next", 5000, 0).await.unwrap();
+    let granted = started.elapsed();
+    assert_eq!(s.put(1, "/drain/next", g.token).await.status, StatusCode::OK);
+    assert_eq!(slow.await.unwrap(), StatusCode::OK, "the draining gateway's open read was not served");
+    let log = gw.log_text();
+    assert_eq!(gw.terminate().code(), Some(0));
+    assert!(
+        granted < Duration::from_millis(1500),
+        "a grant waited {granted:?} for a draining gateway (its read still open): {log}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokens_are_unique_across_gateways_and_waiters_are_served_in_order() {
     let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
