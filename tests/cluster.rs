@@ -475,6 +475,67 @@ async fn after_a_restore_a_gateway_that_missed_the_lost_tokens_cannot_grant_them
     assert!(after.token > highest, "token {} not above the highest issued before the restore ({highest})", after.token);
 }
 
+/// As above, but the gateway below the lost tokens dies (kill -9) while
+/// its repeated grant waits for activation: the gateway holding that grant
+/// back ends it itself, so grants come back once the floor is raised and
+/// the dead member's quarantine is over — not after the held grant's TTL
+/// × 1.1 (66 s here; review finding: nobody else would end it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_held_back_below_the_floor_is_ended_by_the_gateway_holding_it() {
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
+    let mut s = setup(2).await;
+    acquire(&s.http, &s.api(0), "gap/before", 60_000, 0).await.unwrap();
+    let snapshot = s.dir().join("snapshot.db");
+    s.etcd.snapshot(&snapshot);
+    let gw1 = s.gws.remove(1);
+    assert_eq!(gw1.terminate().code(), Some(0));
+    let mut highest = 0;
+    for i in 0..10 {
+        highest = highest.max(acquire(&s.http, &s.api(0), &format!("gap/{i}"), 60_000, 0).await.unwrap().token);
+    }
+    s.etcd.restore_all(&snapshot);
+    s.etcd.wait_healthy(Duration::from_secs(30)).await;
+    let config = Some(gateway_config(&s.etcd, "gw1", &s.rec.url()));
+    s.gws.push(Gateway::start(&s.dir().join("gw1"), Opts { config, ..Opts::default() }));
+    s.wait_current(1, Duration::from_secs(30)).await;
+    // gw1 grants a repeated token; gw0 holds it back; gw1 dies meanwhile.
+    let (http, url) = (s.http.clone(), format!("{}/v1/locks/acquire", s.api(1)));
+    let body = serde_json::json!({"key": "gap/0", "ttl_ms": 60_000, "wait_ms": 0, "holder": "test"});
+    // Its connection is reset when gw1 dies: an error, never a grant.
+    let repeated = tokio::spawn(async move { http.try_post_json(&url, body).await });
+    let held = Instant::now();
+    while !s.gws[0].log_text().contains("not above this gateway's token floor") {
+        assert!(held.elapsed() < Duration::from_secs(20), "gw0 never held a grant back: {}", s.gws[0].log_text());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    s.gws.remove(1).kill9();
+    if let Ok(r) = repeated.await.unwrap() {
+        assert_ne!(r.status, StatusCode::OK, "a token granted after the restore: {:?}", r.body);
+    }
+    let started = Instant::now();
+    let after = loop {
+        match acquire(&s.http, &s.api(0), "gap/after", 60_000, 0).await {
+            Ok(g) => break g,
+            Err(r) => {
+                if let Some(floor) = floor_named(&r.body) {
+                    raise_floor(&s.etcd, floor);
+                }
+                assert!(
+                    started.elapsed() < Duration::from_secs(30),
+                    "{} {:?}: {}",
+                    r.status,
+                    r.body,
+                    s.gws[0].log_text()
+                );
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(after.token > highest, "token {} not above the highest issued before the restore ({highest})", after.token);
+    assert!(s.gws[0].log_text().contains("was ended here"), "{}", s.gws[0].log_text());
+    println!("FIGURE a held grant's gateway died: the next grant after {:?}", started.elapsed());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_etcd_leader_keeps_grants_and_fenced_writes_working() {
     let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");

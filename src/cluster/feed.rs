@@ -301,6 +301,7 @@ impl Cluster {
             floor = fw.before
         );
         fw.held.entry(rev).or_default().push(key.to_string());
+        fw.to_end.push((key.to_string(), rev));
     }
 
     /// [`Cluster::check_against_floor`] for a full read at `revision`: a
@@ -345,6 +346,7 @@ impl Cluster {
             );
             let mut fw = self.floor_watch.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             fw.held.entry(kv.create_revision()).or_default().push(key.to_string());
+            fw.to_end.push((key.to_string(), kv.create_revision()));
         }
     }
 
@@ -452,10 +454,41 @@ impl Cluster {
                 () = self.ack_kick.notified() => {}
                 () = self.stop.wait() => return,
             }
+            let to_end =
+                std::mem::take(&mut self.floor_watch.lock().unwrap_or_else(std::sync::PoisonError::into_inner).to_end);
+            if !to_end.is_empty() {
+                tokio::spawn(self.clone().end_held(to_end));
+            }
             let written = *self.ack_lock.lock().await;
             if self.ack_target() > written {
                 // A failure is retried by the next kick or heartbeat.
                 let _ = self.write_ack().await;
+            }
+        }
+    }
+
+    /// Ends grants held back below this gateway's token floor
+    /// ([`Cluster::check_against_floor`]): their tokens were issued before
+    /// (or an operator's `raise-floor` put them below the floor), so no
+    /// holder may keep one, and a grant left until it expires would hold
+    /// every later grant of the cluster back for its TTL × 1.1 — when the
+    /// gateway that made it died, nobody else would end it. Each ends only
+    /// if it is still the very grant held back (its create revision).
+    async fn end_held(self: Arc<Self>, grants: Vec<(String, i64)>) {
+        for (key, created) in grants {
+            match self.end_grant(&key, created).await {
+                Ok(ended) => tracing::warn!(
+                    key,
+                    created,
+                    ended,
+                    "a grant held back below this gateway's token floor was ended here"
+                ),
+                Err(e) => tracing::warn!(
+                    key,
+                    created,
+                    error = %e,
+                    "ending a grant held back below the token floor failed; it holds grants back until it expires"
+                ),
             }
         }
     }

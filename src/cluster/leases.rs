@@ -212,7 +212,9 @@ impl Cluster {
         let sent = Instant::now();
         if !self.renew_grant(key, granted.revision, granted.value.clone()).await? {
             return Err(Error::Unavailable(
-                "the grant expired while it was being activated (a renewal failed); retry".into(),
+                "the grant ended while it was being activated: it expired (a renewal failed), or a gateway ended it \
+                 as a token not above its token floor (etcd restored or replaced: see that gateway's log); retry"
+                    .into(),
             ));
         }
         let left = Self::deadline_after(sent, ttl).saturating_duration_since(Instant::now());

@@ -260,6 +260,9 @@ pub(super) struct FloorWatch {
     rev: i64,
     before: u64,
     held: std::collections::BTreeMap<i64, Vec<String>>,
+    /// Held grants (key, create revision) this gateway has yet to end
+    /// itself ([`Cluster::end_held`]).
+    to_end: Vec<(String, i64)>,
 }
 
 /// The cluster-mode authority of one gateway.
