@@ -144,6 +144,10 @@ impl ClusterConfig {
     }
 }
 
+/// The longest TTL a grant can have: 2^31 − 1 ms (24.8 days). A grant
+/// keeps its TTL in 31 bits (issue 18: 64 bytes of state per held lease).
+pub const MAX_TTL_MS: u64 = (1 << 31) - 1;
+
 /// Bounds of the lease API (docs/lease-api.md).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -554,6 +558,9 @@ impl Config {
         if l.min_ttl_ms == 0 {
             return Err("locks.min_ttl_ms: must be at least 1".into());
         }
+        if l.max_ttl_ms > MAX_TTL_MS {
+            return Err(format!("locks.max_ttl_ms: at most {MAX_TTL_MS} (24.8 days), got {}", l.max_ttl_ms));
+        }
         if l.max_ttl_ms < l.min_ttl_ms {
             return Err(format!("locks.max_ttl_ms: {} is below locks.min_ttl_ms {}", l.max_ttl_ms, l.min_ttl_ms));
         }
@@ -862,6 +869,10 @@ upstream = "http://127.0.0.1:9"
     fn ttl_bounds_must_be_ordered() {
         let c = Config::from_toml("[locks]\nmin_ttl_ms = 10\nmax_ttl_ms = 5\n").unwrap();
         assert!(c.validate().unwrap_err().starts_with("locks.max_ttl_ms"));
+        let c = Config::from_toml("[locks]\nmax_ttl_ms = 2147483648\n").unwrap();
+        assert!(c.validate().unwrap_err().starts_with("locks.max_ttl_ms: at most 2147483647"));
+        let c = Config::from_toml("[locks]\nmax_ttl_ms = 2147483647\n").unwrap();
+        assert!(c.validate().is_ok());
     }
 
     #[test]

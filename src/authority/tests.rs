@@ -512,7 +512,10 @@ async fn holders_are_stored_once_and_forgotten_with_their_last_grant() {
 #[test]
 fn per_key_state_stays_small() {
     // The figures docs/durability.md and RESULTS.md count with.
-    assert!(std::mem::size_of::<KeyState>() <= 80, "{}", std::mem::size_of::<KeyState>());
+    // 64 bytes: one allocation class below 80 (mimalloc's classes go
+    // 48, 56, 64, 80): a grant's TTL, durable bit and grant time in one
+    // word, and the token's zero niche for `Option<Grant>`.
+    assert_eq!(std::mem::size_of::<KeyState>(), 64);
     assert_eq!(std::mem::size_of::<(Arc<str>, Box<KeyState>)>(), 24);
     assert_eq!(std::mem::size_of::<std::cmp::Reverse<expiry::Due>>(), 24);
 }
