@@ -21,9 +21,10 @@
 //!
 //! Memory (issue 18): a held lease costs its key (one allocation shared
 //! with the fence table), one bucket of each map (a key and a pointer), a
-//! boxed [`KeyState`] of 80 bytes (16-byte lease id, interned holder,
-//! times in milliseconds, waiters and watchers behind one more pointer
-//! that is null when there are none) and one 24-byte entry in the expiry
+//! boxed [`KeyState`] of 64 bytes (16-byte lease id, interned holder,
+//! times in milliseconds, the TTL and the durable bit in one word,
+//! waiters and watchers behind one more pointer that is null when there
+//! are none) and one 24-byte entry in the expiry
 //! heap. `benches/compare/RESULTS.md` (issue 18) has the figures.
 
 mod expiry;
