@@ -94,11 +94,13 @@ pub(super) enum Op {
         created: i64,
         reply: Option<oneshot::Sender<Result<bool, Error>>>,
     },
-    /// Deletes `g/KEY` if its value is still `value` (a grant whose
-    /// revision is unknown; the value holds its random lease-id hash).
+    /// Deletes `g/KEY` if its value is still `value` (the value holds the
+    /// grant's random lease-id hash: no other grant, in any history, has
+    /// it); answers whether it was, if asked.
     EndByValue {
         key: String,
         value: Vec<u8>,
+        reply: Option<oneshot::Sender<Result<bool, Error>>>,
     },
     /// Deletes `g/KEY` if its last put is still `modified`.
     Expire {
@@ -222,6 +224,13 @@ impl Cluster {
         self.in_batch(Op::End { key: key.to_string(), created, reply: Some(reply) }, rx).await
     }
 
+    /// Ends the grant of `key` whose value is `value` (its lease-id hash
+    /// makes it that very grant): `Ok(false)` when it had already ended.
+    pub(super) async fn end_grant_by_value(&self, key: &str, value: Vec<u8>) -> Result<bool, Error> {
+        let (reply, rx) = oneshot::channel();
+        self.in_batch(Op::EndByValue { key: key.to_string(), value, reply: Some(reply) }, rx).await
+    }
+
     /// The batcher: one shared transaction in flight; what queued
     /// meanwhile goes in the next one (up to [`TOKEN_SLOTS`] grants and
     /// [`MAX_OPS`] operations, one per key).
@@ -330,11 +339,11 @@ impl Cluster {
                     subs.push(TxnOp::txn(Txn::new().when(when).and_then(vec![TxnOp::delete(g, None)])));
                     pending.push(reply.map_or(Pending::Silent, Pending::Answer));
                 }
-                Op::EndByValue { key, value } => {
+                Op::EndByValue { key, value, reply } => {
                     let g = self.keys.grant(&key);
                     let when = vec![Compare::value(g.clone(), CompareOp::Equal, value)];
                     subs.push(TxnOp::txn(Txn::new().when(when).and_then(vec![TxnOp::delete(g, None)])));
-                    pending.push(Pending::Silent);
+                    pending.push(reply.map_or(Pending::Silent, Pending::Answer));
                 }
                 Op::Expire { key, modified, reply } => {
                     let g = self.keys.grant(&key);
@@ -365,7 +374,7 @@ impl Cluster {
                         Pending::Grant { key, value, reply, .. } => {
                             // Unknown outcome: a grant it may have made is
                             // ended by its value (unique: the lease-id hash).
-                            let _ = self.batches.send(Op::EndByValue { key, value });
+                            let _ = self.batches.send(Op::EndByValue { key, value, reply: None });
                             let _ = reply.send(Err(Error::Unavailable(msg.clone())));
                         }
                         Pending::Answer(reply) => {

@@ -279,9 +279,12 @@ impl Cluster {
     /// tokens issued since (stopped, paused, cut off; its own floor lower)
     /// is granting again below them. Without this gateway's acknowledgement
     /// no grant at or after that revision is answered, anywhere; the hold
-    /// ends when the grant is gone (withdrawn by its gateway when
-    /// activation times out, released or expired).
-    fn check_against_floor(&self, key: &str, rev: i64, token: u64) {
+    /// ends when the grant is gone. `grant` is the grant's own put (same
+    /// key and revision, earlier in the same watch response): this gateway
+    /// ends that very grant itself ([`Cluster::end_held`]) — it was a
+    /// member before that revision, so the grant waits for its
+    /// acknowledgement and was never answered.
+    fn check_against_floor(&self, key: &str, rev: i64, token: u64, grant: Option<&KeyValue>) {
         let mut fw = self.floor_watch.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if rev != fw.rev {
             fw.rev = rev;
@@ -300,8 +303,12 @@ impl Cluster {
              (run `fencegate cluster raise-floor --to {floor}`)",
             floor = fw.before
         );
-        fw.held.entry(rev).or_default().push(key.to_string());
-        fw.to_end.push((key.to_string(), rev));
+        let lease_hash =
+            grant.and_then(|g| serde_json::from_slice::<GrantValue>(g.value()).ok()).map(|v| v.s).unwrap_or_default();
+        fw.held.entry(rev).or_default().push((key.to_string(), lease_hash));
+        if let Some(g) = grant {
+            fw.to_end.push((key.to_string(), g.value().to_vec()));
+        }
     }
 
     /// [`Cluster::check_against_floor`] for a full read at `revision`: a
@@ -345,20 +352,26 @@ impl Cluster {
                  etcd was restored or replaced; no grant is acknowledged here until it is gone"
             );
             let mut fw = self.floor_watch.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            fw.held.entry(kv.create_revision()).or_default().push(key.to_string());
-            fw.to_end.push((key.to_string(), kv.create_revision()));
+            // Held back only, never ended here: it may have been answered
+            // while this gateway was away (not a member, so not waited for).
+            fw.held.entry(kv.create_revision()).or_default().push((key.to_string(), value.s.clone()));
         }
     }
 
     /// The lowest revision held back by [`Cluster::check_against_floor`]
-    /// whose grant still exists in the mirror (those gone are dropped).
+    /// whose grant still exists in the mirror (those gone are dropped): the
+    /// same key, create revision and lease-id hash — a grant of another
+    /// history at the same revision is not the one held back.
     fn first_held_back(&self) -> Option<i64> {
         let mut fw = self.floor_watch.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if fw.held.is_empty() {
             return None;
         }
         let m = self.lock_mirror();
-        fw.held.retain(|rev, keys| keys.iter().any(|k| m.grants.get(k).is_some_and(|g| g.created == *rev)));
+        fw.held.retain(|rev, keys| {
+            keys.iter()
+                .any(|(k, s)| m.grants.get(k).is_some_and(|g| g.created == *rev && (s.is_empty() || g.value.s == *s)))
+        });
         fw.held.keys().next().copied()
     }
 
@@ -432,7 +445,11 @@ impl Cluster {
                 match ev.event_type() {
                     EventType::Put => {
                         if let Kind::Fence(key) = self.keys.kind(kv.key()) {
-                            self.check_against_floor(key, kv.mod_revision(), fence_token(kv));
+                            let rev = kv.mod_revision();
+                            let grant = msg.events().iter().filter_map(|e| e.kv()).find(|g| {
+                                g.mod_revision() == rev && matches!(self.keys.kind(g.key()), Kind::Grant(k) if k == key)
+                            });
+                            self.check_against_floor(key, rev, fence_token(kv), grant);
                         }
                         self.apply_put(kv);
                     }
@@ -467,25 +484,25 @@ impl Cluster {
         }
     }
 
-    /// Ends grants held back below this gateway's token floor
-    /// ([`Cluster::check_against_floor`]): their tokens were issued before
-    /// (or an operator's `raise-floor` put them below the floor), so no
-    /// holder may keep one, and a grant left until it expires would hold
-    /// every later grant of the cluster back for its TTL × 1.1 — when the
-    /// gateway that made it died, nobody else would end it. Each ends only
-    /// if it is still the very grant held back (its create revision).
-    async fn end_held(self: Arc<Self>, grants: Vec<(String, i64)>) {
-        for (key, created) in grants {
-            match self.end_grant(&key, created).await {
-                Ok(ended) => tracing::warn!(
-                    key,
-                    created,
-                    ended,
-                    "a grant held back below this gateway's token floor was ended here"
-                ),
+    /// Ends grants the watch delivered that are held back below this
+    /// gateway's token floor ([`Cluster::check_against_floor`]): their
+    /// tokens were issued before (or an operator's `raise-floor` put them
+    /// below the floor) and they wait for this gateway's acknowledgement,
+    /// so none was answered; left until it expires, one would hold every
+    /// later grant of the cluster back for its TTL × 1.1 — when the gateway
+    /// that made it died, nobody else would end it. Each ends only if its
+    /// value is still the one held back (the value holds the grant's random
+    /// lease-id hash: a grant of another history at the same revision, after
+    /// a second restore, is not touched). Grants held back from a full read
+    /// are never ended here (they may have been answered meanwhile).
+    async fn end_held(self: Arc<Self>, grants: Vec<(String, Vec<u8>)>) {
+        for (key, value) in grants {
+            match self.end_grant_by_value(&key, value).await {
+                Ok(ended) => {
+                    tracing::warn!(key, ended, "a grant held back below this gateway's token floor was ended here")
+                }
                 Err(e) => tracing::warn!(
                     key,
-                    created,
                     error = %e,
                     "ending a grant held back below the token floor failed; it holds grants back until it expires"
                 ),

@@ -259,10 +259,12 @@ impl crate::fence::GrantLiveness for Cluster {
 pub(super) struct FloorWatch {
     rev: i64,
     before: u64,
-    held: std::collections::BTreeMap<i64, Vec<String>>,
-    /// Held grants (key, create revision) this gateway has yet to end
-    /// itself ([`Cluster::end_held`]).
-    to_end: Vec<(String, i64)>,
+    /// Per create revision, the keys held back with their grant's lease-id
+    /// hash (empty: not known, any grant of the key at that revision).
+    held: std::collections::BTreeMap<i64, Vec<(String, String)>>,
+    /// Held grants the watch delivered (key, the grant's exact value) that
+    /// this gateway has yet to end itself ([`Cluster::end_held`]).
+    to_end: Vec<(String, Vec<u8>)>,
 }
 
 /// The cluster-mode authority of one gateway.
