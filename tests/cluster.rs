@@ -417,15 +417,11 @@ fn floor_named(body: &[u8]) -> Option<u64> {
     message.split("the token floor ").nth(1)?.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
 }
 
-/// A gateway stopped (data dir kept) while another went on granting, then
-/// etcd restored from a snapshot older than those grants: the stopped
-/// gateway's own floor is below the tokens the restore lost, so alone it
-/// would grant them again. The gateway that issued them holds such a
-/// grant back (it never acknowledges it), so it is never answered; after
-/// `raise-floor` grants come back above every token issued.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn after_a_restore_a_gateway_that_missed_the_lost_tokens_cannot_grant_them_again() {
-    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
+/// Two gateways; gw1 stopped (data dir kept) while gw0 grants 10 tokens,
+/// then etcd restored from a snapshot older than those grants and gw1
+/// started again, current: its floor is below the tokens the restore
+/// lost, gw0's is not. Returns the setup and the highest lost token.
+async fn restored_under_a_stopped_gateway() -> (Setup, u64) {
     let mut s = setup(2).await;
     acquire(&s.http, &s.api(0), "gap/before", 60_000, 0).await.unwrap();
     let snapshot = s.dir().join("snapshot.db");
@@ -441,6 +437,19 @@ async fn after_a_restore_a_gateway_that_missed_the_lost_tokens_cannot_grant_them
     let config = Some(gateway_config(&s.etcd, "gw1", &s.rec.url()));
     s.gws.push(Gateway::start(&s.dir().join("gw1"), Opts { config, ..Opts::default() }));
     s.wait_current(1, Duration::from_secs(30)).await;
+    (s, highest)
+}
+
+/// A gateway stopped (data dir kept) while another went on granting, then
+/// etcd restored from a snapshot older than those grants: the stopped
+/// gateway's own floor is below the tokens the restore lost, so alone it
+/// would grant them again. The gateway that issued them holds such a
+/// grant back (it never acknowledges it), so it is never answered; after
+/// `raise-floor` grants come back above every token issued.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_restore_a_gateway_that_missed_the_lost_tokens_cannot_grant_them_again() {
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
+    let (s, highest) = restored_under_a_stopped_gateway().await;
     // Through the gateway that missed them: never a token at or below them.
     let started = Instant::now();
     let refusal = loop {
@@ -483,21 +492,7 @@ async fn after_a_restore_a_gateway_that_missed_the_lost_tokens_cannot_grant_them
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grant_held_back_below_the_floor_is_ended_by_the_gateway_holding_it() {
     let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
-    let mut s = setup(2).await;
-    acquire(&s.http, &s.api(0), "gap/before", 60_000, 0).await.unwrap();
-    let snapshot = s.dir().join("snapshot.db");
-    s.etcd.snapshot(&snapshot);
-    let gw1 = s.gws.remove(1);
-    assert_eq!(gw1.terminate().code(), Some(0));
-    let mut highest = 0;
-    for i in 0..10 {
-        highest = highest.max(acquire(&s.http, &s.api(0), &format!("gap/{i}"), 60_000, 0).await.unwrap().token);
-    }
-    s.etcd.restore_all(&snapshot);
-    s.etcd.wait_healthy(Duration::from_secs(30)).await;
-    let config = Some(gateway_config(&s.etcd, "gw1", &s.rec.url()));
-    s.gws.push(Gateway::start(&s.dir().join("gw1"), Opts { config, ..Opts::default() }));
-    s.wait_current(1, Duration::from_secs(30)).await;
+    let (mut s, highest) = restored_under_a_stopped_gateway().await;
     // gw1 grants a repeated token; gw0 holds it back; gw1 dies meanwhile.
     let (http, url) = (s.http.clone(), format!("{}/v1/locks/acquire", s.api(1)));
     let body = serde_json::json!({"key": "gap/0", "ttl_ms": 60_000, "wait_ms": 0, "holder": "test"});
