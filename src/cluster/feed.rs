@@ -280,10 +280,10 @@ impl Cluster {
     /// is granting again below them. Without this gateway's acknowledgement
     /// no grant at or after that revision is answered, anywhere; the hold
     /// ends when the grant is gone. `grant` is the grant's own put (same
-    /// key and revision, earlier in the same watch response): this gateway
-    /// ends that very grant itself ([`Cluster::end_held`]) — it was a
-    /// member before that revision, so the grant waits for its
-    /// acknowledgement and was never answered.
+    /// key and revision, earlier in the same watch response): when this
+    /// gateway was a current member since before that revision, the grant
+    /// waits for its acknowledgement and was never answered, and it ends
+    /// that very grant itself ([`Cluster::end_held`]).
     fn check_against_floor(&self, key: &str, rev: i64, token: u64, grant: Option<&KeyValue>) {
         let mut fw = self.floor_watch.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if rev != fw.rev {
@@ -306,7 +306,10 @@ impl Cluster {
         let lease_hash =
             grant.and_then(|g| serde_json::from_slice::<GrantValue>(g.value()).ok()).map(|v| v.s).unwrap_or_default();
         fw.held.entry(rev).or_default().push((key.to_string(), lease_hash));
-        if let Some(g) = grant {
+        // Ended here only if it cannot have been answered: this gateway was
+        // a member, current, since before it (a gateway paused past its
+        // member TTL gets the grants made meanwhile from its watch too).
+        if let Some(g) = grant.filter(|_| self.member_before(rev)) {
             fw.to_end.push((key.to_string(), g.value().to_vec()));
         }
     }

@@ -48,7 +48,7 @@ impl Cluster {
             self.metrics.cluster_current.set(0);
             tracing::warn!(gateway = %self.gateway_id, reason = why, "not current; rejoining the cluster");
             if let Some(old) = self.member_lease() {
-                self.set_member_lease(None);
+                self.set_member_lease(None, 0);
                 // Best effort: peers then stop waiting for this incarnation.
                 let mut leases = self.client.lease_client();
                 let timeout = self.timeout;
@@ -161,8 +161,8 @@ impl Cluster {
             async move { kv.txn(txn).await }
         })
         .await;
-        let created = match created {
-            Ok(r) => r.succeeded(),
+        let (created, since) = match created {
+            Ok(r) => (r.succeeded(), r.header().map_or(0, |h| h.revision())),
             Err(e) => {
                 let _ = self.revoke(lease).await;
                 return Err(e);
@@ -175,7 +175,7 @@ impl Cluster {
                 self.gateway_id
             )));
         }
-        self.set_member_lease(Some(lease));
+        self.set_member_lease(Some(lease), since);
         tracing::info!(gateway = %self.gateway_id, lease, ttl_ms = granted.as_millis() as u64, "joined the cluster");
         Ok((lease, granted))
     }

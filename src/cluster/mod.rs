@@ -225,6 +225,9 @@ pub async fn connect(cfg: &ClusterConfig) -> Result<Client, Error> {
 #[derive(Debug, Default, Clone, Copy)]
 struct Membership {
     lease: Option<i64>,
+    /// The revision that created this gateway's membership key under
+    /// `lease` (0: not a member).
+    since: i64,
 }
 
 impl crate::fence::GrantLiveness for Cluster {
@@ -405,8 +408,20 @@ impl Cluster {
         self.membership.lock().unwrap_or_else(std::sync::PoisonError::into_inner).lease
     }
 
-    fn set_member_lease(&self, lease: Option<i64>) {
-        self.membership.lock().unwrap_or_else(std::sync::PoisonError::into_inner).lease = lease;
+    fn set_member_lease(&self, lease: Option<i64>, since: i64) {
+        let mut m = self.membership.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        m.lease = lease;
+        m.since = if lease.is_some() { since } else { 0 };
+    }
+
+    /// Whether this gateway has been a member, under its current lease and
+    /// without a lapse it could not see, since before revision `rev`: then
+    /// a grant made at `rev` waits for its acknowledgement (every gateway
+    /// that saw its membership key counts it), so it was never answered
+    /// without it.
+    fn member_before(&self, rev: i64) -> bool {
+        let since = self.membership.lock().unwrap_or_else(std::sync::PoisonError::into_inner).since;
+        since > 0 && since < rev && self.fences.is_current()
     }
 
     /// Revokes an etcd lease (ending every key on it).
@@ -433,7 +448,7 @@ impl Cluster {
         })
         .await;
         let _ = self.revoke(lease).await;
-        self.set_member_lease(None);
+        self.set_member_lease(None, 0);
         tracing::info!(gateway = %self.gateway_id, "left the cluster");
     }
 }
