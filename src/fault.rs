@@ -28,6 +28,10 @@
 //!   put. Not unsafe as long as every expiry compares the grant's
 //!   `mod_revision` (a renewal committed first wins): the test that the
 //!   compare is there (src/cluster/expiry.rs).
+//! - `no-restore-detection`: in cluster mode the gateway never proves
+//!   etcd's raft index, so it never finds a restore by its raft log going
+//!   back (src/cluster/raft.rs). Unsafe after a restore: the tests of the
+//!   line of defence behind it (the token floor's holds) see that one alone.
 
 /// The environment variable that names the faults to inject (debug builds).
 pub const ENV: &str = "FENCEGATE_NEMESIS_BREAK";
@@ -41,6 +45,8 @@ pub enum Fault {
     SlowGrantAnswer,
     /// Cluster mode's feed ignores renewals of grants it already holds.
     StaleExpiryView,
+    /// Cluster mode never compares etcd's raft index with its mark.
+    NoRestoreDetection,
 }
 
 impl Fault {
@@ -49,6 +55,7 @@ impl Fault {
             Fault::NoSelfFencing => "no-self-fencing",
             Fault::SlowGrantAnswer => "slow-grant-answer",
             Fault::StaleExpiryView => "stale-expiry-view",
+            Fault::NoRestoreDetection => "no-restore-detection",
         }
     }
 }
@@ -73,7 +80,7 @@ fn named(list: &str, fault: Fault) -> bool {
 
 /// Logs, once at start, every fault injected into this process.
 pub fn announce() {
-    for fault in [Fault::NoSelfFencing, Fault::SlowGrantAnswer, Fault::StaleExpiryView] {
+    for fault in [Fault::NoSelfFencing, Fault::SlowGrantAnswer, Fault::StaleExpiryView, Fault::NoRestoreDetection] {
         if enabled(fault) {
             tracing::error!(
                 fault = fault.name(),

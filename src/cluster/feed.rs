@@ -33,6 +33,9 @@ impl Cluster {
     /// Reloads everything under the prefix at one revision R and returns
     /// R+1, where the watch must start.
     pub(super) async fn load(&self) -> Result<i64, Error> {
+        // etcd's raft log first: a restore found here stops this gateway
+        // before anything read below is acknowledged (`raft.rs`).
+        self.check_raft().await?;
         // Pages of keys, all read at the revision of the first page (one
         // consistent view however many fences there are).
         let mut end = self.keys.prefix.clone().into_bytes();
@@ -144,9 +147,21 @@ impl Cluster {
                     tracing::error!("etcd: the token offset does not parse; ignored");
                     return;
                 };
-                let mut m = self.lock_mirror();
-                m.offset = m.offset.max(offset);
-                m.offset_rev = kv.mod_revision();
+                {
+                    let mut m = self.lock_mirror();
+                    m.offset = m.offset.max(offset);
+                    m.offset_rev = kv.mod_revision();
+                }
+                if self.floor.offset_written(kv.mod_revision()) {
+                    tracing::warn!(
+                        revision = kv.mod_revision(),
+                        offset,
+                        "the token offset was written after the restore this gateway found (raise-floor): it \
+                         grants, acknowledges and admits again"
+                    );
+                    self.recompute_activated();
+                    self.member_lost_kick.notify_one();
+                }
             }
             Kind::Grant(key) => {
                 let Ok(value) = serde_json::from_slice::<GrantValue>(kv.value()) else {
@@ -279,12 +294,13 @@ impl Cluster {
     /// tokens issued since (stopped, paused, cut off; its own floor lower)
     /// is granting again below them. Without this gateway's acknowledgement
     /// no grant at or after that revision is answered, anywhere; the hold
-    /// ends when the grant is gone. `grant` is the grant's own put (same
-    /// key and revision, earlier in the same watch response): when this
-    /// gateway was a current member since before that revision, the grant
-    /// waits for its acknowledgement and was never answered, and it ends
-    /// that very grant itself ([`Cluster::end_held`]).
-    fn check_against_floor(&self, key: &str, rev: i64, token: u64, grant: Option<&KeyValue>) {
+    /// ends when the grant is gone. The grant's own put (same key and
+    /// revision, earlier in `events`, the same watch response) is looked
+    /// up only when the grant is held: when this gateway was a current
+    /// member since before that revision, the grant waits for its
+    /// acknowledgement and was never answered, and it ends that very grant
+    /// itself ([`Cluster::end_held`]).
+    fn check_against_floor(&self, key: &str, rev: i64, token: u64, events: &[etcd_client::Event]) {
         let mut fw = self.floor_watch.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if rev != fw.rev {
             fw.rev = rev;
@@ -303,6 +319,10 @@ impl Cluster {
              (run `fencegate cluster raise-floor --to {floor}`)",
             floor = fw.before
         );
+        let grant = events
+            .iter()
+            .filter_map(etcd_client::Event::kv)
+            .find(|g| g.mod_revision() == rev && matches!(self.keys.kind(g.key()), Kind::Grant(k) if k == key));
         let lease_hash =
             grant.and_then(|g| serde_json::from_slice::<GrantValue>(g.value()).ok()).map(|v| v.s).unwrap_or_default();
         fw.held.entry(rev).or_default().push((key.to_string(), lease_hash));
@@ -448,11 +468,7 @@ impl Cluster {
                 match ev.event_type() {
                     EventType::Put => {
                         if let Kind::Fence(key) = self.keys.kind(kv.key()) {
-                            let rev = kv.mod_revision();
-                            let grant = msg.events().iter().filter_map(|e| e.kv()).find(|g| {
-                                g.mod_revision() == rev && matches!(self.keys.kind(g.key()), Kind::Grant(k) if k == key)
-                            });
-                            self.check_against_floor(key, rev, fence_token(kv), grant);
+                            self.check_against_floor(key, kv.mod_revision(), fence_token(kv), msg.events());
                         }
                         self.apply_put(kv);
                     }
@@ -517,6 +533,9 @@ impl Cluster {
     /// put's revision. Serialised, so acks only ever go up.
     pub(super) async fn write_ack(&self) -> Result<i64, Error> {
         let mut last = self.ack_lock.lock().await;
+        if let Some(why) = self.restored_refusal() {
+            return Err(Error::Unavailable(why));
+        }
         let Some(lease) = self.member_lease() else {
             return Err(Error::Unavailable("not a member".into()));
         };

@@ -17,6 +17,11 @@
 //! grant had waited for yet: the other slot holds the floor before it.
 //! The file is created whole once (written, synced, renamed into place).
 //! A floor kept by an older version in `cluster-floor.json` is carried over.
+//!
+//! The same file keeps the restore detection's state (`raft.rs`): the
+//! highest etcd raft index this gateway proved applied (`raft_mark`), and
+//! whether it found etcd's log behind it (`restored`: the etcd revision it
+//! found it at), so that a restart does not forget either.
 
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -41,6 +46,10 @@ const SLOT: usize = 512;
 struct Record {
     floor: u64,
     cluster_id: u64,
+    #[serde(default)]
+    raft_mark: u64,
+    #[serde(default)]
+    restored: i64,
 }
 
 /// One slot as written: the record, its sequence number (the slot with the
@@ -50,17 +59,39 @@ struct Slot {
     seq: u64,
     floor: u64,
     cluster_id: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    raft_mark: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    restored: i64,
     check: String,
 }
 
+fn is_zero<T: Default + PartialEq>(v: &T) -> bool {
+    *v == T::default()
+}
+
+/// The checksum of a slot; a slot without restore-detection state is
+/// checked as an older version wrote it, so both read each other's files.
 fn check_of(seq: u64, r: Record) -> String {
-    let d = ring::digest::digest(&ring::digest::SHA256, format!("{seq}/{}/{}", r.floor, r.cluster_id).as_bytes());
+    let text = if r.raft_mark == 0 && r.restored == 0 {
+        format!("{seq}/{}/{}", r.floor, r.cluster_id)
+    } else {
+        format!("{seq}/{}/{}/{}/{}", r.floor, r.cluster_id, r.raft_mark, r.restored)
+    };
+    let d = ring::digest::digest(&ring::digest::SHA256, text.as_bytes());
     d.as_ref()[..8].iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// A slot's bytes: its JSON, padded with spaces, ending in a newline.
 fn encode(seq: u64, r: Record) -> Result<Vec<u8>, String> {
-    let slot = Slot { seq, floor: r.floor, cluster_id: r.cluster_id, check: check_of(seq, r) };
+    let slot = Slot {
+        seq,
+        floor: r.floor,
+        cluster_id: r.cluster_id,
+        raft_mark: r.raft_mark,
+        restored: r.restored,
+        check: check_of(seq, r),
+    };
     let mut bytes = serde_json::to_vec(&slot).map_err(|e| e.to_string())?;
     if bytes.len() >= SLOT {
         return Err("a floor record longer than its slot".into());
@@ -73,7 +104,8 @@ fn encode(seq: u64, r: Record) -> Result<Vec<u8>, String> {
 /// The record a slot holds, if it is whole (parses, checksum right).
 fn decode(bytes: &[u8]) -> Option<(u64, Record)> {
     let slot: Slot = serde_json::from_slice(bytes.trim_ascii()).ok()?;
-    let record = Record { floor: slot.floor, cluster_id: slot.cluster_id };
+    let record =
+        Record { floor: slot.floor, cluster_id: slot.cluster_id, raft_mark: slot.raft_mark, restored: slot.restored };
     (check_of(slot.seq, record) == slot.check).then_some((slot.seq, record))
 }
 
@@ -116,7 +148,7 @@ impl File {
                 if old_path.exists() {
                     let old = read_old(&old_path)?;
                     if old.floor > record.floor {
-                        record = old;
+                        record = Record { floor: old.floor, cluster_id: old.cluster_id, ..record };
                         file.write(record).map_err(Error::Store)?;
                     }
                     let _ = std::fs::remove_file(&old_path);
@@ -171,6 +203,16 @@ pub(super) struct Floor {
     highest: watch::Sender<u64>,
     persisted: watch::Sender<u64>,
     cluster_id: Mutex<u64>,
+    /// The restore detection's state (`raft.rs`).
+    raft: Mutex<Raft>,
+}
+
+/// What the restore detection keeps: the highest raft index proved
+/// applied, and the etcd revision at which etcd's log was found behind it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) struct Raft {
+    pub(super) mark: u64,
+    pub(super) restored: Option<i64>,
 }
 
 impl Floor {
@@ -184,7 +226,75 @@ impl Floor {
             highest: watch::channel(record.floor).0,
             persisted: watch::channel(record.floor).0,
             cluster_id: Mutex::new(record.cluster_id),
+            raft: Mutex::new(Raft {
+                mark: record.raft_mark,
+                restored: (record.restored != 0).then_some(record.restored),
+            }),
         })
+    }
+
+    fn lock_raft(&self) -> std::sync::MutexGuard<'_, Raft> {
+        self.raft.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The restore detection's state.
+    pub(super) fn raft(&self) -> Raft {
+        *self.lock_raft()
+    }
+
+    /// The etcd revision at which etcd's log was found behind this
+    /// gateway's mark, while no operator has raised the floor since.
+    pub(super) fn restored(&self) -> Option<i64> {
+        self.lock_raft().restored
+    }
+
+    /// etcd's applied raft index `applied`, proved by a linearizable read
+    /// at `revision` on the member that reported it. Returns true when
+    /// this finds etcd's log behind the mark (a restore) for the first
+    /// time; otherwise raises the mark. While a restore is recorded the
+    /// mark stays as it is (the old log's), and the recorded revision
+    /// only goes down (a second restore).
+    pub(super) fn observe_raft(&self, applied: u64, revision: i64) -> bool {
+        let mut r = self.lock_raft();
+        let before = *r;
+        let found = match r.restored {
+            Some(at) => {
+                r.restored = Some(at.min(revision));
+                false
+            }
+            None if applied < r.mark => {
+                r.restored = Some(revision);
+                true
+            }
+            None => {
+                r.mark = applied;
+                false
+            }
+        };
+        let changed = *r != before;
+        drop(r);
+        if changed {
+            // Persisted with the floor (coalesced).
+            self.highest.send_modify(|_| {});
+        }
+        found
+    }
+
+    /// The token offset was written at revision `rev` (an operator's
+    /// `raise-floor`): after a recorded restore, the operator has raised
+    /// the floor since, so the restore is over and the mark starts again
+    /// from the new log. Returns true when that ended a recorded restore.
+    pub(super) fn offset_written(&self, rev: i64) -> bool {
+        let mut r = self.lock_raft();
+        match r.restored {
+            Some(at) if rev > at => {
+                *r = Raft::default();
+                drop(r);
+                self.highest.send_modify(|_| {});
+                true
+            }
+            _ => false,
+        }
     }
     /// The highest token seen.
     pub(super) fn get(&self) -> u64 {
@@ -240,7 +350,8 @@ impl Floor {
         loop {
             let floor = *rx.borrow_and_update();
             let cluster_id = *self.cluster_id.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            let record = Record { floor, cluster_id };
+            let raft = self.raft();
+            let record = Record { floor, cluster_id, raft_mark: raft.mark, restored: raft.restored.unwrap_or(0) };
             let file = self.file.clone();
             let written = tokio::task::spawn_blocking(move || {
                 file.lock().unwrap_or_else(std::sync::PoisonError::into_inner).write(record)
@@ -269,7 +380,7 @@ impl Floor {
 
 /// The operator's command after an etcd restore: raises the token offset
 /// so that every token issued from now on is above `to`. Returns the new
-/// offset. Never lowers it.
+/// offset. Never lowers it; always writes it (see below).
 pub async fn raise_floor(cfg: &ClusterConfig, to: u64) -> Result<u64, Error> {
     let client = super::connect(cfg).await?;
     let keys = super::Keys::new(&cfg.prefix);
@@ -292,10 +403,11 @@ pub async fn raise_floor(cfg: &ClusterConfig, to: u64) -> Result<u64, Error> {
         };
         // The next transaction's revision is above `revision`, and its
         // tokens are at least `offset + (revision + 1) · TOKEN_SLOTS`.
-        let needed = to.saturating_sub(super::rev_u64(revision).saturating_mul(super::TOKEN_SLOTS));
-        if needed <= old {
-            return Ok(old);
-        }
+        let needed = to.saturating_sub(super::rev_u64(revision).saturating_mul(super::TOKEN_SLOTS)).max(old);
+        // Written even when it is high enough already: gateways that found
+        // etcd's log behind them (a restore, `raft.rs`) take a write of the
+        // offset after that as the operator's word that the floor was
+        // raised past every token issued before it.
         let txn = Txn::new()
             .when([Compare::mod_revision(keys.offset(), CompareOp::Equal, old_rev)])
             .and_then([TxnOp::put(keys.offset(), needed.to_string(), None)]);
@@ -314,12 +426,13 @@ mod tests {
     fn floor_in(dir: &Path) -> Record {
         let f = Floor::open(dir).expect("open");
         let cluster_id = *f.cluster_id.lock().expect("lock");
-        Record { floor: f.get(), cluster_id }
+        let raft = f.raft();
+        Record { floor: f.get(), cluster_id, raft_mark: raft.mark, restored: raft.restored.unwrap_or(0) }
     }
 
     fn write(dir: &Path, floor: u64, cluster_id: u64) {
         let (mut file, _) = File::open(dir).expect("open");
-        file.write(Record { floor, cluster_id }).expect("write");
+        file.write(Record { floor, cluster_id, ..Record::default() }).expect("write");
     }
 
     #[test]
@@ -328,7 +441,7 @@ mod tests {
         assert_eq!(floor_in(dir.path()), Record::default());
         for floor in [5, 6, 1_000, u64::MAX] {
             write(dir.path(), floor, 42);
-            assert_eq!(floor_in(dir.path()), Record { floor, cluster_id: 42 });
+            assert_eq!(floor_in(dir.path()), Record { floor, cluster_id: 42, ..Record::default() });
         }
         assert_eq!(std::fs::metadata(dir.path().join(FILE)).expect("stat").len(), 2 * SLOT as u64);
     }
@@ -337,16 +450,16 @@ mod tests {
     fn a_torn_write_leaves_the_floor_before_it() {
         let dir = tempfile::tempdir().expect("tempdir");
         let (mut file, _) = File::open(dir.path()).expect("open");
-        file.write(Record { floor: 10, cluster_id: 1 }).expect("write");
-        file.write(Record { floor: 20, cluster_id: 1 }).expect("write");
+        file.write(Record { floor: 10, cluster_id: 1, ..Record::default() }).expect("write");
+        file.write(Record { floor: 20, cluster_id: 1, ..Record::default() }).expect("write");
         // The next write goes to the slot holding 10; a crash tears it.
         let at = ((file.seq + 1) % 2) * SLOT as u64;
-        let mut torn = encode(file.seq + 1, Record { floor: 30, cluster_id: 1 }).expect("encode");
+        let mut torn = encode(file.seq + 1, Record { floor: 30, cluster_id: 1, ..Record::default() }).expect("encode");
         torn[20..].fill(0);
         file.file.write_all_at(&torn, at).expect("tear");
         assert_eq!(floor_in(dir.path()).floor, 20);
         // Whole again, it wins.
-        file.write(Record { floor: 30, cluster_id: 1 }).expect("write");
+        file.write(Record { floor: 30, cluster_id: 1, ..Record::default() }).expect("write");
         assert_eq!(floor_in(dir.path()).floor, 30);
     }
 
@@ -371,9 +484,9 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         write(dir.path(), 5, 1);
         std::fs::write(dir.path().join(OLD_FILE), br#"{"floor":999,"cluster_id":2}"#).expect("write");
-        assert_eq!(floor_in(dir.path()), Record { floor: 999, cluster_id: 2 });
+        assert_eq!(floor_in(dir.path()), Record { floor: 999, cluster_id: 2, ..Record::default() });
         assert!(!dir.path().join(OLD_FILE).exists());
-        assert_eq!(floor_in(dir.path()), Record { floor: 999, cluster_id: 2 });
+        assert_eq!(floor_in(dir.path()), Record { floor: 999, cluster_id: 2, ..Record::default() });
         // A lower one does not lower it.
         std::fs::write(dir.path().join(OLD_FILE), br#"{"floor":7,"cluster_id":2}"#).expect("write");
         assert_eq!(floor_in(dir.path()).floor, 999);
@@ -383,8 +496,45 @@ mod tests {
     fn an_older_versions_floor_is_carried_over() {
         let dir = tempfile::tempdir().expect("tempdir");
         std::fs::write(dir.path().join(OLD_FILE), br#"{"floor":77,"cluster_id":5}"#).expect("write");
-        assert_eq!(floor_in(dir.path()), Record { floor: 77, cluster_id: 5 });
+        assert_eq!(floor_in(dir.path()), Record { floor: 77, cluster_id: 5, ..Record::default() });
         assert!(!dir.path().join(OLD_FILE).exists());
-        assert_eq!(floor_in(dir.path()), Record { floor: 77, cluster_id: 5 });
+        assert_eq!(floor_in(dir.path()), Record { floor: 77, cluster_id: 5, ..Record::default() });
+    }
+
+    #[test]
+    fn the_restore_detection_state_is_kept_and_an_older_slot_still_reads() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let r = Record { floor: 9, cluster_id: 3, raft_mark: 1_000, restored: 77 };
+        write(dir.path(), 9, 3);
+        // A slot as an older version wrote it (no restore fields) reads back.
+        assert_eq!(floor_in(dir.path()), Record { floor: 9, cluster_id: 3, ..Record::default() });
+        let (mut file, _) = File::open(dir.path()).expect("open");
+        file.write(r).expect("write");
+        assert_eq!(floor_in(dir.path()), r);
+        // The state is under the checksum: a changed mark spoils the slot.
+        let path = dir.path().join(FILE);
+        let text = std::fs::read_to_string(&path).expect("read");
+        std::fs::write(&path, text.replace("\"raft_mark\":1000", "\"raft_mark\":1")).expect("write");
+        assert_eq!(floor_in(dir.path()), Record { floor: 9, cluster_id: 3, ..Record::default() });
+    }
+
+    #[test]
+    fn a_log_behind_the_mark_is_a_restore_until_the_offset_is_written_after_it() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let f = Floor::open(dir.path()).expect("open");
+        assert!(!f.observe_raft(500, 40));
+        assert!(!f.observe_raft(400 + 100, 41), "the same index again is not behind");
+        assert_eq!(f.raft().mark, 500);
+        assert!(f.observe_raft(7, 30), "a log behind the mark is a restore");
+        assert_eq!(f.restored(), Some(30));
+        assert!(!f.observe_raft(9_000, 35), "found once; the mark stays");
+        assert_eq!(f.raft().mark, 500);
+        assert!(!f.observe_raft(8, 20));
+        assert_eq!(f.restored(), Some(20), "a second restore lowers the revision found at");
+        assert!(!f.offset_written(20), "an offset written before it does not end it");
+        assert!(f.offset_written(21));
+        assert_eq!(f.restored(), None);
+        assert!(!f.observe_raft(8, 22), "the mark starts again from the new log");
+        assert_eq!(f.raft().mark, 8);
     }
 }

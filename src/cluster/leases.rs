@@ -260,6 +260,9 @@ impl Cluster {
         queued: Option<(&str, i64)>,
         orphan: &Orphan,
     ) -> Result<Option<Granted>, Error> {
+        if let Some(why) = self.restored_refusal() {
+            return Err(Error::Unavailable(why));
+        }
         let sent = Instant::now();
         // Every token seen before this transaction was committed earlier in
         // etcd's history, so its revision is above them all — unless that

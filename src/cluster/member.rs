@@ -215,7 +215,7 @@ impl Cluster {
     /// see it come back on the watch: then every event before it has been
     /// applied here.
     async fn prove_current(&self, deadline: Instant) -> bool {
-        if !self.feed_is_ok() {
+        if !self.feed_is_ok() || self.floor.restored().is_some() {
             return false;
         }
         let Ok(rev) = self.write_ack().await else { return false };

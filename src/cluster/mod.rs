@@ -42,6 +42,7 @@ mod floor;
 mod leases;
 mod member;
 mod mirror;
+mod raft;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -309,6 +310,10 @@ pub struct Cluster {
     /// Grants, renewals, releases and expiries waiting for the next shared
     /// transaction.
     batches: batch::Queue,
+    /// The etcd configuration (the restore detection's probe connects to
+    /// one member at a time with it).
+    cfg: ClusterConfig,
+    probe: tokio::sync::Mutex<raft::Probe>,
     stop: Shutdown,
 }
 
@@ -370,6 +375,8 @@ impl Cluster {
             member_lost: std::sync::atomic::AtomicI64::new(0),
             member_lost_kick: tokio::sync::Notify::new(),
             batches,
+            probe: tokio::sync::Mutex::default(),
+            cfg: s.cfg.clone(),
             stop: s.stop,
         });
         // Strict routes ask the mirror whether a grant is live.
@@ -385,6 +392,7 @@ impl Cluster {
         tokio::spawn(cluster.clone().run_acks());
         tokio::spawn(cluster.clone().run_batches(batch_rx));
         tokio::spawn(cluster.clone().run_expiry());
+        tokio::spawn(cluster.clone().run_raft_check((cluster.member_ttl / 2).max(Duration::from_secs(1))));
         tokio::spawn(cluster.floor.clone().run(cluster.stop.clone()));
         tracing::info!(gateway = %cluster.gateway_id, revision = watch_from - 1, "cluster mode: fences loaded from etcd");
         Ok(cluster)

@@ -1,0 +1,159 @@
+//! Restore detection. An etcd restored from a snapshot (or replaced by a
+//! new cluster) has forgotten every grant made after the snapshot; its
+//! revisions, and so its tokens, go on from the snapshot's. A gateway that
+//! saw those grants holds any repeat of their tokens back (its token floor,
+//! `feed.rs`); one that did not — stopped, paused or cut off meanwhile —
+//! cannot tell from etcd's keys alone. What it can tell is etcd's raft log:
+//! a restore starts it again from a handful of entries (etcd 3.4: index =
+//! number of members), while in one history the applied index only grows.
+//!
+//! So each gateway proves, at every load and every few seconds, the raft
+//! index etcd has applied — a linearizable read on one member, then that
+//! member's status: its applied index is then at least the cluster's commit
+//! index when the read began, so at least any index proved before — and
+//! keeps the highest (`raft_mark`, durable beside the token floor). Found
+//! below the mark, etcd's log went back: the gateway records the restore
+//! (durably) and from then on grants nothing, acknowledges no grant (so no
+//! grant is answered by any gateway while it is a member) and admits no
+//! mutation, until an operator runs `fencegate cluster raise-floor`, whose
+//! write of the token offset after the restore ends it.
+//!
+//! What this cannot see: a gateway whose mark is below the restored log's
+//! index when it looks (it last saw etcd when its log was shorter than the
+//! restored one has grown since) — the operator's procedure (docs) covers
+//! that.
+
+use std::time::Duration;
+
+use etcd_client::{Client, GetOptions};
+
+use super::Cluster;
+use crate::config::ClusterConfig;
+use crate::error::Error;
+
+/// A client of one etcd member, so that the read and the status come from
+/// the same member.
+#[derive(Default)]
+pub(super) struct Probe {
+    /// The endpoint to try next.
+    next: usize,
+    client: Option<Client>,
+}
+
+impl std::fmt::Debug for Probe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Probe").field("next", &self.next).finish_non_exhaustive()
+    }
+}
+
+/// Why a gateway that found a restore refuses (grants, mutations).
+pub(super) fn restored_refusal(floor: u64) -> String {
+    format!(
+        "etcd's raft log is behind what this gateway saw before: etcd was restored from a snapshot (or replaced), \
+         tokens issued after the snapshot may be lost and granting could issue one twice; this gateway grants \
+         nothing, acknowledges no grant and admits no mutation until an operator runs `fencegate cluster \
+         raise-floor --to N` with N at least the highest token floor of every gateway (the token floor {floor} \
+         here)"
+    )
+}
+
+impl Cluster {
+    /// The applied raft index of one member and the revision of a
+    /// linearizable read on it just before: `(applied, revision)`.
+    async fn measure_raft(&self) -> Result<(u64, i64), Error> {
+        let mut probe = self.probe.lock().await;
+        let endpoints = &self.cfg.etcd_endpoints;
+        let mut last = Error::Unavailable("etcd: no endpoint configured".into());
+        for _ in 0..endpoints.len().max(1) {
+            let client = match probe.client.take() {
+                Some(c) => c,
+                None => {
+                    let i = probe.next % endpoints.len().max(1);
+                    probe.next = i + 1;
+                    let one = ClusterConfig {
+                        etcd_endpoints: endpoints.get(i).cloned().into_iter().collect(),
+                        ..self.cfg.clone()
+                    };
+                    match super::connect(&one).await {
+                        Ok(c) => c,
+                        Err(e) => {
+                            last = e;
+                            continue;
+                        }
+                    }
+                }
+            };
+            match self.measure_on(&client).await {
+                Ok(m) => {
+                    probe.client = Some(client);
+                    return Ok(m);
+                }
+                Err(e) => last = e,
+            }
+        }
+        Err(last)
+    }
+
+    async fn measure_on(&self, client: &Client) -> Result<(u64, i64), Error> {
+        let timeout = |what: &'static str| move |_| Error::Unavailable(format!("etcd: {what}: no answer in time"));
+        let read = tokio::time::timeout(
+            self.timeout,
+            client.kv_client().get(self.keys.offset(), Some(GetOptions::new().with_count_only())),
+        )
+        .await
+        .map_err(timeout("reading for the raft index"))?
+        .map_err(|e| super::unavailable("reading for the raft index", e))?;
+        let header = read.header().ok_or_else(|| Error::Unavailable("etcd: no response header".into()))?;
+        let (member, revision) = (header.member_id(), header.revision());
+        let status = tokio::time::timeout(self.timeout, client.maintenance_client().status())
+            .await
+            .map_err(timeout("reading the raft index"))?
+            .map_err(|e| super::unavailable("reading the raft index", e))?;
+        match status.header() {
+            Some(h) if h.member_id() == member => Ok((status.raft_applied_index(), revision)),
+            _ => Err(Error::Unavailable("etcd: the raft index came from another member".into())),
+        }
+    }
+
+    /// Proves etcd's applied raft index and compares it with the mark
+    /// (module doc). A restore found stops this gateway at once.
+    pub(super) async fn check_raft(&self) -> Result<(), Error> {
+        if crate::fault::enabled(crate::fault::Fault::NoRestoreDetection) {
+            return Ok(());
+        }
+        let (applied, revision) = self.measure_raft().await?;
+        let mark = self.floor.raft().mark;
+        if self.floor.observe_raft(applied, revision) {
+            self.fences
+                .set_not_current("etcd was restored (its raft log is behind this gateway's); waiting for raise-floor");
+            self.metrics.cluster_current.set(0);
+            tracing::error!(
+                applied,
+                mark,
+                revision,
+                floor = self.floor.get(),
+                "{}",
+                restored_refusal(self.floor.get())
+            );
+        }
+        Ok(())
+    }
+
+    /// Why this gateway refuses while a restore is recorded.
+    pub(super) fn restored_refusal(&self) -> Option<String> {
+        self.floor.restored().map(|_| restored_refusal(self.floor.get()))
+    }
+
+    /// Keeps the mark recent: proves the raft index every `every`.
+    pub(super) async fn run_raft_check(self: std::sync::Arc<Self>, every: Duration) {
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep(every) => {}
+                () = self.stop.wait() => return,
+            }
+            if let Err(e) = self.check_raft().await {
+                tracing::debug!(error = %e, "proving etcd's raft index failed; trying again later");
+            }
+        }
+    }
+}
