@@ -675,6 +675,112 @@ async fn after_a_restore_a_gateway_finds_etcd_s_log_went_back_and_waits_for_rais
     common::signal(pid0, "CONT");
 }
 
+/// A gateway whose watch broke (the etcd member it was on died) reloads
+/// its view, and replays the member keys it missed instead of quarantining
+/// every member from the reload: its next grant waits for no quarantine
+/// when nobody left meanwhile (the blanket one was most of the time from an
+/// etcd leader kill to the next grant). Quarantine 8.5 s here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_whose_watch_broke_grants_without_quarantining_everyone() {
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
+    let mut s = setup_with(3, 8000).await;
+    // The start's own quarantine (a first load knows nobody's past) is over.
+    let started = Instant::now();
+    acquire(&s.http, &s.api(0), "gap/warm", 60_000, 20_000).await.unwrap();
+    let quarantine = Duration::from_millis(8500);
+    assert!(started.elapsed() < quarantine + Duration::from_secs(5));
+    let leader = s.etcd.leader().await;
+    let mut resynced = None;
+    for member in (0..3).filter(|m| *m != leader) {
+        let before: Vec<u64> = resync_counts(&s).await;
+        s.etcd.kill9(member);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline && resynced.is_none() {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let now: Vec<u64> = resync_counts(&s).await;
+            resynced = (0..3).find(|i| now[*i] > before[*i]);
+        }
+        if let Some(gw) = resynced {
+            s.wait_current(gw, Duration::from_secs(10)).await;
+            let started = Instant::now();
+            let g = acquire(&s.http, &s.api(gw), "gap/after", 60_000, 20_000).await.unwrap();
+            let took = started.elapsed();
+            println!("FIGURE a grant through gw{gw} after its watch broke: {took:?} (quarantine {quarantine:?})");
+            assert!(took < Duration::from_secs(4), "the grant waited {took:?}: a quarantine for everyone");
+            assert_eq!(s.put(gw, "/gap/after", g.token).await.status, StatusCode::OK);
+            s.etcd.restart(member);
+            return;
+        }
+        s.etcd.restart(member);
+        s.etcd.wait_healthy(Duration::from_secs(30)).await;
+    }
+    panic!("no gateway's watch was on a follower: nothing to show (rerun)");
+}
+
+/// The other side of the test above: a member that left (its key deleted,
+/// not drained) while a gateway's watch was broken is found by that
+/// gateway's replay of the member keys, so its next grant still waits the
+/// departed member's quarantine (8.5 s here). The gateway is paused while
+/// its watch's etcd member dies and the member key goes, so that the delete
+/// falls between its watch's last event and its reload.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_that_left_while_a_gateway_s_watch_was_broken_is_still_quarantined() {
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
+    let mut s = setup_with(3, 8000).await;
+    let quarantine = Duration::from_millis(8500);
+    acquire(&s.http, &s.api(0), "left/warm", 60_000, 20_000).await.unwrap();
+    let leader = s.etcd.leader().await;
+    let mut client = s.etcd.client().await;
+    for (attempt, member) in (0..3).filter(|m| *m != leader).enumerate() {
+        let before = resync_counts(&s).await;
+        // gw0 paused well within its member deadline (TTL 2 s).
+        let pid = s.gws[0].child.id();
+        common::signal(pid, "STOP");
+        s.etcd.kill9(member);
+        // (The client may first pick the dead member: asked again.)
+        let mut tries = 0;
+        let deleted = loop {
+            match client.delete("/fencegate/m/gw2", None).await {
+                Ok(d) => break d,
+                Err(e) => assert!(tries < 50, "deleting gw2's key: {e}"),
+            }
+            tries += 1;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert_eq!(deleted.deleted(), 1, "the member key's name changed");
+        let left_at = Instant::now();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        common::signal(pid, "CONT");
+        let deadline = Instant::now() + Duration::from_secs(3);
+        let mut broke = false;
+        while Instant::now() < deadline && !broke {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            broke = resync_counts(&s).await[0] > before[0];
+        }
+        s.wait_current(0, Duration::from_secs(10)).await;
+        let g = acquire(&s.http, &s.api(0), &format!("left/{attempt}"), 60_000, 20_000).await.unwrap();
+        let after = left_at.elapsed();
+        println!("FIGURE gw0's watch broke: {broke}; its grant {after:?} after gw2's key went");
+        assert!(after >= quarantine, "granted {after:?} after a member left undrained (quarantine {quarantine:?})");
+        assert_eq!(s.put(0, &format!("/left/{attempt}"), g.token).await.status, StatusCode::OK);
+        s.etcd.restart(member);
+        s.etcd.wait_healthy(Duration::from_secs(30)).await;
+        if broke {
+            return;
+        }
+    }
+    panic!("gw0's watch was on neither follower: the replay was not exercised (rerun)");
+}
+
+/// The resync counter of every gateway of `s`.
+async fn resync_counts(s: &Setup) -> Vec<u64> {
+    let mut v = Vec::new();
+    for i in 0..s.gws.len() {
+        v.push(resyncs(s, i).await);
+    }
+    v
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_etcd_leader_keeps_grants_and_fenced_writes_working() {
     let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");

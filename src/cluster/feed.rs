@@ -69,6 +69,7 @@ impl Cluster {
                 break;
             }
         }
+        let same_cluster = self.floor.cluster_id() == cluster_id;
         self.floor.observe_cluster(cluster_id, revision);
         // The grants this gateway knew before this read: key → (create
         // revision, lease-id hash).
@@ -92,17 +93,35 @@ impl Cluster {
             let mut fw = self.floor_watch.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             (fw.rev, fw.before) = (0, 0);
         }
+        // The members that left since the broken watch's last revision:
+        // known from a replay of the member keys (`members_left_between`),
+        // each quarantined from now; when that cannot be had (the first
+        // load, revisions gone back, another cluster, a restore found, the
+        // replay compacted or unanswered) the load quarantines everyone.
+        let prev = *self.applied.borrow();
+        let left = if first_load || revision < prev || !same_cluster || self.floor.restored().is_some() {
+            None
+        } else {
+            self.members_left_between(prev, revision).await
+        };
         {
+            let now = tokio::time::Instant::now();
             let mut m = self.lock_mirror();
-            // Departures already seen keep their quarantine; the load
-            // itself starts one for whoever left unseen.
+            // Departures already seen keep their quarantine, as does an
+            // earlier load's.
             let departed = std::mem::take(&mut m.departed);
+            let loaded_at = if left.is_some() { m.loaded_at } else { Some(now) };
             // Grants already seen keep their expiry deadline (a put seen
             // again counts from when it was first seen).
             let seen = std::mem::take(&mut m.grants);
             known = seen.iter().map(|(k, g)| (k.clone(), (g.created, g.value.s.clone()))).collect();
-            *m = super::mirror::Mirror { departed, loaded_at: Some(tokio::time::Instant::now()), ..Default::default() };
+            *m = super::mirror::Mirror { departed, loaded_at, ..Default::default() };
             m.grants = seen;
+            for (gw, (lease, drained)) in left.unwrap_or_default() {
+                if m.departed.get(&gw).is_none_or(|d| d.lease != lease) {
+                    m.departed.insert(gw, super::mirror::Departure { lease, at: now, drained });
+                }
+            }
         }
         let kvs = &kvs;
         // The grants this read does not hold are gone; the others are

@@ -313,6 +313,11 @@ impl Floor {
         });
     }
 
+    /// The etcd cluster id last recorded (0: none yet).
+    pub(super) fn cluster_id(&self) -> u64 {
+        *self.cluster_id.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     /// Records the etcd cluster id; logs when it changed (a restore or a
     /// new cluster) and the revision is below the floor.
     pub(super) fn observe_cluster(&self, cluster_id: u64, revision: i64) {

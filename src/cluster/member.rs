@@ -224,3 +224,70 @@ impl Cluster {
         matches!(seen, Ok(Ok(_))) && self.feed_is_ok()
     }
 }
+
+/// The members that left in a span of etcd's history: member id →
+/// (the lease it was on, whether it had drained first).
+pub(super) type Left = std::collections::HashMap<String, (i64, bool)>;
+
+impl Cluster {
+    /// Every member key deleted after revision `from` (the last this
+    /// gateway's broken watch applied) up to at least `to` (its reload's
+    /// read): a reload that knows them needs no blanket quarantine for
+    /// members that left unseen. Replays the member prefix from `from + 1`
+    /// and, to know where the replay has reached (etcd 3.4's progress
+    /// notifications are not reliable), puts this gateway's own member key
+    /// again (same value, same lease, only while it still holds it) and
+    /// reads until that put comes back. `None` when the replay cannot be
+    /// had whole within the etcd timeout (compacted, not a member, etcd
+    /// away): the caller then quarantines everyone.
+    pub(super) async fn members_left_between(&self, from: i64, to: i64) -> Option<Left> {
+        let lease = self.member_lease()?;
+        let prefix = format!("{}m/", self.keys.prefix);
+        let key = self.keys.member(&self.gateway_id);
+        let replay = async {
+            let mut client = self.client.watch_client();
+            let opts = etcd_client::WatchOptions::new().with_prefix().with_start_revision(from + 1).with_prev_key();
+            let mut stream = client.watch(prefix.as_str(), Some(opts)).await.ok()?;
+            let mut kv = self.client.kv_client();
+            let txn = Txn::new()
+                .when([
+                    Compare::lease(key.clone(), CompareOp::Equal, lease),
+                    Compare::value(key.clone(), CompareOp::Equal, "up"),
+                ])
+                .and_then([TxnOp::put(key.clone(), "up", Some(PutOptions::new().with_lease(lease)))]);
+            let marked = kv.txn(txn).await.ok()?;
+            if !marked.succeeded() {
+                return None;
+            }
+            let until = marked.header()?.revision();
+            if until <= to {
+                return None;
+            }
+            let mut left = Left::new();
+            loop {
+                let msg = stream.message().await.ok()??;
+                if msg.canceled() {
+                    return None;
+                }
+                for ev in msg.events() {
+                    let Some(kv) = ev.kv() else { continue };
+                    if ev.event_type() == etcd_client::EventType::Delete {
+                        if let super::Kind::Member(gw) = self.keys.kind(kv.key()) {
+                            let prev = ev.prev_kv();
+                            let drained = prev.is_some_and(|p| p.value() == b"drained");
+                            let lease = prev.map_or(0, etcd_client::KeyValue::lease);
+                            // An incarnation that crashed keeps its
+                            // quarantine even when a later one drained.
+                            let e = left.entry(gw.to_string()).or_insert((lease, drained));
+                            *e = (lease, e.1 && drained);
+                        }
+                    }
+                    if kv.mod_revision() >= until {
+                        return Some(left);
+                    }
+                }
+            }
+        };
+        tokio::time::timeout(self.timeout, replay).await.ok().flatten()
+    }
+}
