@@ -166,21 +166,9 @@ impl Cluster {
                     tracing::error!("etcd: the token offset does not parse; ignored");
                     return;
                 };
-                {
-                    let mut m = self.lock_mirror();
-                    m.offset = m.offset.max(offset);
-                    m.offset_rev = kv.mod_revision();
-                }
-                if self.floor.offset_written(kv.mod_revision()) {
-                    tracing::warn!(
-                        revision = kv.mod_revision(),
-                        offset,
-                        "the token offset was written after the restore this gateway found (raise-floor): it \
-                         grants, acknowledges and admits again"
-                    );
-                    self.recompute_activated();
-                    self.member_lost_kick.notify_one();
-                }
+                let mut m = self.lock_mirror();
+                m.offset = m.offset.max(offset);
+                m.offset_rev = kv.mod_revision();
             }
             Kind::Grant(key) => {
                 let Ok(value) = serde_json::from_slice::<GrantValue>(kv.value()) else {
@@ -486,8 +474,12 @@ impl Cluster {
                 let Some(kv) = ev.kv() else { continue };
                 match ev.event_type() {
                     EventType::Put => {
-                        if let Kind::Fence(key) = self.keys.kind(kv.key()) {
-                            self.check_against_floor(key, kv.mod_revision(), fence_token(kv), msg.events());
+                        match self.keys.kind(kv.key()) {
+                            Kind::Fence(key) => {
+                                self.check_against_floor(key, kv.mod_revision(), fence_token(kv), msg.events())
+                            }
+                            Kind::Offset => self.offset_written(kv.mod_revision()),
+                            _ => {}
                         }
                         self.apply_put(kv);
                     }

@@ -559,7 +559,8 @@ fn not_acknowledged(missing: &[&str]) -> String {
     format!(
         "{} gateway(s) did not acknowledge the grant within activation_timeout_ms: {names}. A gateway paused or cut \
          off from etcd counts until its membership lease expires; one whose token floor is not below this grant's \
-         token holds it back until `fencegate cluster raise-floor` (its log says so; see docs/cluster.md)",
+         token, or that found etcd restored (its raft log behind what it saw), holds it back until `fencegate \
+         cluster raise-floor` (its log says so; see docs/cluster.md)",
         missing.len()
     )
 }

@@ -88,7 +88,18 @@ impl Cluster {
             // membership while the rest of the quorum answers.
             let mut failed = true;
             if let Some(d) = next_deadline.take() {
-                if self.prove_current(d).await && self.member_lost.load(std::sync::atomic::Ordering::Acquire) != lease {
+                if self.floor.restored().is_some() {
+                    // A restore found (`raft.rs`): the membership is kept
+                    // (peers then wait for this gateway's acknowledgement,
+                    // which never comes, so no grant is answered anywhere),
+                    // and the gateway is never current. Letting it lapse
+                    // would make it a departure that peers only quarantine
+                    // (review finding: a rejoin every ~2 s let grants through).
+                    deadline = d;
+                    failed = false;
+                } else if self.prove_current(d).await
+                    && self.member_lost.load(std::sync::atomic::Ordering::Acquire) != lease
+                {
                     deadline = d;
                     failed = false;
                     self.fences.set_current_until(d);

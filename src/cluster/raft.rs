@@ -139,6 +139,24 @@ impl Cluster {
         Ok(())
     }
 
+    /// The watch delivered a write of the token offset at `rev`: after a
+    /// restore this gateway found, that is the operator's `raise-floor`,
+    /// and the restore is over. Only a write the watch delivers counts —
+    /// one read in a full load may be an old one that a later snapshot
+    /// brought back (review finding: a second restore from a newer snapshot
+    /// holding an earlier `raise-floor` ended the first restore's refusal).
+    pub(super) fn offset_written(&self, rev: i64) {
+        if self.floor.offset_written(rev) {
+            tracing::warn!(
+                revision = rev,
+                "the token offset was written after the restore this gateway found (raise-floor): it grants, \
+                 acknowledges and admits again"
+            );
+            self.recompute_activated();
+            self.member_lost_kick.notify_one();
+        }
+    }
+
     /// Why this gateway refuses while a restore is recorded.
     pub(super) fn restored_refusal(&self) -> Option<String> {
         self.floor.restored().map(|_| restored_refusal(self.floor.get()))

@@ -62,6 +62,9 @@ enum Failure {
     Exchange(String),
     /// A newer fence arrived before the body was sent.
     Aborted,
+    /// Cluster mode: the gateway's view stopped being current (its member
+    /// deadline passed: paused, cut off) before the request was sent.
+    NotCurrent,
 }
 
 /// Per-connection buffers and deadlines, reused request after request.
@@ -182,7 +185,7 @@ async fn serve_one(
 
     let sent = c
         .upstream_deadline
-        .within(exchange(pool, &c.out, guard.as_ref(), head_request, &mut c.rbuf, &mut c.resp))
+        .within(exchange(pool, &c.out, guard.as_ref(), proxy.fences(), head_request, &mut c.rbuf, &mut c.resp))
         .await;
     // Admission took well under a microsecond: the request's start is the
     // upstream exchange's start too (one clock read less per request).
@@ -434,6 +437,10 @@ fn forward_failure(
             let fence = proxy.fences().fence(key);
             (Error::StaleFencingToken { key: key.to_string(), token: token.unwrap_or(0), fence }, Outcome::Stale)
         }
+        Some(Some(Failure::NotCurrent)) => (
+            Error::NotCurrent("the gateway stopped being current before the request was sent upstream".into()),
+            Outcome::NotCurrent,
+        ),
         Some(None) | None => {
             let timeout_ms = u64::try_from(route.upstream_timeout.as_millis()).unwrap_or(u64::MAX);
             (Error::UpstreamTimeout { timeout_ms }, Outcome::UpstreamError)
@@ -480,6 +487,7 @@ async fn exchange(
     pool: &Pool,
     request: &[u8],
     guard: Option<&InflightGuard>,
+    fences: &crate::fence::FenceTable,
     head_request: bool,
     rbuf: &mut BytesMut,
     resp: &mut RespHead,
@@ -492,6 +500,12 @@ async fn exchange(
         };
         if guard.is_some_and(|g| g.ctl().is_aborted()) {
             return Err(Failure::Aborted);
+        }
+        // Checked again right before the bytes go: a gateway paused after
+        // admitting (SIGSTOP, a stall) may have been counted out by its
+        // peers meanwhile, and a newer holder's write already applied.
+        if guard.is_some() && !fences.is_current() {
+            return Err(Failure::NotCurrent);
         }
         match upstream.write_all(request).await {
             Ok(()) => break upstream,

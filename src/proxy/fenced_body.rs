@@ -49,6 +49,13 @@ const ENDED: u8 = 4;
 /// Dropped before its end by the HTTP client (the upstream answered and
 /// wants no more of it, or the exchange was given up).
 const DROPPED: u8 = 5;
+/// Cut off because the gateway's view stopped being current (cluster
+/// mode: paused or cut off past its member deadline) before a frame went.
+const NOT_CURRENT: u8 = 6;
+/// Cut off because the route's upstream timeout had passed before a frame
+/// went (the exchange is given up; a frame sent now could be applied after
+/// peers' quarantines, which count on that timeout).
+const TIMED_OUT: u8 = 7;
 
 impl BodyOutcome {
     /// A newer fence cut the upload off.
@@ -64,9 +71,17 @@ impl BodyOutcome {
     pub fn client_broke(&self) -> bool {
         self.state.load(Ordering::Acquire) == CLIENT_BROKE
     }
-    /// The body stopped with an error (any of the three above).
+    /// The gateway stopped being current while the body streamed.
+    pub fn not_current(&self) -> bool {
+        self.state.load(Ordering::Acquire) == NOT_CURRENT
+    }
+    /// The route's upstream timeout passed while the body streamed.
+    pub fn timed_out(&self) -> bool {
+        self.state.load(Ordering::Acquire) == TIMED_OUT
+    }
+    /// The body stopped with an error (any of the above).
     pub fn cut(&self) -> bool {
-        matches!(self.state.load(Ordering::Acquire), ABORTED | TOO_LARGE | CLIENT_BROKE)
+        matches!(self.state.load(Ordering::Acquire), ABORTED | TOO_LARGE | CLIENT_BROKE | NOT_CURRENT | TIMED_OUT)
     }
     /// True once the body has ended, been cut, or been dropped.
     pub fn settled_now(&self) -> bool {
@@ -99,6 +114,33 @@ pub enum BodyCut {
     Superseded,
     #[error("request body is larger than {0} bytes")]
     TooLarge(u64),
+    #[error("upload cut off: the gateway stopped being current (its view of the fences may be stale)")]
+    NotCurrent,
+    #[error("upload cut off: the upstream timeout passed while its body streamed")]
+    TimedOut,
+}
+
+/// What every frame of a fenced upload is checked against right before it
+/// goes: the gateway's currency (cluster mode; always current otherwise)
+/// and the route's upstream deadline. A gateway paused mid-upload past its
+/// member deadline, whose peers then granted the key anew, finds both
+/// passed when it runs again — before any task of it could mark it not
+/// current — and sends nothing more.
+pub struct Gate {
+    pub fences: Arc<crate::fence::FenceTable>,
+    pub deadline: tokio::time::Instant,
+}
+
+impl Gate {
+    fn check(&self) -> Result<(), (u8, BodyCut)> {
+        if !self.fences.is_current() {
+            return Err((NOT_CURRENT, BodyCut::NotCurrent));
+        }
+        if tokio::time::Instant::now() >= self.deadline {
+            return Err((TIMED_OUT, BodyCut::TimedOut));
+        }
+        Ok(())
+    }
 }
 
 /// Whether a request body that has just given its last frame (`None`)
@@ -148,6 +190,8 @@ pub struct FencedBody {
     /// when the client resets the stream with NO_ERROR, which is a request
     /// cut short, not a complete one.
     h2: bool,
+    /// Checked before every frame goes ([`Gate`]); fenced uploads only.
+    gate: Option<Gate>,
 }
 
 impl FencedBody {
@@ -175,8 +219,26 @@ impl FencedBody {
             held: None,
             _hold: hold,
             h2,
+            gate: None,
         };
         (body, outcome)
+    }
+
+    /// Checks `gate` before every frame goes upstream.
+    #[must_use]
+    pub fn gated(mut self, gate: Gate) -> FencedBody {
+        self.gate = Some(gate);
+        self
+    }
+
+    /// Cuts the body off when the gate says no ([`Gate`]): checked right
+    /// before every frame, and the end, goes upstream.
+    fn gate_refuses(&mut self) -> Option<BoxError> {
+        let (state, cut) = self.gate.as_ref()?.check().err()?;
+        self.held = None;
+        self.outcome.set(state);
+        self.done = true;
+        Some(Box::new(cut))
     }
 
     /// A body that declared itself empty (`Content-Length: 0`) while its
@@ -255,6 +317,17 @@ impl Body for FencedBody {
                             return Poll::Ready(Some(Err(Box::new(BodyCut::TooLarge(self.limit)))));
                         }
                     }
+                    if self.held.is_none()
+                        && frame.is_data()
+                        && self.declared == Some(self.seen)
+                        && !self.inner.is_end_stream()
+                    {
+                        self.held = Some(frame);
+                        continue;
+                    }
+                    if let Some(cut) = self.gate_refuses() {
+                        return Poll::Ready(Some(Err(cut)));
+                    }
                     if let Some(held) = self.held.take() {
                         // Trailers after the declared bytes: the stream is
                         // well formed so far; hand both over in order.
@@ -263,9 +336,6 @@ impl Body for FencedBody {
                     }
                     if self.inner.is_end_stream() {
                         self.finish();
-                    } else if frame.is_data() && self.declared == Some(self.seen) {
-                        self.held = Some(frame);
-                        continue;
                     }
                     return Poll::Ready(Some(Ok(frame)));
                 }
@@ -275,6 +345,9 @@ impl Body for FencedBody {
                         self.outcome.set(CLIENT_BROKE);
                         self.done = true;
                         return Poll::Ready(Some(Err(cut.into())));
+                    }
+                    if let Some(cut) = self.gate_refuses() {
+                        return Poll::Ready(Some(Err(cut)));
                     }
                     if let Some(held) = self.held.take() {
                         self.finish();
@@ -294,12 +367,14 @@ impl Body for FencedBody {
         }
     }
 
-    /// Not while cut off: hyper would end the request (the last chunk)
-    /// without asking for a frame, and a client's END_STREAM that came
-    /// after a newer fence would complete a stale write.
+    /// Not while cut off (or while the gate would cut it): hyper would end
+    /// the request (the last chunk) without asking for a frame, and a
+    /// client's END_STREAM that came after a newer fence would complete a
+    /// stale write.
     fn is_end_stream(&self) -> bool {
         let aborted = self.ctl.as_ref().is_some_and(|c| c.is_aborted());
-        self.done || (self.held.is_none() && !aborted && self.inner.is_end_stream())
+        let gated_off = self.gate.as_ref().is_some_and(|g| g.check().is_err());
+        self.done || (self.held.is_none() && !aborted && !gated_off && self.inner.is_end_stream())
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -448,5 +523,52 @@ mod tests {
         assert_eq!(err.as_deref(), Some("the request body ended before its Content-Length"));
         let bytes: Vec<u8> = out.iter().filter_map(|f| f.data_ref()).flat_map(|d| d.to_vec()).collect();
         assert_eq!(bytes, b"HEL");
+    }
+
+    /// Review finding: a gateway paused (SIGSTOP) mid-upload past its
+    /// member deadline forwarded the rest of the body when it ran again,
+    /// before any of its tasks marked it not current, and the upstream
+    /// applied it after a newer holder's write. Every frame is now checked
+    /// against the gateway's currency and the upstream deadline right
+    /// before it goes.
+    #[tokio::test]
+    async fn a_gated_upload_sends_nothing_once_the_gateway_is_not_current_or_past_its_deadline() {
+        let far = tokio::time::Instant::now() + Duration::from_secs(60);
+        // Cluster mode, current until a deadline that then passes (as it
+        // does over a pause): the next frame is cut off, nothing more goes.
+        let fences = crate::fence::FenceTable::new();
+        fences.gate_on_currency();
+        fences.set_current_until(tokio::time::Instant::now() + Duration::from_millis(300));
+        let gate = Gate { fences: fences.clone(), deadline: far };
+        let (fenced, outcome) = FencedBody::new(client(5, vec![data(b"HE"), None, data(b"LLO")]), None, 1 << 20, false);
+        let mut fenced = fenced.gated(gate);
+        assert_eq!(
+            fenced.frame().await.and_then(|f| f.ok()).and_then(|f| f.into_data().ok()).as_deref(),
+            Some(&b"HE"[..])
+        );
+        tokio::time::sleep(Duration::from_millis(350)).await;
+        assert!(!fenced.is_end_stream());
+        let cut = fenced.frame().await.expect("an error, not the end");
+        assert!(cut.is_err_and(|e| e.to_string().contains("stopped being current")));
+        assert!(outcome.not_current() && outcome.cut());
+        assert!(fenced.frame().await.is_none(), "nothing after the cut");
+        // Current, but past the route's upstream deadline: cut off too,
+        // even the frame that ends the body.
+        fences.set_current_until(far);
+        let gate = Gate { fences: fences.clone(), deadline: tokio::time::Instant::now() };
+        let (fenced, outcome) = FencedBody::new(client(5, vec![data(b"HELLO")]), None, 1 << 20, false);
+        let mut fenced = fenced.gated(gate);
+        assert!(fenced.frame().await.is_some_and(|f| f.is_err()));
+        assert!(outcome.timed_out());
+        // Current and in time: everything goes.
+        let gate = Gate { fences, deadline: far };
+        let (fenced, outcome) = FencedBody::new(client(5, vec![data(b"HEL"), data(b"LO")]), None, 1 << 20, false);
+        let mut fenced = fenced.gated(gate);
+        let mut bytes = Vec::new();
+        while let Some(f) = fenced.frame().await {
+            bytes.extend_from_slice(f.expect("no cut").data_ref().expect("data"));
+        }
+        assert_eq!(bytes, b"HELLO");
+        assert!(!outcome.cut());
     }
 }

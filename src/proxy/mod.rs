@@ -736,7 +736,13 @@ impl Proxy {
         // activation would wait for a whole slow upload.
         let hold = (route.enforce && !guards.is_empty()).then(|| guards.clone());
         let hold_is_set = hold.is_some();
-        let (body, body_outcome) = FencedBody::new(body, hold, route.max_body_bytes, h2);
+        let (mut body, body_outcome) = FencedBody::new(body, hold, route.max_body_bytes, h2);
+        if hold_is_set {
+            // Every frame of a fenced upload goes only while this gateway
+            // is current and within the route's upstream timeout.
+            let deadline = tokio::time::Instant::now() + route.upstream_timeout;
+            body = body.gated(fenced_body::Gate { fences: self.fences().clone(), deadline });
+        }
         let body = match body.settle_declared_empty(route.upstream_timeout).await {
             Ok(body) => body,
             Err(Unsettled::Refused(error)) => return Err(error.into()),
@@ -798,6 +804,21 @@ impl Proxy {
             }
             if body_outcome.too_large() {
                 return Error::PayloadTooLarge { limit_bytes: route.max_body_bytes }.into();
+            }
+            if body_outcome.not_current() {
+                self.metrics.aborted_uploads.with_label_values(&[&route.name]).inc();
+                let error = Error::NotCurrent(
+                    "the gateway stopped being current while the body streamed; the upload was cut off".into(),
+                );
+                return ErrorReply { error, outcome: outcome_word(Outcome::NotCurrent) };
+            }
+            if body_outcome.timed_out() {
+                self.metrics.aborted_uploads.with_label_values(&[&route.name]).inc();
+                let timeout_ms = u64::try_from(route.upstream_timeout.as_millis()).unwrap_or(u64::MAX);
+                return ErrorReply {
+                    error: Error::UpstreamTimeout { timeout_ms },
+                    outcome: outcome_word(Outcome::UpstreamError),
+                };
             }
             if body_outcome.client_broke() {
                 // The upstream got a truncated request: nothing applied,
