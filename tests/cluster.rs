@@ -706,7 +706,13 @@ async fn a_gateway_whose_watch_broke_grants_without_quarantining_everyone() {
             let g = acquire(&s.http, &s.api(gw), "gap/after", 60_000, 20_000).await.unwrap();
             let took = started.elapsed();
             println!("FIGURE a grant through gw{gw} after its watch broke: {took:?} (quarantine {quarantine:?})");
-            assert!(took < Duration::from_secs(4), "the grant waited {took:?}: a quarantine for everyone");
+            let why: Vec<String> = s
+                .gws
+                .iter()
+                .flat_map(|g| g.log_text().lines().map(str::to_string).collect::<Vec<_>>())
+                .filter(|l| l.contains("replaying") || l.contains("rejoining") || l.contains("left"))
+                .collect();
+            assert!(took < Duration::from_secs(4), "the grant waited {took:?}: a quarantine for everyone: {why:#?}");
             assert_eq!(s.put(gw, "/gap/after", g.token).await.status, StatusCode::OK);
             s.etcd.restart(member);
             return;
@@ -731,7 +737,10 @@ async fn a_member_that_left_while_a_gateway_s_watch_was_broken_is_still_quaranti
     acquire(&s.http, &s.api(0), "left/warm", 60_000, 20_000).await.unwrap();
     let leader = s.etcd.leader().await;
     let mut client = s.etcd.client().await;
-    for (attempt, member) in (0..3).filter(|m| *m != leader).enumerate() {
+    // Followers first; the leader last (an election may lapse
+    // memberships: then a blanket quarantine, which this test also takes).
+    let members = (0..3).filter(|m| *m != leader).chain([leader]);
+    for (attempt, member) in members.enumerate() {
         let before = resync_counts(&s).await;
         // gw0 paused well within its member deadline (TTL 2 s).
         let pid = s.gws[0].child.id();
@@ -742,7 +751,7 @@ async fn a_member_that_left_while_a_gateway_s_watch_was_broken_is_still_quaranti
         let deleted = loop {
             match client.delete("/fencegate/m/gw2", None).await {
                 Ok(d) => break d,
-                Err(e) => assert!(tries < 50, "deleting gw2's key: {e}"),
+                Err(e) => assert!(tries < 250, "deleting gw2's key: {e}"),
             }
             tries += 1;
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -769,7 +778,7 @@ async fn a_member_that_left_while_a_gateway_s_watch_was_broken_is_still_quaranti
             return;
         }
     }
-    panic!("gw0's watch was on neither follower: the replay was not exercised (rerun)");
+    panic!("gw0's watch broke with none of the three etcd members killed");
 }
 
 /// Review finding: a gateway paused (SIGSTOP) in the middle of an upload,
@@ -907,10 +916,25 @@ async fn a_gateway_that_found_a_restore_stays_a_member_and_holds_every_grant_bac
     assert!(refused > 0);
     let joins = s.gws[0].log_text().matches("joined the cluster").count();
     assert_eq!(joins, 1, "gw0 left and rejoined while it held grants back: {}", s.gws[0].log_text());
+    // Its membership is not what blocks: gw0 stops cleanly (it leaves
+    // drained, so nobody waits for it), and still no grant is answered —
+    // its mark in etcd (`r/gw0`) stays until raise-floor (review finding:
+    // a lapse under an etcd fault, or a clean restart, let grants through).
+    assert_eq!(s.gws.remove(0).terminate().code(), Some(0));
+    let until = Instant::now() + Duration::from_millis(MEMBER_TTL_MS + UPSTREAM_TIMEOUT_MS + 1500);
+    while Instant::now() < until {
+        match acquire(&s.http, &s.api(0), "flap/0", 60_000, 0).await {
+            Ok(g) => panic!("token {} answered after the gateway that found the restore stopped", g.token),
+            Err(r) => assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{:?}", r.body),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let last = acquire(&s.http, &s.api(0), "flap/0", 60_000, 0).await.map(|g| g.token).unwrap_err();
+    assert!(String::from_utf8_lossy(&last.body).contains("gw0"), "{:?}", last.body);
     raise_floor(&s.etcd, highest);
     let started = Instant::now();
     let after = loop {
-        match acquire(&s.http, &s.api(1), "flap/after", 60_000, 0).await {
+        match acquire(&s.http, &s.api(0), "flap/after", 60_000, 0).await {
             Ok(g) => break g,
             Err(r) => assert!(started.elapsed() < Duration::from_secs(90), "{} {:?}", r.status, r.body),
         }
@@ -966,7 +990,7 @@ async fn a_raise_floor_brought_back_by_a_later_snapshot_does_not_end_a_restore()
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     assert!(refusals > 0, "no refusal naming the restore: {}", s.gws[0].log_text());
-    assert!(!s.gws[0].log_text().contains("written after the restore"), "{}", s.gws[0].log_text());
+    assert!(!s.gws[0].log_text().contains("it grants, acknowledges and admits again"), "{}", s.gws[0].log_text());
     // The operator's raise-floor now ends it.
     raise_floor(&s.etcd, 1);
     let started = Instant::now();

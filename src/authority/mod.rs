@@ -54,6 +54,10 @@ use holders::Holders;
 pub use types::{validate_key, AcquireRequest, GrantView, ReleaseRequest, RenewRequest, RenewView, StatusView};
 use types::{validate_ttl, LeaseId};
 
+/// An activation shorter than this still answers the TTL asked for; a
+/// longer one answers the time the grant has left.
+const ACTIVATION_SLACK_MS: u64 = 50;
+
 /// One live grant, 48 bytes: with the key state's two words, a state is
 /// 64 bytes, one allocation class below the 80 it took (issue 18's memory
 /// per held lease). Times are milliseconds on the authority's clock
@@ -473,7 +477,28 @@ impl Authority {
             tracing::warn!(key = %key, token, "activation gave up waiting for older in-flight mutations");
         }
         orphan.armed = false;
-        Ok(GrantView { key: req.key, fencing_token: token, lease_id: lease_id.to_hex(), ttl_ms: req.ttl_ms, holder })
+        // Answered only if it is still the client's: activation may outlast
+        // the TTL (review finding: an expired grant was answered with its
+        // full TTL while another client already held the key). The answer
+        // promises only the time left.
+        let now = self.deadline_base();
+        let left = self
+            .keys
+            .get(&key)
+            .and_then(|st| st.grant.as_ref().filter(|g| g.token() == token).map(|g| g.deadline_ms.saturating_sub(now)));
+        let ttl_ms = match left {
+            // No wait worth the name: the TTL asked for, as always.
+            Some(ms) if ms + ACTIVATION_SLACK_MS >= req.ttl_ms => req.ttl_ms,
+            Some(ms) if ms > 0 => ms,
+            _ => {
+                return Err(Error::Unavailable(format!(
+                    "the grant of {key} expired while its activation waited for older in-flight mutations (longer \
+                     than its ttl_ms {}); it was not answered: retry, with a longer ttl_ms if this repeats",
+                    req.ttl_ms
+                )))
+            }
+        };
+        Ok(GrantView { key: req.key, fencing_token: token, lease_id: lease_id.to_hex(), ttl_ms, holder })
     }
 
     /// The grant `token` of `key` is fsynced: readers may see it now.

@@ -413,9 +413,11 @@ pub async fn raise_floor(cfg: &ClusterConfig, to: u64) -> Result<u64, Error> {
         // etcd's log behind them (a restore, `raft.rs`) take a write of the
         // offset after that as the operator's word that the floor was
         // raised past every token issued before it.
-        let txn = Txn::new()
-            .when([Compare::mod_revision(keys.offset(), CompareOp::Equal, old_rev)])
-            .and_then([TxnOp::put(keys.offset(), needed.to_string(), None)]);
+        let txn = Txn::new().when([Compare::mod_revision(keys.offset(), CompareOp::Equal, old_rev)]).and_then([
+            TxnOp::put(keys.offset(), needed.to_string(), None),
+            // The marks of gateways that found a restore (`raft.rs`).
+            TxnOp::delete(keys.restored_prefix(), Some(etcd_client::DeleteOptions::new().with_prefix())),
+        ]);
         let done = kv.txn(txn).await.map_err(|e| super::unavailable("raising the offset", e))?;
         if done.succeeded() {
             return Ok(needed);

@@ -260,7 +260,7 @@ impl Cluster {
         queued: Option<(&str, i64)>,
         orphan: &Orphan,
     ) -> Result<Option<Granted>, Error> {
-        if let Some(why) = self.restored_refusal() {
+        if let Some(why) = self.restore_blocks_grants() {
             return Err(Error::Unavailable(why));
         }
         let sent = Instant::now();
@@ -498,6 +498,10 @@ impl Cluster {
         let members: Vec<(String, i64)> =
             self.lock_mirror().members.iter().map(|(gw, m)| (gw.clone(), m.lease)).collect();
         loop {
+            // A restore found meanwhile by any gateway: not answered.
+            if let Some(why) = self.restore_blocks_grants() {
+                return Err(Error::Unavailable(why));
+            }
             let (missing, quarantine_until) = {
                 let m = self.lock_mirror();
                 let mut missing: Vec<&str> = Vec::new();

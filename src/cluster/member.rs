@@ -251,34 +251,46 @@ impl Cluster {
     /// reads until that put comes back. `None` when the replay cannot be
     /// had whole within the etcd timeout (compacted, not a member, etcd
     /// away): the caller then quarantines everyone.
-    pub(super) async fn members_left_between(&self, from: i64, to: i64) -> Option<Left> {
-        let lease = self.member_lease()?;
+    pub(super) async fn members_left_between(&self, from: i64, to: i64) -> Result<Left, String> {
+        let lease = self.member_lease().ok_or("not a member")?;
         let prefix = format!("{}m/", self.keys.prefix);
         let key = self.keys.member(&self.gateway_id);
         let replay = async {
-            let mut client = self.client.watch_client();
             let opts = etcd_client::WatchOptions::new().with_prefix().with_start_revision(from + 1).with_prev_key();
-            let mut stream = client.watch(prefix.as_str(), Some(opts)).await.ok()?;
-            let mut kv = self.client.kv_client();
+            // Asked again while the client hands out a dead member's
+            // connection (as `call` does; the whole replay has a deadline).
+            let mut stream = loop {
+                let mut client = self.client.watch_client();
+                match client.watch(prefix.as_str(), Some(opts.clone())).await {
+                    Ok(s) => break s,
+                    Err(e) if super::never_applied(&e) => tokio::time::sleep(Duration::from_millis(20)).await,
+                    Err(e) => return Err(format!("watching: {e}")),
+                }
+            };
             let txn = Txn::new()
                 .when([
                     Compare::lease(key.clone(), CompareOp::Equal, lease),
                     Compare::value(key.clone(), CompareOp::Equal, "up"),
                 ])
                 .and_then([TxnOp::put(key.clone(), "up", Some(PutOptions::new().with_lease(lease)))]);
-            let marked = kv.txn(txn).await.ok()?;
+            let marked = call(self.timeout, "marking the replay", || {
+                let (mut kv, txn) = (self.client.kv_client(), txn.clone());
+                async move { kv.txn(txn).await }
+            })
+            .await
+            .map_err(|e| format!("marking: {e}"))?;
             if !marked.succeeded() {
-                return None;
+                return Err("this gateway's member key is no longer its own".to_string());
             }
-            let until = marked.header()?.revision();
+            let until = marked.header().map_or(0, |h| h.revision());
             if until <= to {
-                return None;
+                return Err(format!("the mark's revision {until} is not past the read's {to}"));
             }
             let mut left = Left::new();
             loop {
-                let msg = stream.message().await.ok()??;
+                let msg = stream.message().await.map_err(|e| format!("replaying: {e}"))?.ok_or("the replay ended")?;
                 if msg.canceled() {
-                    return None;
+                    return Err(format!("the replay was cancelled (compacted at {})", msg.compact_revision()));
                 }
                 for ev in msg.events() {
                     let Some(kv) = ev.kv() else { continue };
@@ -294,11 +306,13 @@ impl Cluster {
                         }
                     }
                     if kv.mod_revision() >= until {
-                        return Some(left);
+                        return Ok(left);
                     }
                 }
             }
         };
-        tokio::time::timeout(self.timeout, replay).await.ok().flatten()
+        // As long as the load's own read may take.
+        let budget = self.timeout * 4;
+        tokio::time::timeout(budget, replay).await.map_err(|_| format!("no end within {} ms", budget.as_millis()))?
     }
 }

@@ -67,6 +67,8 @@ pub(crate) struct Mirror {
     pub offset: u64,
     /// `mod_revision` of the offset key (0: absent).
     pub offset_rev: i64,
+    /// Gateways that found etcd restored (their `r/GW` keys).
+    pub restored: std::collections::BTreeSet<String>,
     pub grants: HashMap<String, GrantEntry>,
     /// Waiters per key, by create revision.
     pub queues: HashMap<String, BTreeSet<i64>>,

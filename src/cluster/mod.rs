@@ -11,6 +11,7 @@
 //! | `P q/KEY \0 ID` | empty | the waiting gateway's membership | a waiter, ordered by create revision |
 //! | `P m/GW` | `up` or `drained` | GW's membership | gateway GW is a live member |
 //! | `P a/GW` | revision | GW's membership | GW installed every fence up to it and finished older in-flight mutations |
+//! | `P r/GW` | where GW found it | none | GW found etcd restored: no grant anywhere until `raise-floor` deletes it |
 //! | `P meta/offset` | u64 | none | added to revisions (raised by `fencegate cluster raise-floor`) |
 //!
 //! Guarantees:
@@ -74,6 +75,9 @@ pub(crate) enum Kind<'a> {
     Queue(&'a str),
     Member(&'a str),
     Ack(&'a str),
+    /// A gateway found etcd restored (`raft.rs`): no grant anywhere until
+    /// `raise-floor` deletes it.
+    Restored(&'a str),
     Offset,
     Other,
 }
@@ -98,6 +102,12 @@ impl Keys {
     fn ack(&self, gw: &str) -> String {
         format!("{}a/{gw}", self.prefix)
     }
+    fn restored(&self, gw: &str) -> String {
+        format!("{}r/{gw}", self.prefix)
+    }
+    pub(crate) fn restored_prefix(&self) -> String {
+        format!("{}r/", self.prefix)
+    }
     pub(crate) fn offset(&self) -> String {
         format!("{}meta/offset", self.prefix)
     }
@@ -116,6 +126,8 @@ impl Keys {
             Kind::Member(g)
         } else if let Some(g) = rest.strip_prefix("a/") {
             Kind::Ack(g)
+        } else if let Some(g) = rest.strip_prefix("r/") {
+            Kind::Restored(g)
         } else if rest == "meta/offset" {
             Kind::Offset
         } else {

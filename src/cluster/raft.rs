@@ -123,6 +123,7 @@ impl Cluster {
         }
         let (applied, revision) = self.measure_raft().await?;
         let mark = self.floor.raft().mark;
+        let before = self.floor.restored();
         if self.floor.observe_raft(applied, revision) {
             self.fences
                 .set_not_current("etcd was restored (its raft log is behind this gateway's); waiting for raise-floor");
@@ -136,7 +137,56 @@ impl Cluster {
                 restored_refusal(self.floor.get())
             );
         }
+        if let Some(at) = self.floor.restored() {
+            // Its mark in etcd, without a lease: every gateway refuses to
+            // answer grants while it is there, whatever becomes of this
+            // one's membership (it lapses under etcd faults, a clean stop
+            // leaves drained). Put again at every check: a later restore
+            // may have taken it away. `raise-floor` deletes it.
+            // Only while the offset is as this gateway last saw it: a mark
+            // put just after a `raise-floor` this gateway has not seen yet
+            // would outlive it and block every grant.
+            let value = format!("found at revision {at} (token floor {})", self.floor.get());
+            let offset_rev = self.lock_mirror().offset_rev;
+            let txn = etcd_client::Txn::new()
+                .when([etcd_client::Compare::mod_revision(
+                    self.keys.offset(),
+                    etcd_client::CompareOp::Equal,
+                    offset_rev,
+                )])
+                .and_then([etcd_client::TxnOp::put(self.keys.restored(&self.gateway_id), value, None)]);
+            let put = super::call(self.timeout, "marking the restore", || {
+                let (mut kv, txn) = (self.client.kv_client(), txn.clone());
+                async move { kv.txn(txn).await }
+            })
+            .await;
+            if let Err(e) = put {
+                tracing::warn!(error = %e, "marking the restore in etcd failed; trying again at the next check");
+                if before.is_none() {
+                    return Err(e);
+                }
+            }
+        }
         Ok(())
+    }
+
+    /// Why no grant may be answered now: this gateway, or another (its
+    /// `r/GW` key), found etcd restored and no `raise-floor` has run since.
+    pub(super) fn restore_blocks_grants(&self) -> Option<String> {
+        if let Some(why) = self.restored_refusal() {
+            return Some(why);
+        }
+        let m = self.lock_mirror();
+        if m.restored.is_empty() {
+            return None;
+        }
+        let names = m.restored.iter().take(5).cloned().collect::<Vec<_>>().join(", ");
+        Some(format!(
+            "etcd was restored from a snapshot (or replaced): gateway(s) {names} found its raft log behind what they \
+             saw, and tokens issued after the snapshot may be lost; no gateway answers a grant until an operator runs \
+             `fencegate cluster raise-floor --to N` with N at least the highest token floor of every gateway (their \
+             logs and `<data_dir>/cluster-floor` name theirs)"
+        ))
     }
 
     /// The watch delivered a write of the token offset at `rev`: after a

@@ -752,6 +752,14 @@ impl Proxy {
         };
         let mut up = Request::from_parts(parts, body);
         headers::prepare_request(&mut up, client, route.host_header, route.upstream.host(), route.forward_token);
+        // A fenced request whose body has no frame to check (an empty body:
+        // the head is the whole request) is checked here, once more, right
+        // before it is handed to the upstream client.
+        if hold_is_set && !self.fences().is_current() {
+            let error =
+                Error::NotCurrent("the gateway stopped being current before the request was sent upstream".into());
+            return Err(ErrorReply { error, outcome: mutation.then_some(Outcome::NotCurrent) });
+        }
         let started = Instant::now();
         let held = hold_is_set.then(|| body_outcome.clone());
         let sent = exchange(route, up, object, token, guards, held).await;

@@ -55,6 +55,37 @@ async fn grant_returns_only_after_the_older_inflight_write_finished() {
     assert!(m.contains("fencegate_activation_wait_seconds_count 2"), "{m}");
 }
 
+/// Review finding: an activation that outlasts the new grant's TTL (an
+/// older write in flight for longer) answered the expired grant with its
+/// full TTL while another client could already take the key. It is not
+/// answered now (503), and a grant that is answered promises only the time
+/// it has left.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_grant_that_expires_during_activation_is_not_answered() {
+    let (_d, gw, rec, http) = setup().await;
+    let api = gw.api_url("");
+    let old = acquire(&http, &api, "short", 300, 0).await.unwrap();
+    rec.set_delay("/short", 2000);
+    let slow_write = tokio::spawn({
+        let (http, url, t) = (http.clone(), gw.proxy_url("/short"), old.token.to_string());
+        async move { http.send(Method::PUT, &url, &[("x-fencing-token", &t)], "old").await }
+    });
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    // Its TTL (500 ms) runs out while activation waits for the 2 s write.
+    let url = format!("{api}/v1/locks/acquire");
+    let body = serde_json::json!({"key": "short", "ttl_ms": 500, "wait_ms": 0, "holder": "b"});
+    let r = http.post_json(&url, body).await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{:?}", String::from_utf8_lossy(&r.body));
+    assert!(String::from_utf8_lossy(&r.body).contains("expired while its activation waited"));
+    assert_eq!(slow_write.await.unwrap().status, StatusCode::OK);
+    // Long enough: answered, promising no more than its TTL.
+    let body = serde_json::json!({"key": "short", "ttl_ms": 5000, "wait_ms": 0, "holder": "b"});
+    let r = http.post_json(&url, body).await;
+    assert_eq!(r.status, StatusCode::OK, "{:?}", String::from_utf8_lossy(&r.body));
+    let ttl = r.json()["ttl_ms"].as_u64().unwrap();
+    assert!(ttl > 0 && ttl <= 5000, "{ttl}");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn older_upload_still_streaming_is_aborted_by_a_new_grant() {
     let (_d, gw, rec, http) = setup().await;
