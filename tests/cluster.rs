@@ -736,11 +736,27 @@ async fn a_member_that_left_while_a_gateway_s_watch_was_broken_is_still_quaranti
     let quarantine = Duration::from_millis(8500);
     acquire(&s.http, &s.api(0), "left/warm", 60_000, 20_000).await.unwrap();
     let leader = s.etcd.leader().await;
-    let mut client = s.etcd.client().await;
     // Followers first; the leader last (an election may lapse
     // memberships: then a blanket quarantine, which this test also takes).
     let members = (0..3).filter(|m| *m != leader).chain([leader]);
     for (attempt, member) in members.enumerate() {
+        // The member that leaves: gw2, then gw1, then gw2 again (back as a
+        // member by then).
+        let victim = [2, 1, 2][attempt];
+        s.wait_current(victim, Duration::from_secs(20)).await;
+        // A client of its own per attempt (the last one's member was killed).
+        let mut client = s.etcd.client().await;
+        let key = format!("/fencegate/m/gw{victim}");
+        let started = Instant::now();
+        loop {
+            match client.get(key.as_str(), None).await {
+                Ok(r) if !r.kvs().is_empty() => break,
+                Ok(_) => {}
+                Err(e) => println!("reading {key}: {e}"),
+            }
+            assert!(started.elapsed() < Duration::from_secs(20), "gw{victim} is not a member");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         let before = resync_counts(&s).await;
         // gw0 paused well within its member deadline (TTL 2 s).
         let pid = s.gws[0].child.id();
@@ -749,9 +765,9 @@ async fn a_member_that_left_while_a_gateway_s_watch_was_broken_is_still_quaranti
         // (The client may first pick the dead member: asked again.)
         let mut tries = 0;
         let deleted = loop {
-            match client.delete("/fencegate/m/gw2", None).await {
+            match client.delete(key.as_str(), None).await {
                 Ok(d) => break d,
-                Err(e) => assert!(tries < 250, "deleting gw2's key: {e}"),
+                Err(e) => assert!(tries < 250, "deleting {key}: {e}"),
             }
             tries += 1;
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -769,7 +785,7 @@ async fn a_member_that_left_while_a_gateway_s_watch_was_broken_is_still_quaranti
         s.wait_current(0, Duration::from_secs(10)).await;
         let g = acquire(&s.http, &s.api(0), &format!("left/{attempt}"), 60_000, 20_000).await.unwrap();
         let after = left_at.elapsed();
-        println!("FIGURE gw0's watch broke: {broke}; its grant {after:?} after gw2's key went");
+        println!("FIGURE gw0's watch broke: {broke}; its grant {after:?} after gw{victim}'s key went");
         assert!(after >= quarantine, "granted {after:?} after a member left undrained (quarantine {quarantine:?})");
         assert_eq!(s.put(0, &format!("/left/{attempt}"), g.token).await.status, StatusCode::OK);
         s.etcd.restart(member);
