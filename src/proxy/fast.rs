@@ -65,6 +65,8 @@ enum Failure {
     /// Cluster mode: the gateway's view stopped being current (its member
     /// deadline passed: paused, cut off) before the request was sent.
     NotCurrent,
+    /// The route's upstream timeout passed before the request was sent.
+    TimedOut,
 }
 
 /// Per-connection buffers and deadlines, reused request after request.
@@ -159,7 +161,8 @@ async fn serve_one(
 
     // 3. The whole body (small by the check above) before the admission.
     let need = head.len + usize::try_from(head.content_length).unwrap_or(usize::MAX);
-    c.upstream_deadline.set(started + route.upstream_timeout);
+    let deadline = started + route.upstream_timeout;
+    c.upstream_deadline.set(deadline);
     if let Some(end) = read_small_body(stream, c, need).await {
         return end;
     }
@@ -185,7 +188,16 @@ async fn serve_one(
 
     let sent = c
         .upstream_deadline
-        .within(exchange(pool, &c.out, guard.as_ref(), proxy.fences(), head_request, &mut c.rbuf, &mut c.resp))
+        .within(exchange(
+            pool,
+            &c.out,
+            guard.as_ref(),
+            proxy.fences(),
+            deadline,
+            head_request,
+            &mut c.rbuf,
+            &mut c.resp,
+        ))
         .await;
     // Admission took well under a microsecond: the request's start is the
     // upstream exchange's start too (one clock read less per request).
@@ -441,7 +453,7 @@ fn forward_failure(
             Error::NotCurrent("the gateway stopped being current before the request was sent upstream".into()),
             Outcome::NotCurrent,
         ),
-        Some(None) | None => {
+        Some(Some(Failure::TimedOut)) | Some(None) | None => {
             let timeout_ms = u64::try_from(route.upstream_timeout.as_millis()).unwrap_or(u64::MAX);
             (Error::UpstreamTimeout { timeout_ms }, Outcome::UpstreamError)
         }
@@ -481,38 +493,76 @@ fn encode_response_head(rbuf: &[u8], resp: &RespHead, framing: Framing, close: b
     out.extend_from_slice(b"\r\n");
 }
 
+/// Why a request was not written whole.
+enum Unsent {
+    Refused(Failure),
+    Io(std::io::Error),
+}
+
+/// Writes `request` whole. A fenced request's every write goes only while
+/// it may: not cut off by a newer fence, the gateway current (a gateway
+/// paused after admitting may have been counted out by its peers, and a
+/// newer holder's write applied), the route's upstream deadline not
+/// passed — checked right before each write, also when a slow upstream
+/// makes the request go in several.
+async fn write_gated(
+    upstream: &TcpStream,
+    mut request: &[u8],
+    gate: Option<(&InflightGuard, &crate::fence::FenceTable, Instant)>,
+) -> Result<(), Unsent> {
+    while !request.is_empty() {
+        upstream.writable().await.map_err(Unsent::Io)?;
+        if let Some((guard, fences, deadline)) = gate {
+            if guard.ctl().is_aborted() {
+                return Err(Unsent::Refused(Failure::Aborted));
+            }
+            if !fences.is_current() {
+                return Err(Unsent::Refused(Failure::NotCurrent));
+            }
+            if Instant::now() >= deadline {
+                return Err(Unsent::Refused(Failure::TimedOut));
+            }
+        }
+        match upstream.try_write(request) {
+            Ok(0) => return Err(Unsent::Io(std::io::ErrorKind::WriteZero.into())),
+            Ok(n) => request = &request[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(Unsent::Io(e)),
+        }
+    }
+    Ok(())
+}
+
 /// Phase 5: sends the request and reads the response head into `rbuf` /
 /// `resp`.
+#[allow(clippy::too_many_arguments)]
 async fn exchange(
     pool: &Pool,
     request: &[u8],
     guard: Option<&InflightGuard>,
     fences: &crate::fence::FenceTable,
+    deadline: Instant,
     head_request: bool,
     rbuf: &mut BytesMut,
     resp: &mut RespHead,
 ) -> Result<TcpStream, Failure> {
     let mut retried = false;
     let mut upstream = loop {
-        let (mut upstream, reused) = match pool.checkout_raw() {
+        let (upstream, reused) = match pool.checkout_raw() {
             Some(s) => (s, true),
             None => (Box::pin(pool.connect_raw()).await.map_err(Failure::Connect)?, false),
         };
-        if guard.is_some_and(|g| g.ctl().is_aborted()) {
-            return Err(Failure::Aborted);
-        }
-        // Checked again right before the bytes go: a gateway paused after
-        // admitting (SIGSTOP, a stall) may have been counted out by its
-        // peers meanwhile, and a newer holder's write already applied.
-        if guard.is_some() && !fences.is_current() {
-            return Err(Failure::NotCurrent);
-        }
-        match upstream.write_all(request).await {
+        match write_gated(&upstream, request, guard.map(|g| (g, fences, deadline))).await {
             Ok(()) => break upstream,
+            Err(Unsent::Refused(failure)) => {
+                // Reset: the kernel drops what it still holds of it.
+                let _ = upstream.set_zero_linger();
+                return Err(failure);
+            }
             // The pooled connection had been closed by the upstream: once
             // more on a new one (nothing of it can have been applied).
-            Err(_) if reused && !retried => retried = true,
-            Err(e) => return Err(Failure::Exchange(format!("writing the request: {e}"))),
+            Err(Unsent::Io(_)) if reused && !retried => retried = true,
+            Err(Unsent::Io(e)) => return Err(Failure::Exchange(format!("writing the request: {e}"))),
         }
     };
     if let Some(g) = guard {

@@ -17,8 +17,8 @@
 //! empty body is settled before the head is sent (`settle_declared_empty`).
 
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -31,6 +31,8 @@ use crate::body::{BoxBody, BoxError};
 use crate::error::Error;
 use crate::fence::{InflightCtl, InflightGuard};
 
+use super::wire::{Wire, WriteCheck};
+
 /// How the body ended, readable by the handler after the fact, and
 /// awaitable ([`BodyOutcome::settled`]) by an exchange whose upstream
 /// answered before the body had ended.
@@ -38,6 +40,9 @@ use crate::fence::{InflightCtl, InflightGuard};
 pub struct BodyOutcome {
     state: AtomicU8,
     settled: Notify,
+    /// The upstream connection the body is going out on (a fenced
+    /// upload), and the number of its request there.
+    wire: Mutex<(Weak<Wire>, u64)>,
 }
 
 const STREAMING: u8 = 0;
@@ -100,6 +105,32 @@ impl BodyOutcome {
         self.state.store(v, Ordering::Release);
         self.settled.notify_one();
     }
+    /// Nothing more of the request reaches the upstream: the connection
+    /// it goes out on is cut, if that still carries it (the exchange is
+    /// given up).
+    pub fn cut_wire(&self) {
+        let (wire, carried) = {
+            let at = self.wire.lock().unwrap_or_else(PoisonError::into_inner);
+            (at.0.upgrade(), at.1)
+        };
+        if let Some(wire) = wire {
+            wire.cut_if_carrying(carried);
+        }
+    }
+    /// Records why the connection's writes were refused, unless the body
+    /// already failed for a reason of its own.
+    fn set_refused(&self, v: u8) {
+        let mut now = self.state.load(Ordering::Acquire);
+        while matches!(now, STREAMING | ENDED | DROPPED) {
+            match self.state.compare_exchange(now, v, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => {
+                    self.settled.notify_one();
+                    return;
+                }
+                Err(actual) => now = actual,
+            }
+        }
+    }
     fn set_if_streaming(&self, v: u8) {
         if self.state.compare_exchange(STREAMING, v, Ordering::AcqRel, Ordering::Acquire).is_ok() {
             self.settled.notify_one();
@@ -140,6 +171,43 @@ impl Gate {
             return Err((TIMED_OUT, BodyCut::TimedOut));
         }
         Ok(())
+    }
+}
+
+/// A fenced upload's [`Gate`] together with what else stops it (a newer
+/// fence), as the upstream connection asks it before each of its writes
+/// ([`super::wire`]): the frames the HTTP client took while the gate was
+/// open may reach the socket much later.
+pub struct UploadGate {
+    gate: Gate,
+    ctl: Option<Arc<InflightCtl>>,
+    outcome: Arc<BodyOutcome>,
+    /// The body has no frame to give (an empty body): the request is
+    /// handed over whole with its head.
+    empty: AtomicBool,
+}
+
+impl UploadGate {
+    fn refusal(&self) -> Option<(u8, BodyCut)> {
+        if self.ctl.as_ref().is_some_and(|c| c.is_aborted()) {
+            return Some((ABORTED, BodyCut::Superseded));
+        }
+        self.gate.check().err()
+    }
+}
+
+impl WriteCheck for UploadGate {
+    fn refuses(&self) -> bool {
+        match self.refusal() {
+            Some((state, _)) => {
+                self.outcome.set_refused(state);
+                true
+            }
+            None => false,
+        }
+    }
+    fn finished(&self) -> bool {
+        self.empty.load(Ordering::Acquire) || self.outcome.state.load(Ordering::Acquire) == ENDED
     }
 }
 
@@ -190,8 +258,9 @@ pub struct FencedBody {
     /// when the client resets the stream with NO_ERROR, which is a request
     /// cut short, not a complete one.
     h2: bool,
-    /// Checked before every frame goes ([`Gate`]); fenced uploads only.
-    gate: Option<Gate>,
+    /// Checked before every frame goes ([`Gate`]), and by the upstream
+    /// connection before each write; fenced uploads only.
+    gate: Option<Arc<UploadGate>>,
 }
 
 impl FencedBody {
@@ -227,14 +296,31 @@ impl FencedBody {
     /// Checks `gate` before every frame goes upstream.
     #[must_use]
     pub fn gated(mut self, gate: Gate) -> FencedBody {
-        self.gate = Some(gate);
+        let ctl = self.ctl.clone();
+        let empty = AtomicBool::new(false);
+        self.gate = Some(Arc::new(UploadGate { gate, ctl, outcome: self.outcome.clone(), empty }));
         self
+    }
+
+    /// Puts this body's request on the upstream connection `wire`: a
+    /// fenced upload's gate then decides each of its writes, and giving
+    /// the exchange up can cut it ([`BodyOutcome::cut_wire`]).
+    pub fn put_on(&self, wire: &Arc<Wire>) {
+        let Some(gate) = &self.gate else {
+            wire.carry(None);
+            return;
+        };
+        if self.is_end_stream() {
+            gate.empty.store(true, Ordering::Release);
+        }
+        let carried = wire.carry(Some(gate.clone() as Arc<dyn WriteCheck>));
+        *self.outcome.wire.lock().unwrap_or_else(PoisonError::into_inner) = (Arc::downgrade(wire), carried);
     }
 
     /// Cuts the body off when the gate says no ([`Gate`]): checked right
     /// before every frame, and the end, goes upstream.
     fn gate_refuses(&mut self) -> Option<BoxError> {
-        let (state, cut) = self.gate.as_ref()?.check().err()?;
+        let (state, cut) = self.gate.as_ref()?.gate.check().err()?;
         self.held = None;
         self.outcome.set(state);
         self.done = true;
@@ -373,7 +459,7 @@ impl Body for FencedBody {
     /// stale write.
     fn is_end_stream(&self) -> bool {
         let aborted = self.ctl.as_ref().is_some_and(|c| c.is_aborted());
-        let gated_off = self.gate.as_ref().is_some_and(|g| g.check().is_err());
+        let gated_off = self.gate.as_ref().is_some_and(|g| g.gate.check().is_err());
         self.done || (self.held.is_none() && !aborted && !gated_off && self.inner.is_end_stream())
     }
 

@@ -27,6 +27,7 @@ pub mod path;
 pub mod pool;
 pub mod s3;
 pub mod upstream;
+pub mod wire;
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -919,7 +920,10 @@ async fn exchange(
                     }
                 };
                 tokio::select! {
-                    _ = tokio::time::sleep_until(deadline) => {}
+                    // Nothing of it goes after the deadline: the upstream
+                    // connection is cut (a body stuck in the HTTP client
+                    // would otherwise keep its registration).
+                    _ = tokio::time::sleep_until(deadline) => body.cut_wire(),
                     _ = cut => {}
                 }
                 drop(guards);
@@ -971,6 +975,7 @@ async fn answer_after_body(
             if let Some(ctl) = ctl {
                 ctl.abort();
             }
+            body.cut_wire();
             Err(SendError::Timeout)
         }
         Ok(()) if body.cut() => {

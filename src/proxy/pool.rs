@@ -7,6 +7,12 @@
 //! its connection. A request that could not be written on a pooled
 //! connection (the upstream closed it while idle) is retried once on a new
 //! connection; a request whose head was written is never resent.
+//!
+//! Every connection's socket writes pass its [`Wire`]: a fenced upload's
+//! bytes go only while its gate lets them, whenever the client writes
+//! them, and an exchange given up before its end (timed out, dropped, or
+//! answered while its body was unfinished) cuts its connection: nothing
+//! more of it is written, and the connection is reset.
 
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
@@ -23,8 +29,41 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use super::fenced_body::FencedBody;
+use super::wire::{Wire, WiredTcp};
 
-type Sender = http1::SendRequest<FencedBody>;
+/// A connection: the client's handle on it and the gate of its writes.
+struct Sender {
+    send: http1::SendRequest<FencedBody>,
+    wire: Arc<Wire>,
+}
+
+impl Sender {
+    fn is_closed(&self) -> bool {
+        self.send.is_closed() || self.wire.is_cut()
+    }
+}
+
+/// An exchange under way on a connection: cuts the connection when it is
+/// dropped before its end (given up, timed out, its response dropped
+/// half-read).
+struct Exchange {
+    wire: Option<Arc<Wire>>,
+}
+
+impl Exchange {
+    /// The exchange ended cleanly: the connection may serve another.
+    fn finish(mut self) {
+        self.wire = None;
+    }
+}
+
+impl Drop for Exchange {
+    fn drop(&mut self) {
+        if let Some(wire) = self.wire.take() {
+            wire.cut();
+        }
+    }
+}
 
 struct Idle {
     sender: Sender,
@@ -186,18 +225,19 @@ impl Pool {
 
     async fn connect(&self) -> Result<Sender, PoolError> {
         let connect = async {
-            let tcp = self.tcp().await?;
-            let sender = match &self.tls {
-                None => handshake(TokioIo::new(tcp)).await?,
+            let wire = Wire::new();
+            let tcp = WiredTcp::new(self.tcp().await?, wire.clone());
+            let send = match &self.tls {
+                None => handshake(TokioIo::new(tcp), &wire).await?,
                 Some((connector, name)) => {
                     let stream = connector
                         .connect(name.clone(), tcp)
                         .await
                         .map_err(|e| format!("TLS handshake with {}: {e}", self.addr))?;
-                    handshake(TokioIo::new(stream)).await?
+                    handshake(TokioIo::new(stream), &wire).await?
                 }
             };
-            Ok::<_, String>(sender)
+            Ok::<_, String>(Sender { send, wire })
         };
         match tokio::time::timeout(self.connect_timeout, connect).await {
             Ok(Ok(sender)) => Ok(sender),
@@ -218,16 +258,21 @@ impl Pool {
                 // connection (the common case) needs none of it.
                 None => (Box::pin(self.connect()).await?, false),
             };
-            if sender.ready().await.is_err() {
+            // From here on, this request's gate decides each write of the
+            // connection, and dropping the exchange cuts it.
+            req.body().put_on(&sender.wire);
+            let exchange = Exchange { wire: Some(sender.wire.clone()) };
+            if sender.send.ready().await.is_err() {
                 if reused {
                     continue;
                 }
                 return Err(PoolError::Connect(format!("{}: the connection closed at once", self.addr)));
             }
-            match sender.try_send_request(req).await {
+            match sender.send.try_send_request(req).await {
                 Ok(resp) => {
                     let pool = Arc::downgrade(self);
-                    return Ok(resp.map(|inner| PooledBody { inner, home: Some((sender, pool)) }));
+                    let home = Some((sender, pool));
+                    return Ok(resp.map(|inner| PooledBody { inner, home, exchange: Some(exchange) }));
                 }
                 Err(mut e) => match e.take_message() {
                     // Never written: the pooled connection had been closed
@@ -251,16 +296,17 @@ fn still_open(stream: &TcpStream) -> bool {
     matches!(stream.try_read(&mut probe), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
 }
 
-async fn handshake<I>(io: I) -> Result<Sender, String>
+async fn handshake<I>(io: I, wire: &Wire) -> Result<http1::SendRequest<FencedBody>, String>
 where
     I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
 {
     let (sender, conn) = http1::Builder::new().handshake(io).await.map_err(|e| format!("HTTP handshake: {e}"))?;
-    tokio::spawn(async move {
+    let task = tokio::spawn(async move {
         if let Err(e) = conn.await {
             tracing::debug!(error = %e, "upstream connection ended with an error");
         }
     });
+    wire.set_task(task.abort_handle());
     Ok(sender)
 }
 
@@ -280,14 +326,29 @@ async fn reap(pool: Weak<Pool>, every: Duration) {
 pub struct PooledBody {
     inner: Incoming,
     home: Option<(Sender, Weak<Pool>)>,
+    /// Dropped (cutting the connection) unless the response ends cleanly
+    /// with its request handed over whole.
+    exchange: Option<Exchange>,
 }
 
 impl PooledBody {
     fn go_home(&mut self) {
-        if let Some((sender, pool)) = self.home.take() {
-            if let Some(pool) = pool.upgrade() {
-                pool.checkin(sender);
-            }
+        let Some((sender, pool)) = self.home.take() else {
+            return;
+        };
+        if let Some(exchange) = self.exchange.take() {
+            exchange.finish();
+        }
+        // Answered before its request was written out (the upstream
+        // answers as it reads): the connection is not reused; the rest of
+        // the request still goes through its gate, and the exchange's
+        // deadline cuts it (`BodyOutcome::cut_wire`).
+        if !sender.wire.request_sent() {
+            return;
+        }
+        sender.wire.carry(None);
+        if let Some(pool) = pool.upgrade() {
+            pool.checkin(sender);
         }
     }
 }
@@ -303,7 +364,10 @@ impl Body for PooledBody {
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
         match &polled {
             Poll::Ready(None) => self.go_home(),
-            Poll::Ready(Some(Err(_))) => self.home = None,
+            Poll::Ready(Some(Err(_))) => {
+                self.home = None;
+                self.exchange = None;
+            }
             _ => {}
         }
         polled

@@ -207,3 +207,132 @@ async fn in_shadow_mode_an_older_upload_still_streaming_is_not_cut_off() {
     assert_eq!(seen.len(), 1);
     assert!(seen[0].complete && seen[0].body.len() == 64 * 1024 + 3, "the upstream got the whole body");
 }
+
+/// An upstream that accepts and does not read until told to, with a small
+/// receive buffer; then it reads what reaches it until the connection
+/// ends. Reports the bytes it got and how the connection ended.
+struct StalledUpstream {
+    url: String,
+    go: tokio::sync::watch::Sender<bool>,
+    got: tokio::task::JoinHandle<(usize, String)>,
+}
+
+impl StalledUpstream {
+    async fn start() -> StalledUpstream {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.set_recv_buffer_size(64 * 1024).unwrap();
+        socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let listener = socket.listen(16).unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let (go, mut gate) = tokio::sync::watch::channel(false);
+        let got = tokio::spawn(async move {
+            use tokio::io::AsyncReadExt;
+            let (mut conn, _) = listener.accept().await.unwrap();
+            gate.wait_for(|go| *go).await.unwrap();
+            let mut buf = vec![0u8; 64 * 1024];
+            let mut total = 0usize;
+            let ended = loop {
+                match tokio::time::timeout(Duration::from_secs(5), conn.read(&mut buf)).await {
+                    Ok(Ok(0)) => break "closed".to_string(),
+                    Ok(Ok(n)) => total += n,
+                    Ok(Err(e)) => break format!("error: {e}"),
+                    Err(_) => break "still open after 5 s".to_string(),
+                }
+            };
+            (total, ended)
+        });
+        StalledUpstream { url, go, got }
+    }
+
+    /// Lets it read; what it got once the connection ended.
+    async fn read_what_comes(self) -> (usize, String) {
+        self.go.send(true).unwrap();
+        self.got.await.unwrap()
+    }
+}
+
+/// Streams up to 64 MiB into `tx` as fast as the gateway takes it (the
+/// upload backs up once the upstream stops reading); bounded in time.
+fn pump(tx: tokio::sync::mpsc::Sender<Result<Frame<Bytes>, std::io::Error>>) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let chunk = Bytes::from(vec![b'b'; 64 * 1024]);
+        let until = Instant::now() + Duration::from_secs(20);
+        for _ in 0..1024 {
+            let sent = tokio::time::timeout_at(until.into(), tx.send(Ok(Frame::data(chunk.clone())))).await;
+            if !matches!(sent, Ok(Ok(()))) {
+                return;
+            }
+        }
+    })
+}
+
+fn stalled_gateway(dir: &tempfile::TempDir, upstream: &str) -> Gateway {
+    let cfg = format!("[[routes]]\nmatch = \"/{{*path}}\"\nupstream = \"{upstream}\"\nupstream_timeout_ms = 3000\n");
+    Gateway::start(&dir.path().join("data"), Opts { config: Some(cfg), ..Opts::default() })
+}
+
+/// Review finding: the HTTP client took the frames of a fenced upload
+/// while its gate was open and buffered them while the upstream did not
+/// read; they went out later — after a newer grant — and the body, stuck
+/// in the client, kept the older upload registered, so the newer grant
+/// waited for the activation timeout. Now every write to the upstream
+/// socket asks the upload's gate: the newer grant cuts the connection at
+/// once (reset: the kernel drops what it still holds), and the upstream,
+/// reading late, gets no more than its own receive buffer held.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_newer_grant_cuts_an_upload_the_upstream_has_not_read() {
+    let up = StalledUpstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let gw = stalled_gateway(&dir, &up.url);
+    let http = Http::default();
+    let api = gw.api_url("");
+    let old = acquire(&http, &api, "slow", 10_000, 0).await.unwrap();
+    let common::StreamedUpload { body: tx, response: upload } =
+        common::start_streamed_upload(&gw.proxy_url("/slow"), old.token).await;
+    let pumping = pump(tx);
+    // Long enough for the client and the kernel to fill their buffers.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    release(&http, &api, &old).await;
+    let started = Instant::now();
+    let new = acquire(&http, &api, "slow", 10_000, 0).await.unwrap();
+    let took = started.elapsed();
+    assert_eq!(new.token, old.token + 1);
+    assert!(took < Duration::from_secs(2), "the stuck upload held the newer grant for {took:?}");
+    let reply = common::collect(upload.await.unwrap().unwrap()).await;
+    assert_eq!(reply.error_code(), "stale_fencing_token", "{:?}", String::from_utf8_lossy(&reply.body));
+    let (got, ended) = up.read_what_comes().await;
+    assert!(got < 256 * 1024, "{got} bytes reached the upstream after the cut ({ended})");
+    assert!(!ended.contains("still open"), "the cut connection stayed open: {ended}");
+    pumping.abort();
+}
+
+/// The other way out of the same stall: the route's upstream timeout. The
+/// client gets its 504, and nothing the HTTP client still held goes out
+/// afterwards (the connection is reset, not left to drain when the
+/// upstream reads again).
+#[tokio::test(flavor = "multi_thread")]
+async fn an_upload_the_upstream_has_not_read_goes_no_further_after_its_timeout() {
+    let up = StalledUpstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let gw = stalled_gateway(&dir, &up.url);
+    let http = Http::default();
+    let api = gw.api_url("");
+    let old = acquire(&http, &api, "late", 30_000, 0).await.unwrap();
+    let common::StreamedUpload { body: tx, response: upload } =
+        common::start_streamed_upload(&gw.proxy_url("/late"), old.token).await;
+    let pumping = pump(tx);
+    let started = Instant::now();
+    let reply = common::collect(upload.await.unwrap().unwrap()).await;
+    let took = started.elapsed();
+    assert_eq!(reply.status, StatusCode::GATEWAY_TIMEOUT, "{:?}", String::from_utf8_lossy(&reply.body));
+    assert!(took < Duration::from_secs(6), "answered after {took:?}");
+    // The same holder's next grant of the key is not held up either.
+    release(&http, &api, &old).await;
+    let again = Instant::now();
+    acquire(&http, &api, "late", 10_000, 0).await.unwrap();
+    assert!(again.elapsed() < Duration::from_secs(2), "the timed-out upload held the grant {:?}", again.elapsed());
+    let (got, ended) = up.read_what_comes().await;
+    assert!(got < 256 * 1024, "{got} bytes reached the upstream after the timeout ({ended})");
+    assert!(!ended.contains("still open"), "the cut connection stayed open: {ended}");
+    pumping.abort();
+}

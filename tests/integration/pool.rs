@@ -162,6 +162,39 @@ async fn sequential_requests_reuse_one_upstream_connection() {
     assert!(conns <= 2, "20 sequential requests took {conns} upstream connections");
 }
 
+/// The general path's pool (bodies above the fast path's limit; HTTP/2
+/// requests): a fenced upload's connection goes back to the pool once its
+/// request was written out whole (the connection's write gate saw the
+/// flush after the end of the body), and so does a fenced request with an
+/// empty body (its head is the whole request).
+#[tokio::test(flavor = "multi_thread")]
+async fn fenced_uploads_on_the_general_path_reuse_their_upstream_connection() {
+    let up = upstream(Mode::KeepAlive).await;
+    let (_dir, gw) = start(&up);
+    let http = Http::default();
+    let g = acquire(&http, &gw.api_url(""), "general", 60_000, 0).await.unwrap();
+    let token = g.token.to_string();
+    let big = vec![b'u'; 200 * 1024];
+    for i in 0..10 {
+        let r = http.send(Method::PUT, &gw.proxy_url("/general"), &[("x-fencing-token", &token)], big.clone()).await;
+        assert_eq!(r.status.as_u16(), 200, "upload {i}: {:?}", r.body);
+    }
+    let h2 = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .http2_only(true)
+        .build_http::<http_body_util::Full<bytes::Bytes>>();
+    for i in 0..10 {
+        let req = http::Request::delete(gw.proxy_url("/general"))
+            .header("x-fencing-token", &token)
+            .body(http_body_util::Full::new(bytes::Bytes::new()))
+            .unwrap();
+        let r = common::collect(h2.request(req).await.unwrap()).await;
+        assert_eq!(r.status.as_u16(), 200, "delete {i}: {:?}", r.body);
+    }
+    assert_eq!(up.requests.load(Ordering::SeqCst), 20);
+    let conns = up.connections.load(Ordering::SeqCst);
+    assert!(conns <= 2, "20 sequential fenced requests took {conns} upstream connections");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_connection_closed_while_idle_is_not_used() {
     let up = upstream(Mode::OneThenClose).await;
