@@ -33,7 +33,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         for i in 0..n {
             // Random-looking keys, as real resources are.
             let key = format!("bucket/{:016x}/object", i.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-            batch.push(Op::Fence { key: Arc::from(key.as_str()), token: i % 1000 + 1 });
+            batch.push(Op::Fence { key: fencegate::fence::Key::from(key.as_str()), token: i % 1000 + 1 });
             if batch.len() == 10_000 {
                 store.commit(std::mem::take(&mut batch)).await?;
             }

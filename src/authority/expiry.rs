@@ -32,6 +32,8 @@
 use std::cmp::{Ordering, Reverse};
 use std::collections::BinaryHeap;
 use std::sync::Arc;
+
+use crate::fence::Key;
 use std::time::{Duration, Instant};
 
 use super::{Authority, Ended, KeyState};
@@ -109,7 +111,7 @@ impl Schedule {
 /// millisecond ends first does not matter.
 pub(super) struct Due {
     at_ms: u64,
-    key: Arc<str>,
+    key: Key,
 }
 
 impl PartialEq for Due {
@@ -142,7 +144,7 @@ impl Schedule {
 impl Authority {
     /// Makes sure `key` (whose locked state is `st`) is looked at no later
     /// than `at_ms`.
-    pub(super) fn schedule_expiry(&self, key: &Arc<str>, st: &mut KeyState, at_ms: u64) {
+    pub(super) fn schedule_expiry(&self, key: &Key, st: &mut KeyState, at_ms: u64) {
         if st.scheduled_ms != 0 && st.scheduled_ms <= at_ms {
             return;
         }
@@ -156,7 +158,7 @@ impl Authority {
 
     /// Pushes `key` at `at_ms` (at least 1) into `lane`, waking the task if
     /// that is now the earliest time; false if the schedule is unusable.
-    fn push_due(&self, lane: Lane, key: &Arc<str>, at_ms: u64) -> bool {
+    fn push_due(&self, lane: Lane, key: &Key, at_ms: u64) -> bool {
         let Ok(mut s) = self.expiry.lock() else {
             return false;
         };
@@ -174,7 +176,7 @@ impl Authority {
     /// somebody starts waiting for or watching it, and when such a key gets
     /// a new grant or a shorter deadline. Nothing to do without a grant (a
     /// waiter that was handed the key pushes it when it installs its own).
-    pub(super) fn schedule_urgent(&self, key: &Arc<str>, st: &mut KeyState) {
+    pub(super) fn schedule_urgent(&self, key: &Key, st: &mut KeyState) {
         let Some(at_ms) = st.grant.as_ref().map(|g| g.deadline_ms.max(1)) else {
             return;
         };

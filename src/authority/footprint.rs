@@ -4,9 +4,9 @@
 //! For diagnostics and the benchmarks (issue 18); walks every key.
 
 use std::mem::size_of;
-use std::sync::Arc;
 
 use super::{Authority, KeyState, Queue};
+use crate::fence::Key;
 use crate::fence::TableFootprint;
 use crate::store::StoreMemory;
 
@@ -75,14 +75,14 @@ impl Footprint {
 impl Authority {
     /// What this authority, its fence table and its store hold, by part.
     pub fn footprint(&self) -> Footprint {
-        let bucket = size_of::<(Arc<str>, Box<KeyState>)>() + 1;
+        let bucket = size_of::<(Key, Box<KeyState>)>() + 1;
         let mut queues = 0;
         for st in &self.keys {
             if let Some(q) = &st.queue {
                 queues += size_of::<Queue>() + q.waiters.capacity() * size_of::<super::Waiter>();
             }
         }
-        let expiry = self.expiry.lock().map_or(0, |s| s.capacity() * size_of::<(u64, Arc<str>)>());
+        let expiry = self.expiry.lock().map_or(0, |s| s.capacity() * size_of::<(u64, Key)>());
         Footprint {
             keys: self.keys.len(),
             authority_map: self.keys.capacity() * bucket,

@@ -46,7 +46,7 @@ use tokio::time::Instant;
 
 use crate::config::{LocksConfig, MAX_TTL_MS};
 use crate::error::Error;
-use crate::fence::FenceTable;
+use crate::fence::{FenceTable, Key};
 use crate::metrics::Metrics;
 use crate::store::{wait_durable, GrantRecord, Op, Store};
 
@@ -256,7 +256,7 @@ enum Ended {
 /// The lease authority of one gateway.
 pub struct Authority {
     /// Boxed states: a bucket is a key and a pointer, whatever the map's load.
-    keys: DashMap<Arc<str>, Box<KeyState>>,
+    keys: DashMap<Key, Box<KeyState>>,
     fences: Arc<FenceTable>,
     holders: Holders,
     /// The zero of [`Authority::now_ms`].
@@ -407,7 +407,7 @@ impl Authority {
         let started = Instant::now();
         let lease_id = LeaseId::new()?;
         // One copy of the key for both maps: the fence table's if it has one.
-        let key: Arc<str> = self.fences.shared_key(&req.key).unwrap_or_else(|| Arc::from(req.key.as_str()));
+        let key: Key = self.fences.shared_key(&req.key).unwrap_or_else(|| Key::from(req.key.as_str()));
 
         // Take the lock at once, or join the queue.
         let step = {
@@ -502,7 +502,7 @@ impl Authority {
     }
 
     /// The grant `token` of `key` is fsynced: readers may see it now.
-    fn publish_durable(&self, key: &Arc<str>, token: u64) {
+    fn publish_durable(&self, key: &Key, token: u64) {
         self.fences.mark_durable(key, token);
         if let Some(mut st) = self.keys.get_mut(key) {
             if let Some(g) = st.grant.as_mut().filter(|g| g.token() == token) {
@@ -516,7 +516,7 @@ impl Authority {
     /// and has checked that it is free (or handed off to it).
     fn install(
         &self,
-        key: &Arc<str>,
+        key: &Key,
         st: &mut KeyState,
         lease_id: LeaseId,
         holder: &str,
@@ -677,7 +677,7 @@ impl Authority {
         // The guard unsubscribes and forgets the key's state however the
         // watch ends, including a client that hung up (the future dropped).
         let rx = {
-            let mut st = self.keys.entry(Arc::from(key)).or_insert_with(new_state);
+            let mut st = self.keys.entry(Key::from(key)).or_insert_with(new_state);
             let key = st.key().clone();
             // A grant past its deadline is over, swept or not: a watcher
             // must not be told of its token as the holder's.
@@ -714,14 +714,14 @@ impl Authority {
         }
     }
 
-    fn expire_if_due(&self, key: &Arc<str>, st: &mut KeyState, now_ms: u64) {
+    fn expire_if_due(&self, key: &Key, st: &mut KeyState, now_ms: u64) {
         if st.grant.as_ref().is_some_and(|g| g.deadline_ms <= now_ms) {
             self.end_locked(key, st, Ended::Expired);
         }
     }
 
     /// Ends the current grant of a locked state and wakes the next waiter.
-    fn end_locked(&self, key: &Arc<str>, st: &mut KeyState, why: Ended) {
+    fn end_locked(&self, key: &Key, st: &mut KeyState, why: Ended) {
         let Some(grant) = st.grant.take() else { return };
         let was_published = grant.durable();
         self.metrics.leases_active.dec();
@@ -787,7 +787,7 @@ impl Drop for WatchGuard<'_> {
 /// ended at once instead of being held by nobody for its whole TTL.
 struct OrphanGuard<'a> {
     auth: &'a Authority,
-    key: Arc<str>,
+    key: Key,
     token: u64,
     armed: bool,
 }
@@ -805,7 +805,7 @@ impl Drop for OrphanGuard<'_> {
 /// Removes a waiter that gave up; passes its turn on if it had one.
 struct WaiterGuard<'a> {
     auth: &'a Authority,
-    key: Arc<str>,
+    key: Key,
     id: u64,
     armed: bool,
 }

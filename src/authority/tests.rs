@@ -516,8 +516,8 @@ fn per_key_state_stays_small() {
     // 48, 56, 64, 80): a grant's TTL, durable bit and grant time in one
     // word, and the token's zero niche for `Option<Grant>`.
     assert_eq!(std::mem::size_of::<KeyState>(), 64);
-    assert_eq!(std::mem::size_of::<(Arc<str>, Box<KeyState>)>(), 24);
-    assert_eq!(std::mem::size_of::<std::cmp::Reverse<expiry::Due>>(), 24);
+    assert_eq!(std::mem::size_of::<(Key, Box<KeyState>)>(), 16);
+    assert_eq!(std::mem::size_of::<std::cmp::Reverse<expiry::Due>>(), 16);
 }
 
 /// Issue 18: what a held lease costs, by part, on the RocksDB store with
@@ -559,7 +559,7 @@ async fn memory_per_held_lease_by_part() {
     // key block (shared), one heap entry.
     assert!(per(f.authority_states) <= 80 && per(f.fences.slots) <= 32, "{}", f.report());
     assert!(per(f.fences.key_bytes) <= 16 + 13, "the key is stored once: {}", f.report());
-    assert!(per(f.expiry) <= 2 * 24, "{}", f.report());
+    assert!(per(f.expiry) <= 2 * 16, "{}", f.report());
     assert_eq!((f.queues, f.holders, f.fences.inflight), (0, 0, 0), "nobody waits, watches or writes");
     // RocksDB's memtables stay within their write buffers, whatever N.
     assert!(f.store.memtables <= 20 << 20, "{}", f.report());

@@ -14,6 +14,11 @@ pub use table::{
 };
 pub use token::parse_token_header;
 
+/// A resource key as the lease and fence maps hold it: one pointer to a
+/// shared block (counts, length, bytes), where an `Arc<str>` takes two —
+/// 8 bytes less per bucket of each map and per expiry entry.
+pub type Key = arcstr::ArcStr;
+
 /// Whether the grant behind `token` is live now: what a strict route asks
 /// before it admits a token equal to the fence. Answered by the authority
 /// that issued the grant (the embedded one, or the cluster's mirror of

@@ -19,7 +19,7 @@ use futures_util::task::AtomicWaker;
 use tokio::sync::{oneshot, Notify};
 use tokio::time::Instant;
 
-use super::{GrantLiveness, Liveness};
+use super::{GrantLiveness, Key, Liveness};
 use crate::error::Error;
 use crate::store::{FenceRecord, Op, Store};
 
@@ -252,7 +252,7 @@ impl Slot {
 
     /// The store write that makes the current fence durable, with its
     /// sequence if it has one (a plain fence write would erase it).
-    fn fence_op(&self, key: Arc<str>) -> Op {
+    fn fence_op(&self, key: Key) -> Op {
         let sequence = self.last_sequence();
         if sequence.is_none() && !self.external() {
             return Op::Fence { key, token: self.fence };
@@ -304,7 +304,7 @@ pub struct BarrierOutcome {
 pub struct FenceTable {
     /// Boxed: at the map's usual load (a half to seven eighths of its
     /// buckets full) an 8-byte bucket value wastes less than a 48-byte one.
-    slots: DashMap<Arc<str>, Box<Slot>>,
+    slots: DashMap<Key, Box<Slot>>,
     next_id: AtomicU64,
     /// After an unclean restart: requests the dead process forwarded may
     /// still be applied by an upstream until this instant, and this table
@@ -397,7 +397,7 @@ impl FenceTable {
         Arc::new(FenceTable::with_slots(DashMap::with_capacity(n)))
     }
 
-    fn with_slots(slots: DashMap<Arc<str>, Box<Slot>>) -> FenceTable {
+    fn with_slots(slots: DashMap<Key, Box<Slot>>) -> FenceTable {
         FenceTable {
             slots,
             next_id: AtomicU64::new(1),
@@ -502,12 +502,12 @@ impl FenceTable {
     fn slot_or_new(
         &self,
         key: &str,
-        shared: Option<&Arc<str>>,
-    ) -> Result<dashmap::mapref::one::RefMut<'_, Arc<str>, Box<Slot>>, usize> {
+        shared: Option<&Key>,
+    ) -> Result<dashmap::mapref::one::RefMut<'_, Key, Box<Slot>>, usize> {
         if let Some(slot) = self.slots.get_mut(key) {
             return Ok(slot);
         }
-        let owned = shared.filter(|s| &***s == key).cloned().unwrap_or_else(|| Arc::from(key));
+        let owned = shared.filter(|s| &***s == key).cloned().unwrap_or_else(|| Key::from(key));
         match self.slots.entry(owned) {
             dashmap::Entry::Occupied(o) => Ok(o.into_ref()),
             dashmap::Entry::Vacant(v) => {
@@ -525,11 +525,11 @@ impl FenceTable {
     /// of its types and its maps' capacities; allocator rounding aside).
     /// Walks every key: for diagnostics and benchmarks, not a hot path.
     pub fn footprint(&self) -> TableFootprint {
-        let bucket = std::mem::size_of::<(Arc<str>, Box<Slot>)>() + 1;
+        let bucket = std::mem::size_of::<(Key, Box<Slot>)>() + 1;
         let mut key_bytes = 0;
         let mut inflight = 0;
         for slot in &self.slots {
-            // An `Arc<str>`'s block: two counts and the bytes.
+            // A `Key`'s block: its length, its count and the bytes.
             key_bytes += 16 + slot.key().len();
             if let Some(r) = &slot.rare {
                 inflight += std::mem::size_of::<Rare>() + r.entries.capacity() * std::mem::size_of::<InflightEntry>();
@@ -547,14 +547,14 @@ impl FenceTable {
     /// Start-up: a stored grant of `token` on `key` comes back if `token`
     /// is still the key's fence; its copy of the key is returned (for the
     /// authority's map to share). `None`: the grant was superseded.
-    pub fn restore_grant(&self, key: &str, token: u64) -> Option<Arc<str>> {
+    pub fn restore_grant(&self, key: &str, token: u64) -> Option<Key> {
         let slot = self.slots.get(key)?;
         (slot.fence == token).then(|| slot.key().clone())
     }
 
     /// The table's own copy of `key`, if it has a slot: a map that keeps
     /// the key too (the authority's) shares this allocation.
-    pub fn shared_key(&self, key: &str) -> Option<Arc<str>> {
+    pub fn shared_key(&self, key: &str) -> Option<Key> {
         self.slots.get(key).map(|s| s.key().clone())
     }
 
@@ -567,7 +567,7 @@ impl FenceTable {
     /// Installs a fence read from the store at start (durable, not live);
     /// the next token issued is above it.
     pub fn load(&self, key: &str, fence: u64) {
-        if self.slots.insert(Arc::from(key), Box::new(Slot { fence, durable: fence, ..Slot::default() })).is_none() {
+        if self.slots.insert(Key::from(key), Box::new(Slot { fence, durable: fence, ..Slot::default() })).is_none() {
             self.fence_count.fetch_add(1, Ordering::AcqRel);
         }
         self.next_token.fetch_max(fence.saturating_add(1), Ordering::AcqRel);
@@ -820,7 +820,7 @@ impl FenceTable {
         &self,
         key: &str,
         store: &Store,
-        ops: impl FnOnce(&Arc<str>, u64) -> Vec<Op>,
+        ops: impl FnOnce(&Key, u64) -> Vec<Op>,
     ) -> Result<(u64, oneshot::Receiver<Result<(), Error>>), Error> {
         self.issue_inner(key, None, store, ops)
     }
@@ -829,9 +829,9 @@ impl FenceTable {
     /// its own: a new slot shares `key`'s allocation.
     pub fn issue_shared(
         &self,
-        key: &Arc<str>,
+        key: &Key,
         store: &Store,
-        ops: impl FnOnce(&Arc<str>, u64) -> Vec<Op>,
+        ops: impl FnOnce(&Key, u64) -> Vec<Op>,
     ) -> Result<(u64, oneshot::Receiver<Result<(), Error>>), Error> {
         self.issue_inner(key, Some(key), store, ops)
     }
@@ -839,9 +839,9 @@ impl FenceTable {
     fn issue_inner(
         &self,
         key: &str,
-        shared: Option<&Arc<str>>,
+        shared: Option<&Key>,
         store: &Store,
-        ops: impl FnOnce(&Arc<str>, u64) -> Vec<Op>,
+        ops: impl FnOnce(&Key, u64) -> Vec<Op>,
     ) -> Result<(u64, oneshot::Receiver<Result<(), Error>>), Error> {
         let mut slot = self.slot_or_new(key, shared).map_err(|limit| Error::FenceQuota { scope: "gateway", limit })?;
         let token = self.take_token(slot.fence).ok_or_else(|| Error::Internal("token space exhausted".into()))?;
@@ -964,7 +964,7 @@ fn check_step(token: u64, fence: u64, policy: CheckPolicy) -> Result<(), Refusal
 /// answered, or the request failed) lets activation barriers proceed.
 pub struct InflightGuard {
     table: Arc<FenceTable>,
-    key: Arc<str>,
+    key: Key,
     token: u64,
     sequence: Option<u64>,
     id: u64,
@@ -1162,7 +1162,7 @@ mod tests {
     #[test]
     fn a_slot_is_32_bytes_and_its_flags_and_time_do_not_clobber_each_other() {
         assert_eq!(std::mem::size_of::<Slot>(), 32);
-        assert_eq!(std::mem::size_of::<(Arc<str>, Box<Slot>)>(), 24);
+        assert_eq!(std::mem::size_of::<(Key, Box<Slot>)>(), 16);
         let mut s = Slot::default();
         assert_eq!(s.superseded_for(), Duration::ZERO, "never moved");
         s.set_external(true);
@@ -1200,13 +1200,13 @@ mod tests {
     fn the_authority_and_the_table_share_one_copy_of_a_key() {
         let store = Store::memory();
         let t = new_table();
-        let key: Arc<str> = Arc::from("shared");
+        let key: Key = Key::from("shared");
         t.issue_shared(&key, &store, |k, token| vec![Op::Fence { key: k.clone(), token }]).unwrap();
-        assert!(Arc::ptr_eq(&t.shared_key("shared").unwrap(), &key));
+        assert!(Key::ptr_eq(&t.shared_key("shared").unwrap(), &key));
         // A key the table has already: its own copy is kept and handed out.
-        let other: Arc<str> = Arc::from("shared");
+        let other: Key = Key::from("shared");
         t.issue_shared(&other, &store, |k, token| vec![Op::Fence { key: k.clone(), token }]).unwrap();
-        assert!(Arc::ptr_eq(&t.shared_key("shared").unwrap(), &key));
+        assert!(Key::ptr_eq(&t.shared_key("shared").unwrap(), &key));
         assert!(t.shared_key("absent").is_none());
     }
 

@@ -28,6 +28,8 @@ mod rocks;
 use std::path::Path;
 use std::sync::Arc;
 
+use crate::fence::Key;
+
 use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 
@@ -46,17 +48,17 @@ pub struct GrantRecord {
 #[derive(Debug, Clone)]
 pub enum Op {
     /// Set `key`'s fence to `token`. Callers only ever raise a fence.
-    Fence { key: Arc<str>, token: u64 },
+    Fence { key: Key, token: u64 },
     /// Record `key`'s live grant.
-    Grant { key: Arc<str>, record: GrantRecord },
+    Grant { key: Key, record: GrantRecord },
     /// Forget `key`'s grant (released or expired). `ended` is the grant
     /// that ends: the released record written in its place has its length.
-    DropGrant { key: Arc<str>, ended: GrantRecord },
+    DropGrant { key: Key, ended: GrantRecord },
     /// Set `key`'s fence with what is known of it: the highest
     /// `X-Fencing-Sequence` admitted under it, and whether an external
     /// authority set it (one value: a later plain fence write of the key
     /// starts a new sequence and is the embedded authority's).
-    FenceWith { key: Arc<str>, record: FenceRecord },
+    FenceWith { key: Key, record: FenceRecord },
 }
 
 /// One stored fence: the token and, if a sequenced write was forwarded

@@ -491,6 +491,8 @@ mod tests {
     use std::path::Path;
     use std::sync::Arc;
 
+    use crate::fence::Key;
+
     fn open(dir: &Path) -> Store {
         let noop: SyncObserver = Arc::new(|_, _| {});
         Store::open(dir, WriterOptions { group_commit: true, max_batch: 64, nice: 0 }, noop).unwrap()
@@ -501,12 +503,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         {
             let s = open(dir.path());
-            let key: Arc<str> = Arc::from("orders/1");
+            let key: Key = Key::from("orders/1");
             let record = GrantRecord { token: 7, lease_id: "x".into(), holder: "h".into(), ttl_ms: 500 };
             s.commit(vec![Op::Fence { key: key.clone(), token: 7 }, Op::Grant { key: key.clone(), record }])
                 .await
                 .unwrap();
-            s.commit(vec![Op::Fence { key: Arc::from("b"), token: 3 }]).await.unwrap();
+            s.commit(vec![Op::Fence { key: Key::from("b"), token: 3 }]).await.unwrap();
         }
         let s = open(dir.path());
         let mut seen = Vec::new();
@@ -523,12 +525,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         {
             let s = open(dir.path());
-            let (a, b): (Arc<str>, Arc<str>) = (Arc::from("a"), Arc::from("b"));
+            let (a, b): (Key, Key) = (Key::from("a"), Key::from("b"));
             s.commit(vec![Op::Fence { key: a.clone(), token: 4 }]).await.unwrap();
             let with = |token, sequence, external| FenceRecord { token, sequence, external };
             s.commit(vec![Op::FenceWith { key: a.clone(), record: with(4, Some(17), false) }]).await.unwrap();
             s.commit(vec![Op::FenceWith { key: b.clone(), record: with(2, Some(1), true) }]).await.unwrap();
-            let c: Arc<str> = Arc::from("c");
+            let c: Key = Key::from("c");
             s.commit(vec![Op::FenceWith { key: c.clone(), record: with(6, None, true) }]).await.unwrap();
             s.commit(vec![Op::Fence { key: b.clone(), token: 9 }]).await.unwrap();
         }
@@ -550,7 +552,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         {
             let s = open(dir.path());
-            let key: Arc<str> = Arc::from("k");
+            let key: Key = Key::from("k");
             s.commit(vec![grant(&key, "x")]).await.unwrap();
             s.commit(vec![drop_grant(&key)]).await.unwrap();
         }
@@ -561,11 +563,11 @@ mod tests {
         GrantRecord { token: 1, lease_id: lease.into(), holder: String::new(), ttl_ms: 500 }
     }
 
-    fn grant(key: &Arc<str>, lease: &str) -> Op {
+    fn grant(key: &Key, lease: &str) -> Op {
         Op::Grant { key: key.clone(), record: record(lease) }
     }
 
-    fn drop_grant(key: &Arc<str>) -> Op {
+    fn drop_grant(key: &Key) -> Op {
         Op::DropGrant { key: key.clone(), ended: record("a") }
     }
 
@@ -586,7 +588,7 @@ mod tests {
     async fn a_key_locked_over_and_over_keeps_one_memtable_entry() {
         let dir = tempfile::tempdir().unwrap();
         let s = open(dir.path());
-        let k: Arc<str> = Arc::from("k");
+        let k: Key = Key::from("k");
         let cycle = |token: u64| {
             let record = GrantRecord { token, lease_id: format!("{token:032x}"), holder: "h".into(), ttl_ms: 500 };
             let ended = record.clone();
@@ -613,7 +615,7 @@ mod tests {
     async fn compactions_drop_released_grants_and_keep_live_ones() {
         let dir = tempfile::tempdir().unwrap();
         let s = open(dir.path());
-        let (gone, kept): (Arc<str>, Arc<str>) = (Arc::from("gone"), Arc::from("kept"));
+        let (gone, kept): (Key, Key) = (Key::from("gone"), Key::from("kept"));
         s.commit(vec![grant(&gone, "a"), grant(&kept, "b")]).await.unwrap();
         s.commit(vec![drop_grant(&gone)]).await.unwrap();
         let db = &rocks(&s).db;
@@ -643,7 +645,7 @@ mod tests {
     #[tokio::test]
     async fn what_is_left_in_a_recycled_log_is_not_replayed() {
         let dir = tempfile::tempdir().unwrap();
-        let keys: Vec<Arc<str>> = (0..1_000).map(|i| Arc::from(format!("{i:04}{}", "k".repeat(1_000)))).collect();
+        let keys: Vec<Key> = (0..1_000).map(|i| Key::from(format!("{i:04}{}", "k".repeat(1_000)))).collect();
         let round = |token: u64, n: usize| keys[..n].iter().map(|k| Op::Fence { key: k.clone(), token }).collect();
         {
             let s = open(dir.path());
@@ -685,7 +687,7 @@ mod tests {
     async fn a_lazy_write_rides_along_with_the_next_durable_one_in_order() {
         let dir = tempfile::tempdir().unwrap();
         let s = open(dir.path());
-        let k: Arc<str> = Arc::from("k");
+        let k: Key = Key::from("k");
         s.commit(vec![grant(&k, "a")]).await.unwrap();
         // Released lazily, then granted again: the drop must land first.
         s.submit_lazy(vec![drop_grant(&k)]);
@@ -694,14 +696,14 @@ mod tests {
         // A lazy drop queued before a durable write elsewhere is written
         // with it, not after the lazy delay.
         s.submit_lazy(vec![drop_grant(&k)]);
-        s.commit(vec![Op::Fence { key: Arc::from("other"), token: 1 }]).await.unwrap();
+        s.commit(vec![Op::Fence { key: Key::from("other"), token: 1 }]).await.unwrap();
         assert!(leases(&s).is_empty());
     }
 
     #[test]
     fn a_group_writes_only_the_last_write_of_each_key() {
-        let k: Arc<str> = Arc::from("k");
-        let other: Arc<str> = Arc::from("other");
+        let k: Key = Key::from("k");
+        let other: Key = Key::from("other");
         let commit = |ops| super::Commit { ops, done: None };
         let group = vec![
             commit(vec![Op::Fence { key: k.clone(), token: 1 }, grant(&k, "a")]),
@@ -726,7 +728,7 @@ mod tests {
     async fn the_last_write_of_a_key_in_one_commit_wins() {
         let dir = tempfile::tempdir().unwrap();
         let s = open(dir.path());
-        let k: Arc<str> = Arc::from("k");
+        let k: Key = Key::from("k");
         s.commit(vec![grant(&k, "a"), drop_grant(&k)]).await.unwrap();
         assert!(leases(&s).is_empty());
         s.commit(vec![drop_grant(&k), grant(&k, "b")]).await.unwrap();
@@ -737,7 +739,7 @@ mod tests {
     async fn a_lazy_write_alone_is_written_after_the_lazy_delay() {
         let dir = tempfile::tempdir().unwrap();
         let s = open(dir.path());
-        let k: Arc<str> = Arc::from("k");
+        let k: Key = Key::from("k");
         s.commit(vec![grant(&k, "a")]).await.unwrap();
         // Let the writer go idle: the lazy write alone must wake it.
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
@@ -761,7 +763,7 @@ mod tests {
         let before = own();
         let noop: SyncObserver = Arc::new(|_, _| {});
         let s = Store::open(dir.path(), WriterOptions { group_commit: true, max_batch: 64, nice: 7 }, noop).unwrap();
-        s.commit(vec![Op::Fence { key: Arc::from("k"), token: 1 }]).await.unwrap();
+        s.commit(vec![Op::Fence { key: Key::from("k"), token: 1 }]).await.unwrap();
         let writers: Vec<i32> = std::fs::read_dir("/proc/self/task")
             .unwrap()
             .filter_map(|t| {
@@ -778,7 +780,7 @@ mod tests {
     #[tokio::test]
     async fn closing_the_store_writes_queued_lazy_writes() {
         let dir = tempfile::tempdir().unwrap();
-        let k: Arc<str> = Arc::from("k");
+        let k: Key = Key::from("k");
         {
             let s = open(dir.path());
             s.commit(vec![grant(&k, "a")]).await.unwrap();
