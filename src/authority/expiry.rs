@@ -11,7 +11,7 @@
 //! million entries behind).
 //!
 //! Which time a key is in the heap for is kept in the key's own state
-//! (`KeyState::scheduled_ms`), not in a second map: an entry is 24 bytes
+//! (`KeyState::scheduled_ms`), not in a second map: an entry is 16 bytes
 //! (a time in milliseconds and the key, shared with the maps) in one
 //! vector, with no allocation of its own. An entry whose time is not its
 //! key's `scheduled_ms` was superseded by an earlier one (or its key was
