@@ -26,6 +26,7 @@ pub mod held_body;
 pub mod path;
 pub mod pool;
 pub mod s3;
+pub mod sendq;
 pub mod upstream;
 pub mod wire;
 
