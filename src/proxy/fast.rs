@@ -203,8 +203,9 @@ async fn serve_one(
     // upstream exchange's start too (one clock read less per request).
     let elapsed = started.elapsed().as_secs_f64();
     route.upstream_duration.observe(elapsed);
-    // The upstream has answered (or failed): no longer in flight.
-    drop(guard);
+    // The upstream has answered (or failed): no longer in flight — unless
+    // it answered before its kernel had taken the whole request.
+    let held = hold_if_undelivered(guard, &sent, deadline);
     c.buf.advance(need);
     let upstream = match sent {
         Some(Ok(up)) => up,
@@ -228,7 +229,71 @@ async fn serve_one(
     }
 
     // 6. The response: its head with this hop's edits, then the body as it comes.
+    let pool = (!held).then_some(&**pool);
     relay_response(stream, upstream, pool, client_close, c, limits.send_timeout).await
+}
+
+/// A fenced request answered before the upstream's kernel had acknowledged
+/// all of it (the upstream answers on the head and reads on, or not at
+/// all): the rest, still in the gateway's send queue, may be applied after
+/// the answer. Its registration is kept until the route's upstream
+/// deadline, as for an early answer on the general path; then whatever is
+/// still undelivered is dropped by a reset. A second descriptor keeps the
+/// socket open until then (closing the first does not send a FIN); true
+/// when held (the connection is not reused).
+fn hold_if_undelivered(
+    guard: Option<InflightGuard>,
+    sent: &Option<Result<TcpStream, Failure>>,
+    deadline: Instant,
+) -> bool {
+    let (Some(guard), Some(Ok(upstream))) = (guard, sent) else {
+        return false;
+    };
+    if super::sendq::delivered(upstream) {
+        return false;
+    }
+    let fd = match std::os::fd::AsFd::as_fd(upstream).try_clone_to_owned() {
+        Ok(fd) => fd,
+        Err(e) => {
+            // Cannot keep the socket: drop what it holds now instead.
+            tracing::debug!(error = %e, "could not keep an undelivered upstream connection");
+            super::sendq::reset(upstream);
+            return true;
+        }
+    };
+    tokio::spawn(async move {
+        tokio::time::sleep_until(deadline).await;
+        if !super::sendq::delivered(&fd) {
+            super::sendq::reset(&fd);
+        }
+        drop(guard);
+    });
+    true
+}
+
+/// An upstream connection a request was written to: reset when dropped
+/// (a failed or timed-out exchange) if the upstream's kernel has not
+/// acknowledged all of it, so the kernel drops the rest instead of
+/// delivering it after the failure, and after a newer grant.
+struct Unanswered(Option<TcpStream>);
+
+impl Unanswered {
+    fn answered(mut self) -> Option<TcpStream> {
+        self.0.take()
+    }
+    fn get(&mut self) -> Option<&mut TcpStream> {
+        self.0.as_mut()
+    }
+}
+
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        if let Some(upstream) = &self.0 {
+            if !super::sendq::delivered(upstream) {
+                super::sendq::reset(upstream);
+            }
+        }
+    }
 }
 
 /// What phase 2 decided the fast path takes.
@@ -307,7 +372,7 @@ fn take<'p, 'c>(proxy: &'p Proxy, c: &Conn, checked: &'c path::CheckedPath) -> O
 async fn relay_response(
     stream: &mut TcpStream,
     mut upstream: TcpStream,
-    pool: &Pool,
+    pool: Option<&Pool>,
     client_close: bool,
     c: &mut Conn,
     send_timeout: Duration,
@@ -320,7 +385,7 @@ async fn relay_response(
     let body_start = resp.len;
     match relay(stream, &mut upstream, framing, &mut c.out, &mut c.rbuf, body_start, send_timeout).await {
         Relayed::Done { upstream_clean } => {
-            if reusable && upstream_clean {
+            if let Some(pool) = pool.filter(|_| reusable && upstream_clean) {
                 pool.checkin_raw(upstream);
             }
         }
@@ -553,16 +618,19 @@ async fn exchange(
             None => (Box::pin(pool.connect_raw()).await.map_err(Failure::Connect)?, false),
         };
         match write_gated(&upstream, request, guard.map(|g| (g, fences, deadline))).await {
-            Ok(()) => break upstream,
+            Ok(()) => break Unanswered(Some(upstream)),
             Err(Unsent::Refused(failure)) => {
                 // Reset: the kernel drops what it still holds of it.
-                let _ = upstream.set_zero_linger();
+                super::sendq::reset(&upstream);
                 return Err(failure);
             }
             // The pooled connection had been closed by the upstream: once
             // more on a new one (nothing of it can have been applied).
             Err(Unsent::Io(_)) if reused && !retried => retried = true,
-            Err(Unsent::Io(e)) => return Err(Failure::Exchange(format!("writing the request: {e}"))),
+            Err(Unsent::Io(e)) => {
+                super::sendq::reset(&upstream);
+                return Err(Failure::Exchange(format!("writing the request: {e}")));
+            }
         }
     };
     if let Some(g) = guard {
@@ -580,14 +648,19 @@ async fn exchange(
                 RespParsed::Complete if resp.status == 101 => {
                     return Err(Failure::Exchange("unexpected 101 Switching Protocols".into()))
                 }
-                RespParsed::Complete => return Ok(upstream),
+                RespParsed::Complete => {
+                    return upstream.answered().ok_or_else(|| Failure::Exchange("the connection was lost".into()))
+                }
                 RespParsed::Partial if rbuf.len() <= MAX_RESPONSE_HEAD => {}
                 RespParsed::Partial => return Err(Failure::Exchange("response head too large".into())),
                 RespParsed::Bad(why) => return Err(Failure::Exchange(why.into())),
             }
         }
         reserve(rbuf);
-        match upstream.read_buf(rbuf).await {
+        let Some(tcp) = upstream.get() else {
+            return Err(Failure::Exchange("the connection was lost".into()));
+        };
+        match tcp.read_buf(rbuf).await {
             Ok(0) => return Err(Failure::Exchange("the upstream closed the connection before answering".into())),
             Ok(_) => {}
             Err(e) => return Err(Failure::Exchange(format!("reading the response: {e}"))),

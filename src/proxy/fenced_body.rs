@@ -105,16 +105,27 @@ impl BodyOutcome {
         self.state.store(v, Ordering::Release);
         self.settled.notify_one();
     }
+    /// The connection the request goes out on, if it is still open, and
+    /// the request's number there.
+    fn on_wire(&self) -> (Option<Arc<Wire>>, u64) {
+        let at = self.wire.lock().unwrap_or_else(PoisonError::into_inner);
+        (at.0.upgrade(), at.1)
+    }
     /// Nothing more of the request reaches the upstream: the connection
     /// it goes out on is cut, if that still carries it (the exchange is
     /// given up).
     pub fn cut_wire(&self) {
-        let (wire, carried) = {
-            let at = self.wire.lock().unwrap_or_else(PoisonError::into_inner);
-            (at.0.upgrade(), at.1)
-        };
-        if let Some(wire) = wire {
+        if let (Some(wire), carried) = self.on_wire() {
             wire.cut_if_carrying(carried);
+        }
+    }
+    /// True when nothing of the request is left for the upstream's kernel
+    /// to take: all of it acknowledged, or its connection cut or gone
+    /// (a connection that goes with a request undelivered is reset).
+    pub fn delivered_now(&self) -> bool {
+        match self.on_wire() {
+            (Some(wire), carried) => wire.delivered(carried),
+            (None, _) => true,
         }
     }
     /// Records why the connection's writes were refused, unless the body

@@ -899,10 +899,12 @@ async fn exchange(
     let task = tokio::spawn(async move {
         let deadline = tokio::time::Instant::now() + timeout;
         let sent = upstream.send(up, &object, token, timeout).await;
-        // Answered while the body still streamed: this upstream answers
-        // before it has read a request whole, so what it has not read yet
-        // may still be applied after the answer (see `answer_after_body`).
-        let early = held.as_ref().filter(|b| !b.settled_now()).cloned();
+        // Answered while the body still streamed, or before the upstream's
+        // kernel had taken all of it (it was in the gateway's send queue):
+        // this upstream answers before it has read a request whole, so what
+        // it has not read yet may still be applied after the answer (see
+        // `answer_after_body`).
+        let early = held.as_ref().filter(|b| !b.settled_now() || !b.delivered_now()).cloned();
         let sent = match (sent, held) {
             (Ok(resp), Some(body)) if resp.status().is_success() => {
                 let ctl = guards.first().map(|g| g.ctl().clone());

@@ -339,11 +339,12 @@ impl PooledBody {
         if let Some(exchange) = self.exchange.take() {
             exchange.finish();
         }
-        // Answered before its request was written out (the upstream
-        // answers as it reads): the connection is not reused; the rest of
-        // the request still goes through its gate, and the exchange's
-        // deadline cuts it (`BodyOutcome::cut_wire`).
-        if !sender.wire.request_sent() {
+        // Answered before its request was delivered (the upstream answers
+        // as it reads, or before it reads): the connection is not reused;
+        // the rest of the request still goes through its gate, the
+        // exchange's deadline cuts it (`BodyOutcome::cut_wire`), and the
+        // connection is reset if it ends first (`WiredTcp`'s drop).
+        if !sender.wire.request_delivered() {
             return;
         }
         sender.wire.carry(None);

@@ -9,14 +9,21 @@
 //! [`Wire::cut`] takes too. Once a write was refused, or the exchange was
 //! cut (given up, timed out, answered while its body was unfinished),
 //! nothing more is written on the connection, its task is stopped and the
-//! socket is reset, which also drops what the kernel had not sent yet.
+//! socket is reset at once, which also drops what the kernel had not
+//! delivered yet.
 //!
-//! What was written before stays written: the kernel may deliver it to an
-//! upstream that reads late. That is the documented assumption of the
-//! quarantine and of the activation barrier — an upstream applies what it
-//! was sent within the route's upstream timeout.
+//! A request counts as sent only once the upstream's kernel has
+//! acknowledged all of it ([`super::sendq`]): bytes still in the gateway's
+//! send queue would reach an upstream that reads late whenever it reads.
+//! So a connection whose fenced request is not delivered is never pooled,
+//! and it is reset, never closed, when it goes (also when the HTTP client
+//! ends it on its own error). What was delivered stays delivered: that is
+//! the documented assumption of the quarantine and of the activation
+//! barrier — an upstream applies what it was sent within the route's
+//! upstream timeout.
 
 use std::io;
+use std::os::fd::{AsFd, OwnedFd};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::task::{Context, Poll};
@@ -45,6 +52,31 @@ struct State {
     /// since: every byte of it is in the kernel.
     drained: bool,
     cut: bool,
+    /// The socket (a second descriptor of it), while the connection is
+    /// open: read for what it has delivered, reset by a cut.
+    fd: Option<OwnedFd>,
+}
+
+impl State {
+    /// Cuts the wire: no byte more, and what the kernel still holds is
+    /// dropped now (the connection is reset).
+    fn cut_now(&mut self) {
+        self.cut = true;
+        if let Some(fd) = &self.fd {
+            super::sendq::reset(fd);
+        }
+    }
+
+    /// True when nothing of the request on the wire is left to deliver:
+    /// none is checked, the connection is cut or gone, or it was handed
+    /// over whole and the upstream's kernel acknowledged every byte.
+    fn delivered(&self) -> bool {
+        match &self.fd {
+            _ if self.check.is_none() || self.cut => true,
+            None => true,
+            Some(fd) => self.drained && super::sendq::delivered(fd),
+        }
+    }
 }
 
 /// One upstream connection's write gate, shared by its socket (inside the
@@ -86,18 +118,32 @@ impl Wire {
         state.carried
     }
 
+    /// The socket the wire gates (a second descriptor of it, dropped when
+    /// the connection goes).
+    fn attach(&self, fd: Option<OwnedFd>) {
+        self.lock().fd = fd;
+    }
+
     /// True once the request on the wire has been handed over whole and
-    /// written out (or it needs no checking): the connection may carry
-    /// another.
-    pub fn request_sent(&self) -> bool {
+    /// the upstream's kernel has acknowledged all of it (or it needs no
+    /// checking): the connection may carry another.
+    pub fn request_delivered(&self) -> bool {
+        self.lock().delivered()
+    }
+
+    /// True when request `carried` has nothing left to deliver: the wire
+    /// has moved on (only a delivered request lets it), or see
+    /// [`Wire::request_delivered`].
+    pub fn delivered(&self, carried: u64) -> bool {
         let state = self.lock();
-        state.check.is_none() || state.drained
+        state.carried != carried || state.delivered()
     }
 
     /// No byte more on this connection: returns only when no write is
-    /// under way, and none starts after it. Stops the connection's task.
+    /// under way, and none starts after it; what the kernel has not
+    /// delivered is dropped (reset). Stops the connection's task.
     pub fn cut(&self) {
-        self.lock().cut = true;
+        self.lock().cut_now();
         self.stop_task();
     }
 
@@ -107,7 +153,7 @@ impl Wire {
         if state.carried != carried || state.cut {
             return;
         }
-        state.cut = true;
+        state.cut_now();
         drop(state);
         self.stop_task();
     }
@@ -145,6 +191,7 @@ pub struct WiredTcp {
 impl WiredTcp {
     /// Wraps `tcp`; `wire` gates its writes.
     pub fn new(tcp: TcpStream, wire: Arc<Wire>) -> WiredTcp {
+        wire.attach(tcp.as_fd().try_clone_to_owned().ok());
         WiredTcp { tcp, wire }
     }
 
@@ -160,7 +207,7 @@ impl WiredTcp {
             return Poll::Ready(Err(cut_error()));
         }
         if state.check.as_ref().is_some_and(|c| c.refuses()) {
-            state.cut = true;
+            state.cut_now();
             drop(state);
             this.wire.stop_task();
             return Poll::Ready(Err(cut_error()));
@@ -216,11 +263,16 @@ impl AsyncWrite for WiredTcp {
 
 impl Drop for WiredTcp {
     fn drop(&mut self) {
-        // A cut connection is reset, not closed: the kernel drops what it
-        // still holds of the request instead of sending it on.
-        if self.wire.is_cut() {
-            let _ = self.tcp.set_zero_linger();
+        // A cut connection, or one whose fenced request is not delivered
+        // (the HTTP client gave the connection up on its own error, the
+        // upstream answered without reading all of it), is reset, not
+        // closed: the kernel drops what it still holds of the request
+        // instead of sending it on.
+        let mut state = self.wire.lock();
+        if state.cut || !state.delivered() {
+            super::sendq::reset(&self.tcp);
         }
+        state.fd = None;
     }
 }
 
@@ -277,7 +329,7 @@ mod tests {
     async fn a_cut_wire_refuses_writes_and_reads_and_an_unchecked_one_writes() {
         let (mut wired, mut peer, wire) = pair().await;
         wire.carry(None);
-        assert!(wire.request_sent());
+        assert!(wire.request_delivered());
         wired.write_all(b"read").await.unwrap();
         let mut four = [0u8; 4];
         peer.read_exact(&mut four).await.unwrap();

@@ -29,3 +29,4 @@ mod s3_sdk;
 mod security;
 mod streaming;
 mod tls;
+mod undelivered;
