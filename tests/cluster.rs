@@ -32,6 +32,32 @@ struct Setup {
     _dir: tempfile::TempDir,
 }
 
+/// Acquires `key` through `api` (no wait) until it is granted, every 50
+/// ms. `refused` sees each refusal (it may raise the floor one names);
+/// past `within`, panics with the last refusal and `context()`.
+async fn granted(
+    http: &Http,
+    api: &str,
+    key: &str,
+    ttl_ms: u64,
+    within: Duration,
+    mut refused: impl FnMut(&common::Reply),
+    context: impl Fn() -> String,
+) -> common::Grant {
+    let started = Instant::now();
+    loop {
+        match acquire(http, api, key, ttl_ms, 0).await {
+            Ok(g) => return g,
+            Err(r) => {
+                refused(&r);
+                let body = String::from_utf8_lossy(&r.body);
+                assert!(started.elapsed() < within, "{key}: no grant in {within:?}: {} {body} {}", r.status, context());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 fn gateway_config(etcd: &EtcdCluster, id: &str, upstream: &str) -> String {
     gateway_config_with(etcd, id, upstream, UPSTREAM_TIMEOUT_MS)
 }
@@ -385,14 +411,7 @@ async fn a_gateway_whose_etcd_was_restored_under_it_reads_the_new_history_in_ful
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     raise_floor(&s.etcd, floor);
-    let started = Instant::now();
-    let new = loop {
-        match acquire(&s.http, &s.api(0), "restored/key", 60_000, 0).await {
-            Ok(g) => break g,
-            Err(r) => assert!(started.elapsed() < Duration::from_secs(30), "{} {:?}", r.status, r.body),
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let new = granted(&s.http, &s.api(0), "restored/key", 60_000, Duration::from_secs(30), |_| {}, String::new).await;
     assert!(new.token > lost.token);
     // Past every revision the stopped gateway had seen.
     let mut n = 0;
@@ -480,19 +499,20 @@ async fn after_a_restore_a_gateway_that_missed_the_lost_tokens_cannot_grant_them
     // Then grants come back above every token issued before the restore:
     // once etcd's revisions pass the floor, or once an operator raises it
     // past the floor a refusal names.
-    let started = Instant::now();
-    let after = loop {
-        match acquire(&s.http, &s.api(1), "gap/after", 60_000, 0).await {
-            Ok(g) => break g,
-            Err(r) => {
-                if let Some(floor) = floor_named(&r.body) {
-                    raise_floor(&s.etcd, floor);
-                }
-                assert!(started.elapsed() < Duration::from_secs(60), "{} {:?}", r.status, r.body);
+    let after = granted(
+        &s.http,
+        &s.api(1),
+        "gap/after",
+        60_000,
+        Duration::from_secs(60),
+        |r| {
+            if let Some(floor) = floor_named(&r.body) {
+                raise_floor(&s.etcd, floor);
             }
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+        },
+        String::new,
+    )
+    .await;
     assert!(after.token > highest, "token {} not above the highest issued before the restore ({highest})", after.token);
 }
 
@@ -520,24 +540,20 @@ async fn a_grant_held_back_below_the_floor_is_ended_by_the_gateway_holding_it() 
         assert_ne!(r.status, StatusCode::OK, "a token granted after the restore: {:?}", r.body);
     }
     let started = Instant::now();
-    let after = loop {
-        match acquire(&s.http, &s.api(0), "gap/after", 60_000, 0).await {
-            Ok(g) => break g,
-            Err(r) => {
-                if let Some(floor) = floor_named(&r.body) {
-                    raise_floor(&s.etcd, floor);
-                }
-                assert!(
-                    started.elapsed() < Duration::from_secs(30),
-                    "{} {:?}: {}",
-                    r.status,
-                    r.body,
-                    s.gws[0].log_text()
-                );
+    let after = granted(
+        &s.http,
+        &s.api(0),
+        "gap/after",
+        60_000,
+        Duration::from_secs(30),
+        |r| {
+            if let Some(floor) = floor_named(&r.body) {
+                raise_floor(&s.etcd, floor);
             }
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+        },
+        || s.gws[0].log_text(),
+    )
+    .await;
     assert!(after.token > highest, "token {} not above the highest issued before the restore ({highest})", after.token);
     assert!(s.gws[0].log_text().contains("was ended here"), "{}", s.gws[0].log_text());
     println!("FIGURE a held grant's gateway died: the next grant after {:?}", started.elapsed());
@@ -661,13 +677,7 @@ async fn after_a_restore_a_gateway_finds_etcd_s_log_went_back_and_waits_for_rais
     // highest: it issued the lost tokens).
     raise_floor(&s.etcd, floor.max(highest));
     let started = Instant::now();
-    let after = loop {
-        match acquire(&s.http, &s.api(1), "back/0", 60_000, 0).await {
-            Ok(g) => break g,
-            Err(r) => assert!(started.elapsed() < Duration::from_secs(30), "{} {:?}", r.status, r.body),
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let after = granted(&s.http, &s.api(1), "back/0", 60_000, Duration::from_secs(30), |_| {}, String::new).await;
     assert!(after.token > highest, "token {} not above the highest issued before the restore ({highest})", after.token);
     s.wait_current(1, Duration::from_secs(30)).await;
     assert_eq!(s.put(1, "/back/0", after.token).await.status, StatusCode::OK);
@@ -948,14 +958,7 @@ async fn a_gateway_that_found_a_restore_stays_a_member_and_holds_every_grant_bac
     let last = acquire(&s.http, &s.api(0), "flap/0", 60_000, 0).await.map(|g| g.token).unwrap_err();
     assert!(String::from_utf8_lossy(&last.body).contains("gw0"), "{:?}", last.body);
     raise_floor(&s.etcd, highest);
-    let started = Instant::now();
-    let after = loop {
-        match acquire(&s.http, &s.api(0), "flap/after", 60_000, 0).await {
-            Ok(g) => break g,
-            Err(r) => assert!(started.elapsed() < Duration::from_secs(90), "{} {:?}", r.status, r.body),
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let after = granted(&s.http, &s.api(0), "flap/after", 60_000, Duration::from_secs(90), |_| {}, String::new).await;
     assert!(after.token > highest, "token {} not above the highest lost one ({highest})", after.token);
 }
 
@@ -1028,14 +1031,9 @@ async fn killing_the_etcd_leader_keeps_grants_and_fenced_writes_working() {
     let killed = Instant::now();
     s.etcd.kill9(leader);
     // The next grant succeeds (retried while the cluster elects).
-    let grant = loop {
-        match acquire(&s.http, &s.api(1), "ha/after", 30_000, 0).await {
-            Ok(g) => break g,
-            Err(r) => assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{:?}", r.body),
-        }
-        assert!(killed.elapsed() < Duration::from_secs(20), "no grant after the leader died");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let within = Duration::from_secs(20).saturating_sub(killed.elapsed());
+    let unavailable = |r: &common::Reply| assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{:?}", r.body);
+    let grant = granted(&s.http, &s.api(1), "ha/after", 30_000, within, unavailable, String::new).await;
     let to_grant = killed.elapsed();
     assert!(grant.token > g.token);
     // The next fenced write succeeds through every gateway.
@@ -1574,14 +1572,8 @@ async fn an_acquire_whose_client_hung_up_during_its_grant_transaction_leaves_the
         async move { http.get(&url).await.json()["held"].as_bool() }
     };
     // Wait until both serve grants (a first acquire through the peer).
-    let started = Instant::now();
-    let first = loop {
-        match acquire(&http, &peer.api_url(""), "warm-up", 5000, 0).await {
-            Ok(g) => break g,
-            Err(_) => assert!(started.elapsed() < Duration::from_secs(20), "no grant: {}", peer.log_text()),
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let first =
+        granted(&http, &peer.api_url(""), "warm-up", 5000, Duration::from_secs(20), |_| {}, || peer.log_text()).await;
     release(&http, &peer.api_url(""), &first).await;
     // The acquire through the slow gateway: the client gives up after 300 ms,
     // while the committed grant waits for its answer.
@@ -1738,14 +1730,8 @@ async fn on_a_new_etcd_cluster_grants_wait_for_raise_floor_and_then_start_above_
         .unwrap_or_else(|| panic!("the refusal names no floor: {}", String::from_utf8_lossy(&refusal.body)));
     assert!(floor >= highest, "floor {floor} below the highest token issued {highest}");
     raise_floor(&new, floor);
-    let started = Instant::now();
-    let after = loop {
-        match acquire(&http, &gw.api_url(""), "restore/after", 60_000, 0).await {
-            Ok(g) => break g,
-            Err(r) => assert!(started.elapsed() < Duration::from_secs(20), "{} {:?}", r.status, r.body),
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let after =
+        granted(&http, &gw.api_url(""), "restore/after", 60_000, Duration::from_secs(20), |_| {}, String::new).await;
     assert!(after.token > floor, "token {} not above the raised floor {floor}", after.token);
     println!(
         "FIGURE a new etcd cluster: grants refused (503) until raise-floor --to {floor}; the next token {} (highest \
@@ -1801,14 +1787,7 @@ async fn cluster_mode_speaks_mutual_tls_to_etcd() {
         gateway_config(&etcd, "tls", &rec.url()).replacen("[cluster]\n", &format!("[cluster]\n{tls_lines}"), 1);
     let gw = Gateway::start(&dir.path().join("gw"), Opts { config: Some(with_tls), ..Opts::default() });
     let http = Http::default();
-    let started = Instant::now();
-    let g = loop {
-        match acquire(&http, &gw.api_url(""), "tls/key", 10_000, 0).await {
-            Ok(g) => break g,
-            Err(r) => assert!(started.elapsed() < Duration::from_secs(20), "{} {:?}", r.status, r.body),
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let g = granted(&http, &gw.api_url(""), "tls/key", 10_000, Duration::from_secs(20), |_| {}, String::new).await;
     let (url, live) = (gw.proxy_url("/tls/key"), g.token.to_string());
     let ok = http.try_send(Method::PUT, &url, &[("x-fencing-token", &live)], "x").await;
     assert_eq!(ok.unwrap().status, StatusCode::OK);
@@ -2129,14 +2108,7 @@ async fn a_renewal_answered_late_promises_only_the_time_it_is_sure_of() {
     let dir = tempfile::tempdir().unwrap();
     let (etcd, _rec, slow, peer) = slow_and_peer(dir.path()).await;
     let http = Http::default();
-    let started = Instant::now();
-    let g = loop {
-        match acquire(&http, &peer.api_url(""), "late/renew", 2000, 0).await {
-            Ok(g) => break g,
-            Err(r) => assert!(started.elapsed() < Duration::from_secs(20), "no grant: {:?}", r.body),
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let g = granted(&http, &peer.api_url(""), "late/renew", 2000, Duration::from_secs(20), |_| {}, String::new).await;
     let sent = Instant::now();
     let r = http
         .post_json(
