@@ -51,6 +51,9 @@ struct State {
     /// The request was handed over whole and the client has flushed it
     /// since: every byte of it is in the kernel.
     drained: bool,
+    /// The upstream's kernel was seen to have acknowledged every byte of
+    /// the request (asked once: the answer cannot change back).
+    acked: bool,
     cut: bool,
     /// The socket (a second descriptor of it), while the connection is
     /// open: read for what it has delivered, reset by a cut.
@@ -70,11 +73,14 @@ impl State {
     /// True when nothing of the request on the wire is left to deliver:
     /// none is checked, the connection is cut or gone, or it was handed
     /// over whole and the upstream's kernel acknowledged every byte.
-    fn delivered(&self) -> bool {
+    fn delivered(&mut self) -> bool {
         match &self.fd {
-            _ if self.check.is_none() || self.cut => true,
+            _ if self.check.is_none() || self.cut || self.acked => true,
             None => true,
-            Some(fd) => self.drained && super::sendq::delivered(fd),
+            Some(fd) => {
+                self.acked = self.drained && super::sendq::delivered(fd);
+                self.acked
+            }
         }
     }
 }
@@ -114,6 +120,7 @@ impl Wire {
         let mut state = self.lock();
         state.check = check;
         state.drained = false;
+        state.acked = false;
         state.carried += 1;
         state.carried
     }
@@ -135,7 +142,7 @@ impl Wire {
     /// has moved on (only a delivered request lets it), or see
     /// [`Wire::request_delivered`].
     pub fn delivered(&self, carried: u64) -> bool {
-        let state = self.lock();
+        let mut state = self.lock();
         state.carried != carried || state.delivered()
     }
 
