@@ -174,6 +174,7 @@ impl Cluster {
                 self.apply_put(kv);
             }
         }
+        self.check_own_member_key(revision);
         // Nothing is in flight under a fence this read just installed that
         // a barrier must wait for beyond what `apply_put` started.
         self.applied.send_replace(revision);
@@ -248,6 +249,44 @@ impl Cluster {
         }
     }
 
+    /// This gateway's own member key went while its lease lives: peers
+    /// count it departed (they no longer wait for its acknowledgements), so
+    /// it stops admitting at once (aborting uploads) and rejoins.
+    fn lose_membership(&self, lease: i64) {
+        self.fences.set_not_current("this gateway's membership key was deleted from etcd; rejoining");
+        self.metrics.cluster_current.set(0);
+        self.member_lost.store(lease, Ordering::Release);
+        self.member_lost_kick.notify_one();
+    }
+
+    /// After a full read at `revision`: the delete of this gateway's own
+    /// member key can fall between a broken watch's last event and the
+    /// read, where no watch delivers it. A key created at or before the
+    /// read (the join's revision) that the read does not hold, or holds
+    /// under another lease, was deleted: as if the watch had said so.
+    fn check_own_member_key(&self, revision: i64) {
+        let (lease, since) = {
+            let m = self.membership.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            (m.lease, m.since)
+        };
+        let Some(lease) = lease else {
+            return;
+        };
+        if since == 0 || since > revision {
+            return;
+        }
+        let read = self.lock_mirror().members.get(&self.gateway_id).map(|m| m.lease);
+        if read != Some(lease) {
+            tracing::warn!(
+                gateway = %self.gateway_id,
+                lease,
+                revision,
+                "this gateway's membership key is not in the full read (deleted while its watch was broken): rejoining"
+            );
+            self.lose_membership(lease);
+        }
+    }
+
     fn apply_delete(&self, raw: &[u8]) {
         match self.keys.kind(raw) {
             Kind::Grant(key) => {
@@ -265,10 +304,7 @@ impl Cluster {
                 // by hand): peers count it departed, so it stops admitting
                 // at once (aborting uploads) and rejoins.
                 if gw == self.gateway_id && removed.is_some() && removed == self.member_lease() {
-                    self.fences.set_not_current("this gateway's membership key was deleted from etcd; rejoining");
-                    self.metrics.cluster_current.set(0);
-                    self.member_lost.store(removed.unwrap_or(0), Ordering::Release);
-                    self.member_lost_kick.notify_one();
+                    self.lose_membership(removed.unwrap_or(0));
                 }
             }
             Kind::Ack(gw) => {
