@@ -807,6 +807,79 @@ async fn a_member_that_left_while_a_gateway_s_watch_was_broken_is_still_quaranti
     panic!("gw0's watch broke with none of the three etcd members killed");
 }
 
+/// The lease of `/fencegate/m/{gw}` in etcd (None if the key is absent);
+/// asked again while the client picks a dead member.
+async fn member_lease(s: &Setup, gw: &str) -> Option<i64> {
+    let key = format!("/fencegate/m/{gw}");
+    for _ in 0..100 {
+        let mut client = s.etcd.client().await;
+        match client.get(key.as_str(), None).await {
+            Ok(r) => return r.kvs().first().map(etcd_client::KeyValue::lease),
+            Err(e) => println!("reading {key}: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("{key} could not be read in 5 s");
+}
+
+/// A gateway's own member key deleted while its watch is broken (the only
+/// etcd member it knows is down): no watch ever delivers that delete, as
+/// the watch resumes after the full read that follows. The read itself
+/// must show it: the key missing, the gateway rejoins under a new lease
+/// (before the fix it became current again without a member key, and its
+/// peers no longer waited for its acknowledgements).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_key_deleted_while_the_gateway_s_watch_is_broken_is_found_by_the_full_read() {
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
+    let mut s = setup(1).await;
+    // The victim knows member 0 alone, and its lease outlives the outage.
+    let only = format!("[{:?}]", s.etcd.endpoints()[0]);
+    let config = gateway_config(&s.etcd, "victim", &s.rec.url())
+        .replace(&s.etcd.endpoints_toml(), &only)
+        .replace(&format!("member_ttl_ms = {MEMBER_TTL_MS}"), "member_ttl_ms = 10000");
+    s.gws.push(Gateway::start(&s.dir().join("victim"), Opts { config: Some(config), ..Opts::default() }));
+    s.wait_current(1, Duration::from_secs(20)).await;
+    let before = member_lease(&s, "victim").await.expect("the victim joined");
+    s.etcd.kill9(0);
+    // The victim's watch broke with member 0; its full reads fail until it
+    // is back. The delete goes through the other two.
+    let mut tries = 0;
+    loop {
+        let mut client = s.etcd.client().await;
+        match client.delete("/fencegate/m/victim", None).await {
+            Ok(d) => {
+                assert_eq!(d.deleted(), 1, "the member key's name changed");
+                break;
+            }
+            Err(e) => assert!(tries < 100, "deleting the member key: {e}"),
+        }
+        tries += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    s.etcd.restart(0);
+    s.etcd.wait_healthy(Duration::from_secs(30)).await;
+    let started = Instant::now();
+    let after = loop {
+        match member_lease(&s, "victim").await {
+            Some(lease) if lease != before => break lease,
+            _ => {}
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the victim did not rejoin after its member key was deleted: {}",
+            s.gws[1].log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    println!("FIGURE the victim rejoined {:?} after member 0 was back (lease {before} -> {after})", started.elapsed());
+    s.wait_current(1, Duration::from_secs(20)).await;
+    // And the victim's peers wait for it again: a grant through gw0 is
+    // installed on the victim before it is answered.
+    let g = acquire(&s.http, &s.api(0), "rejoined/k", 60_000, 20_000).await.unwrap();
+    assert_eq!(s.put(1, "/rejoined/k", g.token - 1).await.status, StatusCode::CONFLICT);
+    assert_eq!(s.put(1, "/rejoined/k", g.token).await.status, StatusCode::OK);
+}
+
 /// Review finding: a gateway paused (SIGSTOP) in the middle of an upload,
 /// while the rest of the body waited in its socket, was counted out by its
 /// peers; a newer holder was granted and wrote through another gateway;
