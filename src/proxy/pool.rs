@@ -212,10 +212,12 @@ impl Pool {
         tokio::time::timeout(self.connect_timeout, self.tcp()).await.unwrap_or_else(|_| Err(self.timed_out()))
     }
 
-    /// A TCP connection to the upstream, `TCP_NODELAY` set.
+    /// A TCP connection to the upstream, `TCP_NODELAY` set, aborted (not
+    /// closed) if the process dies with it open ([`super::sendq::abort_on_exit`]).
     async fn tcp(&self) -> Result<TcpStream, String> {
         let tcp = TcpStream::connect(&self.addr).await.map_err(|e| format!("{}: {e}", self.addr))?;
         let _ = tcp.set_nodelay(true);
+        super::sendq::abort_on_exit(&tcp).map_err(|e| format!("{}: setting SO_LINGER: {e}", self.addr))?;
         Ok(tcp)
     }
 
@@ -248,7 +250,13 @@ impl Pool {
 
     /// Sends `req` (origin-form URI, `Host` set) and returns the response
     /// head; the body streams, and gives the connection back at its end.
-    pub async fn send(self: &Arc<Self>, req: Request<FencedBody>) -> Result<Response<PooledBody>, PoolError> {
+    /// `deadline`: the exchange's (the route's upstream timeout), past
+    /// which nothing undelivered of the request may go.
+    pub async fn send(
+        self: &Arc<Self>,
+        req: Request<FencedBody>,
+        deadline: Instant,
+    ) -> Result<Response<PooledBody>, PoolError> {
         let mut req = req;
         let mut retried = false;
         loop {
@@ -272,7 +280,7 @@ impl Pool {
                 Ok(resp) => {
                     let pool = Arc::downgrade(self);
                     let home = Some((sender, pool));
-                    return Ok(resp.map(|inner| PooledBody { inner, home, exchange: Some(exchange) }));
+                    return Ok(resp.map(|inner| PooledBody { inner, home, exchange: Some(exchange), deadline }));
                 }
                 Err(mut e) => match e.take_message() {
                     // Never written: the pooled connection had been closed
@@ -321,6 +329,26 @@ async fn reap(pool: Weak<Pool>, every: Duration) {
     }
 }
 
+/// Keeps a connection whose request was answered before it was delivered
+/// open until the upstream's kernel has acknowledged all of it (then it
+/// closes cleanly), it is cut (a newer grant, the exchange's own deadline
+/// task), or `deadline` passes (then what is left is dropped by a reset).
+/// Asked every few milliseconds at first, then less often.
+async fn deliver_or_cut(sender: Sender, deadline: Instant) {
+    let mut every = Duration::from_millis(1);
+    loop {
+        if sender.wire.is_cut() || sender.wire.request_delivered() {
+            return;
+        }
+        if Instant::now() >= deadline {
+            sender.wire.cut();
+            return;
+        }
+        tokio::time::sleep(every.min(deadline.saturating_duration_since(Instant::now()))).await;
+        every = (every * 2).min(Duration::from_millis(50));
+    }
+}
+
 /// An upstream response body that gives its connection back to the pool
 /// once read to the end.
 pub struct PooledBody {
@@ -329,6 +357,8 @@ pub struct PooledBody {
     /// Dropped (cutting the connection) unless the response ends cleanly
     /// with its request handed over whole.
     exchange: Option<Exchange>,
+    /// The exchange's deadline: what is undelivered then is dropped.
+    deadline: Instant,
 }
 
 impl PooledBody {
@@ -340,11 +370,13 @@ impl PooledBody {
             exchange.finish();
         }
         // Answered before its request was delivered (the upstream answers
-        // as it reads, or before it reads): the connection is not reused;
-        // the rest of the request still goes through its gate, the
-        // exchange's deadline cuts it (`BodyOutcome::cut_wire`), and the
-        // connection is reset if it ends first (`WiredTcp`'s drop).
+        // as it reads, or before it reads): the connection is not reused,
+        // and it is kept open until the upstream's kernel has taken the
+        // rest (a client told of a success must not see its write cut off
+        // by the gateway closing the connection) or the deadline, which
+        // drops what is left.
         if !sender.wire.request_delivered() {
+            tokio::spawn(deliver_or_cut(sender, self.deadline));
             return;
         }
         sender.wire.carry(None);

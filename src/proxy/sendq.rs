@@ -21,6 +21,25 @@ pub fn delivered(tcp: impl AsFd) -> bool {
     }
 }
 
+/// Makes every close of `tcp` a reset (zero linger) — above all the one
+/// the kernel does when the process dies (`kill -9`, a crash): a dead
+/// gateway's sockets would otherwise close with a FIN and the kernel would
+/// go on delivering their send queues for minutes, to an upstream that
+/// reads late, long after the dead gateway's quarantine let a newer holder
+/// write. A connection whose every request was delivered is closed
+/// cleanly by [`close_cleanly`] where the gateway itself ends it; idle
+/// connections ended otherwise are reset, as HAProxy's `option nolinger`
+/// does.
+pub fn abort_on_exit(tcp: impl AsFd) -> std::io::Result<()> {
+    rustix::net::sockopt::set_socket_linger(tcp.as_fd(), Some(std::time::Duration::ZERO)).map_err(std::io::Error::from)
+}
+
+/// Lets a close of `tcp` be a clean one (FIN) again: everything written
+/// on it was delivered.
+pub fn close_cleanly(tcp: impl AsFd) {
+    let _ = rustix::net::sockopt::set_socket_linger(tcp.as_fd(), None);
+}
+
 /// Resets the connection now: the kernel drops what it has not delivered
 /// and sends a RST; the descriptor stays open (reads and writes on it
 /// fail). `connect(AF_UNSPEC)` on a TCP socket is the RFC 793 ABORT; where

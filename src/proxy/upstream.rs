@@ -132,9 +132,9 @@ impl Upstream {
     ) -> Result<Response<crate::body::BoxBody>, SendError> {
         let deadline = tokio::time::Instant::now() + timeout;
         match self {
-            Upstream::Http { .. } => {
-                tokio::time::timeout_at(deadline, self.send_http(req)).await.map_err(|_| SendError::Timeout)?
-            }
+            Upstream::Http { .. } => tokio::time::timeout_at(deadline, self.send_http(req, deadline))
+                .await
+                .map_err(|_| SendError::Timeout)?,
             // Boxed, so the HTTP path's future does not carry the file
             // store's (larger) state.
             Upstream::File(store) => {
@@ -146,7 +146,11 @@ impl Upstream {
         }
     }
 
-    async fn send_http(&self, mut req: UpstreamRequest) -> Result<Response<crate::body::BoxBody>, SendError> {
+    async fn send_http(
+        &self,
+        mut req: UpstreamRequest,
+        deadline: tokio::time::Instant,
+    ) -> Result<Response<crate::body::BoxBody>, SendError> {
         match self {
             Upstream::Http { pool, prefix, .. } => {
                 // Origin-form: the upstream sees `/prefix/path?query`.
@@ -159,7 +163,7 @@ impl Upstream {
                 .map_err(|e| SendError::Other(format!("building upstream URI: {e}")))?;
                 *req.uri_mut() = Uri::from(pq);
                 *req.version_mut() = http::Version::HTTP_11;
-                let resp = pool.send(req).await.map_err(|e| match e {
+                let resp = pool.send(req, deadline).await.map_err(|e| match e {
                     PoolError::Connect(e) => SendError::Connect(e),
                     PoolError::Exchange(e) => SendError::Other(error_chain(&e)),
                 })?;

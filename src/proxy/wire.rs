@@ -278,6 +278,8 @@ impl Drop for WiredTcp {
         let mut state = self.wire.lock();
         if state.cut || !state.delivered() {
             super::sendq::reset(&self.tcp);
+        } else {
+            super::sendq::close_cleanly(&self.tcp);
         }
         state.fd = None;
     }

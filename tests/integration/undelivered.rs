@@ -165,3 +165,91 @@ async fn a_timeout_on_the_fast_path_resets_the_undelivered_request() {
 async fn a_timeout_on_the_general_path_resets_the_undelivered_request() {
     case(Misbehaves::Stalls, 300_000).await;
 }
+
+/// A gateway forwarding to `upstream` with a 10 s upstream timeout.
+fn gateway_to(upstream: &str, dir: &std::path::Path) -> Gateway {
+    let cfg =
+        format!("[[routes]]\nmatch = \"/{{*path}}\"\nupstream = \"http://{upstream}\"\nupstream_timeout_ms = 10000\n");
+    Gateway::start(&dir.join("data"), Opts { config: Some(cfg), ..Opts::default() })
+}
+
+/// Review finding: the upstream answered `200` on the head and read the
+/// rest slowly; the client was told 200, and the gateway then reset the
+/// connection (the HTTP client ended it once the answer was read, the rest
+/// of the request still in the send queue): the write the client was told
+/// of never reached the upstream whole. A connection answered before its
+/// request was delivered is now kept open until it is (or the deadline).
+async fn answered_early_then_read_slowly(size: usize) {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let listener: TcpListener = socket.listen(16).unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let reader = tokio::spawn(async move {
+        let (mut conn, _) = listener.accept().await.unwrap();
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") && head.len() < 16 * 1024 {
+            if conn.read(&mut byte).await.unwrap_or(0) == 0 {
+                break;
+            }
+            head.push(byte[0]);
+        }
+        conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n").await.unwrap();
+        // 4 KiB every 5 ms: the body arrives well after the answer.
+        let mut buf = vec![0u8; 4096];
+        let mut total = 0usize;
+        loop {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            match tokio::time::timeout(Duration::from_secs(5), conn.read(&mut buf)).await {
+                Ok(Ok(n)) if n > 0 => total += n,
+                _ => break,
+            }
+            if total >= size {
+                break;
+            }
+        }
+        total
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let gw = gateway_to(&addr, dir.path());
+    let http = Http::default();
+    let lease = acquire(&http, &gw.api_url(""), "doc", 30_000, 0).await.unwrap();
+    let proxy = gw.proxy_url("").trim_start_matches("http://").to_string();
+    let status = put(&proxy, lease.token, size).await;
+    assert!(status.contains("200"), "{size}: {status}");
+    let got = tokio::time::timeout(Duration::from_secs(30), reader).await.unwrap().unwrap();
+    assert_eq!(got, size, "the client was told 200, the upstream got {got} of {size} bytes");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_early_answer_read_slowly_on_the_fast_path_is_delivered_whole() {
+    answered_early_then_read_slowly(40_000).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_early_answer_read_slowly_on_the_general_path_is_delivered_whole() {
+    answered_early_then_read_slowly(300_000).await;
+}
+
+/// Review finding: a gateway killed (`kill -9`) with a request in its send
+/// queue left the socket to the kernel, which closed it with a FIN and went
+/// on delivering the queue whenever the upstream read — after the dead
+/// gateway's quarantine had let a newer holder write. Upstream sockets
+/// have zero linger now: the kernel resets them when the process dies.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_killed_gateway_s_send_queue_is_dropped_not_delivered() {
+    let up = Upstream::start(Misbehaves::Stalls).await;
+    let dir = tempfile::tempdir().unwrap();
+    let gw = gateway_to(&up.addr, dir.path());
+    let http = Http::default();
+    let lease = acquire(&http, &gw.api_url(""), "doc", 30_000, 0).await.unwrap();
+    let proxy = gw.proxy_url("").trim_start_matches("http://").to_string();
+    let writer = tokio::spawn(async move { put(&proxy, lease.token, 300_000).await });
+    // Long enough for the body to fill the gateway's send queue.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    gw.kill9();
+    let (got, ended) = up.read_what_comes().await;
+    assert!(got < 24 * 1024, "{got} bytes of the dead gateway's request reached the upstream after it died ({ended})");
+    let _ = writer.await;
+}
