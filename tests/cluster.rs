@@ -955,6 +955,70 @@ async fn a_gateway_paused_mid_upload_sends_nothing_more_when_it_runs_again() {
     }
 }
 
+/// A gateway paused (SIGSTOP) while its kernel held a fenced request it
+/// had written to an upstream that was not reading: the paused process
+/// can reset nothing, and its kernel would go on offering the bytes to
+/// the upstream for minutes — past the quarantine its peers wait out
+/// before a newer grant. `TCP_USER_TIMEOUT` (the route's upstream timeout)
+/// makes the kernel give such a connection up by itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_gateway_s_send_queue_is_given_up_by_its_kernel() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
+    let mut s = setup(1).await;
+    // An upstream with a 4 KiB receive buffer that reads nothing until told.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let listener = socket.listen(4).unwrap();
+    let stalled = format!("http://{}", listener.local_addr().unwrap());
+    let (go, mut gate) = tokio::sync::watch::channel(false);
+    let upstream = tokio::spawn(async move {
+        let (mut conn, _) = listener.accept().await.unwrap();
+        gate.wait_for(|go| *go).await.unwrap();
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut total = 0usize;
+        while let Ok(Ok(n)) = tokio::time::timeout(Duration::from_secs(3), conn.read(&mut buf)).await {
+            if n == 0 {
+                break;
+            }
+            total += n;
+        }
+        total
+    });
+    let config = gateway_config(&s.etcd, "victim", &stalled);
+    s.gws.push(Gateway::start(&s.dir().join("victim"), Opts { config: Some(config), ..Opts::default() }));
+    s.wait_current(1, Duration::from_secs(20)).await;
+    let old = acquire(&s.http, &s.api(0), "paused/q", 60_000, 0).await.unwrap();
+    let size = 300_000;
+    let mut client = tokio::net::TcpStream::connect(s.gws[1].proxy).await.unwrap();
+    let head = format!(
+        "PUT /paused/q HTTP/1.1\r\nHost: gw\r\nX-Fencing-Token: {}\r\nContent-Length: {size}\r\n\r\n",
+        old.token
+    );
+    let mut request = head.into_bytes();
+    request.extend(std::iter::repeat_n(b'q', size));
+    let writer = tokio::spawn(async move {
+        let _ = client.write_all(&request).await;
+        client
+    });
+    // The body fills the victim's send queue; paused well inside the
+    // route's 1 s upstream timeout, before it could reset anything.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let pid = s.gws[1].child.id();
+    common::signal(pid, "STOP");
+    release(&s.http, &s.api(0), &old).await;
+    let started = Instant::now();
+    let new = acquire(&s.http, &s.api(0), "paused/q", 60_000, 30_000).await.unwrap();
+    println!("FIGURE the newer grant came {:?} after the old holder's release", started.elapsed());
+    assert!(new.token > old.token);
+    go.send(true).unwrap();
+    let got = tokio::time::timeout(Duration::from_secs(30), upstream).await.unwrap().unwrap();
+    common::signal(pid, "CONT");
+    drop(writer);
+    assert!(got < 24 * 1024, "{got} bytes of the paused gateway's request reached the upstream after the newer grant");
+}
+
 /// The resync counter of every gateway of `s`.
 async fn resync_counts(s: &Setup) -> Vec<u64> {
     let mut v = Vec::new();

@@ -296,7 +296,9 @@ impl Proxy {
                 client_cert_file: rc.client_cert_file.clone(),
                 client_key_file: rc.client_key_file.clone(),
             };
-            let upstream = Upstream::connect(&url, Duration::from_millis(rc.connect_timeout_ms), &tls)?;
+            let timeouts =
+                (Duration::from_millis(rc.connect_timeout_ms), Duration::from_millis(rc.upstream_timeout_ms));
+            let upstream = Upstream::connect(&url, timeouts, &tls)?;
             let read_methods = rc
                 .read_methods
                 .iter()

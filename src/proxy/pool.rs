@@ -83,6 +83,8 @@ pub struct Pool {
     addr: String,
     tls: Option<(tokio_rustls::TlsConnector, rustls::pki_types::ServerName<'static>)>,
     connect_timeout: Duration,
+    /// See [`super::sendq::abort_on_exit`].
+    stall_limit: Duration,
     idle_timeout: Duration,
     max_idle: usize,
     idle: Mutex<Vec<Idle>>,
@@ -107,11 +109,12 @@ pub enum PoolError {
 
 impl Pool {
     /// A pool for `authority`; `tls` is the client configuration of an
-    /// `https://` upstream.
+    /// `https://` upstream; the connect timeout, and how long bytes sent
+    /// may stay unacknowledged (the route's upstream timeout).
     pub fn new(
         authority: Authority,
         tls: Option<rustls::ClientConfig>,
-        connect_timeout: Duration,
+        (connect_timeout, stall_limit): (Duration, Duration),
         idle_timeout: Duration,
         max_idle: usize,
     ) -> Result<Arc<Pool>, String> {
@@ -133,6 +136,7 @@ impl Pool {
             addr,
             tls,
             connect_timeout,
+            stall_limit,
             idle_timeout,
             max_idle,
             idle: Mutex::new(Vec::new()),
@@ -217,7 +221,8 @@ impl Pool {
     async fn tcp(&self) -> Result<TcpStream, String> {
         let tcp = TcpStream::connect(&self.addr).await.map_err(|e| format!("{}: {e}", self.addr))?;
         let _ = tcp.set_nodelay(true);
-        super::sendq::abort_on_exit(&tcp).map_err(|e| format!("{}: setting SO_LINGER: {e}", self.addr))?;
+        super::sendq::abort_on_exit(&tcp, self.stall_limit)
+            .map_err(|e| format!("{}: setting SO_LINGER / TCP_USER_TIMEOUT: {e}", self.addr))?;
         Ok(tcp)
     }
 

@@ -30,8 +30,21 @@ pub fn delivered(tcp: impl AsFd) -> bool {
 /// cleanly by [`close_cleanly`] where the gateway itself ends it; idle
 /// connections ended otherwise are reset, as HAProxy's `option nolinger`
 /// does.
-pub fn abort_on_exit(tcp: impl AsFd) -> std::io::Result<()> {
-    rustix::net::sockopt::set_socket_linger(tcp.as_fd(), Some(std::time::Duration::ZERO)).map_err(std::io::Error::from)
+///
+/// A gateway that cannot reset anything — paused (`SIGSTOP`, a VM
+/// stall), or alive but cut from an upstream that does not read — leaves
+/// its queue to the kernel, which would retransmit it, or probe a zero
+/// window, for many minutes. `TCP_USER_TIMEOUT` = `stall_limit` (the
+/// route's upstream timeout) makes the kernel give the connection up
+/// instead once bytes have waited that long unacknowledged or behind a
+/// closed window, well inside the quarantine a paused gateway's peers
+/// wait out (its membership TTL, then the upstream timeout).
+pub fn abort_on_exit(tcp: impl AsFd, stall_limit: std::time::Duration) -> std::io::Result<()> {
+    let fd = tcp.as_fd();
+    rustix::net::sockopt::set_socket_linger(fd, Some(std::time::Duration::ZERO))?;
+    let ms = u32::try_from(stall_limit.as_millis()).unwrap_or(u32::MAX).max(1);
+    rustix::net::sockopt::set_tcp_user_timeout(fd, ms)?;
+    Ok(())
 }
 
 /// Lets a close of `tcp` be a clean one (FIN) again: everything written

@@ -77,16 +77,17 @@ impl std::fmt::Debug for Upstream {
 }
 
 impl Upstream {
-    /// Builds the client (or opens the store) of one route.
+    /// Builds the client (or opens the store) of one route; `timeouts`:
+    /// its connect and upstream timeouts.
     pub fn connect(
         url: &UpstreamUrl,
-        connect_timeout: Duration,
+        timeouts: (Duration, Duration),
         tls: &crate::tls::TlsFiles,
     ) -> Result<Upstream, Error> {
         match url {
             UpstreamUrl::Http { tls: use_tls, authority, prefix } => {
                 let tls_config = if *use_tls { Some(crate::tls::client_config(tls)?) } else { None };
-                let pool = Pool::new(authority.clone(), tls_config, connect_timeout, Duration::from_secs(60), 256)
+                let pool = Pool::new(authority.clone(), tls_config, timeouts, Duration::from_secs(60), 256)
                     .map_err(Error::Config)?;
                 let scheme = if *use_tls { Scheme::HTTPS } else { Scheme::HTTP };
                 let host = HeaderValue::from_str(authority.as_str()).ok();
