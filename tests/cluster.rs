@@ -879,6 +879,64 @@ async fn a_member_key_deleted_while_the_gateway_s_watch_is_broken_is_found_by_th
     assert_eq!(s.put(1, "/rejoined/k", g.token).await.status, StatusCode::OK);
 }
 
+/// Review finding: a member key deleted by hand (or its lease revoked)
+/// while that gateway could not see it — the one etcd member it talks to
+/// paused — made its peers count it departed and wait only the quarantine
+/// (the upstream timeout), while the blind gateway went on admitting until
+/// its own deadline (0.9 of its 10 s TTL here): a newer grant was answered
+/// and the old holder's write through the blind gateway still landed.
+/// Peers now count such a departure from the last time they saw the
+/// gateway prove itself, plus its TTL (named in its member key's value).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_key_deleted_behind_a_blind_gateway_s_back_is_not_skipped_before_its_deadline() {
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
+    let mut s = setup(0).await;
+    let leader = s.etcd.leader().await;
+    let follower = (0..3).find(|m| *m != leader).expect("three members");
+    // gw0 knows the two others (its own calls never wait on the paused
+    // member); the blind gateway knows the follower alone.
+    let others = (0..3).filter(|m| *m != follower).map(|m| format!("{:?}", s.etcd.endpoints()[m]));
+    let others = format!("[{}]", others.collect::<Vec<_>>().join(", "));
+    let config = gateway_config(&s.etcd, "gw0", &s.rec.url()).replace(&s.etcd.endpoints_toml(), &others);
+    s.gws.push(Gateway::start(&s.dir().join("gw0"), Opts { config: Some(config), ..Opts::default() }));
+    let only = format!("[{:?}]", s.etcd.endpoints()[follower]);
+    let config = gateway_config(&s.etcd, "blind", &s.rec.url())
+        .replace(&s.etcd.endpoints_toml(), &only)
+        .replace(&format!("member_ttl_ms = {MEMBER_TTL_MS}"), "member_ttl_ms = 10000");
+    s.gws.push(Gateway::start(&s.dir().join("blind"), Opts { config: Some(config), ..Opts::default() }));
+    s.wait_current(0, Duration::from_secs(30)).await;
+    s.wait_current(1, Duration::from_secs(30)).await;
+    let old = acquire(&s.http, &s.api(0), "blind/k", 60_000, 20_000).await.unwrap();
+    assert_eq!(s.put(1, "/blind/k", old.token).await.status, StatusCode::OK);
+    let paused = s.etcd.pid(follower);
+    common::signal(paused, "STOP");
+    let mut tries = 0;
+    loop {
+        let mut client = s.etcd.client().await;
+        match client.delete("/fencegate/m/blind", None).await {
+            Ok(d) => {
+                assert_eq!(d.deleted(), 1, "the member key's name changed");
+                break;
+            }
+            Err(e) => assert!(tries < 100, "deleting the member key: {e}"),
+        }
+        tries += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    release(&s.http, &s.api(0), &old).await;
+    let started = Instant::now();
+    // (gw0's own calls that land on the paused member fail closed: asked again.)
+    let new = granted(&s.http, &s.api(0), "blind/k", 60_000, Duration::from_secs(40), |_| {}, String::new).await;
+    println!("FIGURE the grant after the blind gateway's key went: {:?}", started.elapsed());
+    let stale = s.put(1, "/blind/k", old.token).await.status;
+    common::signal(paused, "CONT");
+    assert_ne!(stale, StatusCode::OK, "the blind gateway admitted the old token after the newer grant");
+    let landed =
+        s.applied_at("/blind/k", old.token).map(|_| s.rec.requests().iter().filter(|r| r.path == "/blind/k").count());
+    assert_eq!(landed, Some(1), "the old holder's write reached the upstream again after the newer grant");
+    assert!(new.token > old.token);
+}
+
 /// Review finding: a gateway paused (SIGSTOP) in the middle of an upload,
 /// while the rest of the body waited in its socket, was counted out by its
 /// peers; a newer holder was granted and wrote through another gateway;

@@ -128,9 +128,12 @@ impl Cluster {
             known = seen.iter().map(|(k, g)| (k.clone(), (g.created, g.value.s.clone()))).collect();
             *m = super::mirror::Mirror { departed, loaded_at, ..Default::default() };
             m.grants = seen;
-            for (gw, (lease, drained)) in left.unwrap_or_default() {
+            // Left unseen: possibly by hand while running (see
+            // `Mirror::remove_member`), its last proof unknown: a whole TTL
+            // from now.
+            for (gw, (lease, drained, ttl)) in left.unwrap_or_default() {
                 if m.departed.get(&gw).is_none_or(|d| d.lease != lease) {
-                    m.departed.insert(gw, super::mirror::Departure { lease, at: now, drained });
+                    m.departed.insert(gw, super::mirror::Departure { lease, at: now + ttl, drained });
                 }
             }
         }
@@ -230,14 +233,18 @@ impl Cluster {
             }
             Kind::Queue(key) => self.lock_mirror().add_waiter(kv.key(), key, kv.create_revision()),
             Kind::Member(gw) => {
-                let drained = kv.value() == b"drained";
                 let mut m = self.lock_mirror();
-                m.members.insert(gw.to_string(), MemberEntry { lease: kv.lease(), drained });
+                // A drained value keeps the TTL its `up` value named.
+                let fallback = m.members.get(gw).map_or(self.member_ttl, |e| e.ttl);
+                let (drained, ttl) = super::mirror::parse_member(kv.value(), fallback);
+                m.members.insert(gw.to_string(), MemberEntry { lease: kv.lease(), drained, ttl });
+                m.seen_at.insert(gw.to_string(), tokio::time::Instant::now());
                 self.metrics.cluster_members.set(i64::try_from(m.members.len()).unwrap_or(i64::MAX));
             }
             Kind::Ack(gw) => {
                 if let Some(rev) = kv.value_str().ok().and_then(|v| v.parse::<i64>().ok()) {
                     let mut m = self.lock_mirror();
+                    m.seen_at.insert(gw.to_string(), tokio::time::Instant::now());
                     let e = m.acks.entry(gw.to_string()).or_insert(0);
                     *e = (*e).max(rev);
                 }

@@ -164,9 +164,14 @@ impl Cluster {
         let lease = grant.id();
         let granted = Duration::from_secs(u64::try_from(grant.ttl()).unwrap_or(0));
         let key = self.keys.member(&self.gateway_id);
+        // Peers count this gateway departed only a whole TTL after they
+        // last saw it prove itself (`Mirror::remove_member`): they read the
+        // TTL here.
+        let value = super::mirror::member_value(granted);
+        self.set_member_value(value.clone());
         let txn = Txn::new()
             .when(vec![Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
-            .and_then(vec![TxnOp::put(key, "up", Some(PutOptions::new().with_lease(lease)))]);
+            .and_then(vec![TxnOp::put(key, value, Some(PutOptions::new().with_lease(lease)))]);
         let created = call(self.timeout, "joining", || {
             let (mut kv, txn) = (self.client.kv_client(), txn.clone());
             async move { kv.txn(txn).await }
@@ -237,8 +242,8 @@ impl Cluster {
 }
 
 /// The members that left in a span of etcd's history: member id →
-/// (the lease it was on, whether it had drained first).
-pub(super) type Left = std::collections::HashMap<String, (i64, bool)>;
+/// (the lease it was on, whether it had drained first, its TTL).
+pub(super) type Left = std::collections::HashMap<String, (i64, bool, Duration)>;
 
 impl Cluster {
     /// Every member key deleted after revision `from` (the last this
@@ -267,12 +272,13 @@ impl Cluster {
                     Err(e) => return Err(format!("watching: {e}")),
                 }
             };
+            let value = self.member_value();
             let txn = Txn::new()
                 .when([
                     Compare::lease(key.clone(), CompareOp::Equal, lease),
-                    Compare::value(key.clone(), CompareOp::Equal, "up"),
+                    Compare::value(key.clone(), CompareOp::Equal, value.clone()),
                 ])
-                .and_then([TxnOp::put(key.clone(), "up", Some(PutOptions::new().with_lease(lease)))]);
+                .and_then([TxnOp::put(key.clone(), value, Some(PutOptions::new().with_lease(lease)))]);
             let marked = call(self.timeout, "marking the replay", || {
                 let (mut kv, txn) = (self.client.kv_client(), txn.clone());
                 async move { kv.txn(txn).await }
@@ -297,12 +303,14 @@ impl Cluster {
                     if ev.event_type() == etcd_client::EventType::Delete {
                         if let super::Kind::Member(gw) = self.keys.kind(kv.key()) {
                             let prev = ev.prev_kv();
-                            let drained = prev.is_some_and(|p| p.value() == b"drained");
+                            let (drained, ttl) = prev.map_or((false, self.member_ttl), |p| {
+                                super::mirror::parse_member(p.value(), self.member_ttl)
+                            });
                             let lease = prev.map_or(0, etcd_client::KeyValue::lease);
                             // An incarnation that crashed keeps its
                             // quarantine even when a later one drained.
-                            let e = left.entry(gw.to_string()).or_insert((lease, drained));
-                            *e = (lease, e.1 && drained);
+                            let e = left.entry(gw.to_string()).or_insert((lease, drained, ttl));
+                            *e = (lease, e.1 && drained, e.2.max(ttl));
                         }
                     }
                     if kv.mod_revision() >= until {

@@ -4,6 +4,8 @@
 
 use std::collections::{BTreeSet, HashMap};
 
+use std::time::Duration;
+
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
@@ -52,6 +54,28 @@ pub(crate) struct MemberEntry {
     pub lease: i64,
     /// It announced a clean stop (nothing in flight).
     pub drained: bool,
+    /// Its membership lease's TTL (in its member key's value): how long
+    /// after its last proof of currency it may still admit writes.
+    pub ttl: Duration,
+}
+
+/// The value of a member key: `up <TTL ms>` (its lease's granted TTL).
+pub(crate) fn member_value(ttl: Duration) -> String {
+    format!("up {}", ttl.as_millis())
+}
+
+/// What a member key's value says: drained, and the TTL (`fallback` for a
+/// value without one: `drained`, or a plain `up` of an earlier version).
+pub(crate) fn parse_member(value: &[u8], fallback: Duration) -> (bool, Duration) {
+    if value == b"drained" {
+        return (true, fallback);
+    }
+    let ttl = std::str::from_utf8(value)
+        .ok()
+        .and_then(|v| v.strip_prefix("up "))
+        .and_then(|ms| ms.parse::<u64>().ok())
+        .map_or(fallback, Duration::from_millis);
+    (false, ttl)
 }
 
 /// How a member that is gone left.
@@ -77,6 +101,12 @@ pub(crate) struct Mirror {
     pub members: HashMap<String, MemberEntry>,
     pub departed: HashMap<String, Departure>,
     pub acks: HashMap<String, i64>,
+    /// When this gateway's feed last saw each member put its
+    /// acknowledgement key or its member key. A member extends its own
+    /// deadline only by a proof of currency that puts its acknowledgement
+    /// after the keepalive it counts from, so it stops admitting before
+    /// this instant + its TTL, whatever ends its membership key.
+    pub seen_at: HashMap<String, Instant>,
     /// When this view was (re)loaded by a full read: a member that left
     /// just before it is not among `departed`, so every grant answered
     /// here waits one quarantine from this moment.
@@ -122,11 +152,18 @@ impl Mirror {
         }
     }
 
-    /// A member key went away (lease expired or revoked).
-    /// Returns the lease it was on.
+    /// A member key went away: its lease expired, or it was revoked or
+    /// the key deleted by hand — then the member may be running still,
+    /// unaware (its watch stalled, or itself paused), and admitting until
+    /// its own deadline. Its departure counts from when that deadline has
+    /// surely passed: the last time it was seen proving itself plus its
+    /// TTL (for an expired lease, about now). Returns the lease it was on.
     pub fn remove_member(&mut self, gw: &str) -> Option<i64> {
+        let now = Instant::now();
+        let seen = self.seen_at.remove(gw);
         let lease = self.members.remove(gw).map(|m| {
-            self.departed.insert(gw.to_string(), Departure { lease: m.lease, at: Instant::now(), drained: m.drained });
+            let stopped_by = seen.map_or(now + m.ttl, |s| s + m.ttl).max(now);
+            self.departed.insert(gw.to_string(), Departure { lease: m.lease, at: stopped_by, drained: m.drained });
             m.lease
         });
         self.acks.remove(gw);
@@ -154,12 +191,32 @@ mod tests {
     }
 
     #[test]
+    fn a_member_key_that_goes_counts_as_departed_only_once_its_deadline_surely_passed() {
+        let mut m = Mirror::default();
+        let ttl = Duration::from_secs(5);
+        m.members.insert("seen".into(), MemberEntry { lease: 1, drained: false, ttl });
+        m.members.insert("unseen".into(), MemberEntry { lease: 2, drained: false, ttl });
+        let before = Instant::now();
+        m.seen_at.insert("seen".into(), before);
+        m.remove_member("seen");
+        m.remove_member("unseen");
+        let at = |gw: &str| m.departed[gw].at;
+        assert!(at("seen") >= before + ttl, "its last proof plus its TTL");
+        assert!(at("unseen") >= before + ttl, "never seen proving: from now");
+        assert!(m.seen_at.is_empty());
+        assert_eq!(parse_member(member_value(ttl).as_bytes(), Duration::ZERO), (false, ttl));
+        assert_eq!(parse_member(b"up", ttl), (false, ttl));
+        assert_eq!(parse_member(b"drained", ttl), (true, ttl));
+    }
+
+    #[test]
     fn the_expirer_is_the_lowest_live_member_not_draining() {
         let mut m = Mirror::default();
         assert_eq!(m.expirer(), None);
-        m.members.insert("gw1".into(), MemberEntry { lease: 1, drained: false });
-        m.members.insert("gw0".into(), MemberEntry { lease: 2, drained: true });
-        m.members.insert("gw2".into(), MemberEntry { lease: 3, drained: false });
+        let ttl = Duration::from_secs(2);
+        m.members.insert("gw1".into(), MemberEntry { lease: 1, drained: false, ttl });
+        m.members.insert("gw0".into(), MemberEntry { lease: 2, drained: true, ttl });
+        m.members.insert("gw2".into(), MemberEntry { lease: 3, drained: false, ttl });
         assert_eq!(m.expirer(), Some("gw1"));
         m.remove_member("gw1");
         assert_eq!(m.expirer(), Some("gw2"));

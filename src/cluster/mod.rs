@@ -235,9 +235,11 @@ pub async fn connect(cfg: &ClusterConfig) -> Result<Client, Error> {
 }
 
 /// This gateway's membership: the etcd lease its `m/` and `a/` keys live on.
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default, Clone)]
 struct Membership {
     lease: Option<i64>,
+    /// The value of its member key (`mirror::member_value`).
+    value: String,
     /// The revision that created this gateway's membership key under
     /// `lease` (0: not a member).
     since: i64,
@@ -426,6 +428,14 @@ impl Cluster {
 
     fn member_lease(&self) -> Option<i64> {
         self.membership.lock().unwrap_or_else(std::sync::PoisonError::into_inner).lease
+    }
+
+    fn member_value(&self) -> String {
+        self.membership.lock().unwrap_or_else(std::sync::PoisonError::into_inner).value.clone()
+    }
+
+    fn set_member_value(&self, value: String) {
+        self.membership.lock().unwrap_or_else(std::sync::PoisonError::into_inner).value = value;
     }
 
     fn set_member_lease(&self, lease: Option<i64>, since: i64) {

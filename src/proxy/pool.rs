@@ -65,6 +65,23 @@ impl Drop for Exchange {
     }
 }
 
+/// An idle raw connection (fast path): all it carried was delivered, so
+/// when the pool lets it go (idle timeout, a full pool, the gateway's
+/// stop) it closes cleanly (FIN), not with the reset its zero linger
+/// would make.
+struct IdleRaw {
+    stream: Option<TcpStream>,
+    since: Instant,
+}
+
+impl Drop for IdleRaw {
+    fn drop(&mut self) {
+        if let Some(stream) = &self.stream {
+            super::sendq::close_cleanly(stream);
+        }
+    }
+}
+
 struct Idle {
     sender: Sender,
     since: Instant,
@@ -89,7 +106,7 @@ pub struct Pool {
     max_idle: usize,
     idle: Mutex<Vec<Idle>>,
     /// Idle raw connections of the fast path (plain `http://` only).
-    raw_idle: Mutex<Vec<(TcpStream, Instant)>>,
+    raw_idle: Mutex<Vec<IdleRaw>>,
 }
 
 impl std::fmt::Debug for Pool {
@@ -184,7 +201,7 @@ impl Pool {
     fn expire(&self) {
         let timeout = self.idle_timeout;
         self.lock().retain(|e| e.usable(timeout));
-        self.raw_idle.lock().unwrap_or_else(PoisonError::into_inner).retain(|(_, since)| since.elapsed() < timeout);
+        self.raw_idle.lock().unwrap_or_else(PoisonError::into_inner).retain(|e| e.since.elapsed() < timeout);
     }
 
     /// True for a plain-text (`http://`) upstream: the fast path may use it.
@@ -195,9 +212,9 @@ impl Pool {
     /// The most recently used raw connection that is still open (fast path).
     pub fn checkout_raw(&self) -> Option<TcpStream> {
         let mut idle = self.raw_idle.lock().unwrap_or_else(PoisonError::into_inner);
-        while let Some((stream, since)) = idle.pop() {
-            if since.elapsed() < self.idle_timeout && still_open(&stream) {
-                return Some(stream);
+        while let Some(mut entry) = idle.pop() {
+            if entry.since.elapsed() < self.idle_timeout && entry.stream.as_ref().is_some_and(still_open) {
+                return entry.stream.take();
             }
         }
         None
@@ -207,7 +224,7 @@ impl Pool {
     pub fn checkin_raw(&self, stream: TcpStream) {
         let mut idle = self.raw_idle.lock().unwrap_or_else(PoisonError::into_inner);
         if idle.len() < self.max_idle {
-            idle.push((stream, Instant::now()));
+            idle.push(IdleRaw { stream: Some(stream), since: Instant::now() });
         }
     }
 
