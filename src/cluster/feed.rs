@@ -234,9 +234,13 @@ impl Cluster {
             Kind::Queue(key) => self.lock_mirror().add_waiter(kv.key(), key, kv.create_revision()),
             Kind::Member(gw) => {
                 let mut m = self.lock_mirror();
-                // A drained value keeps the TTL its `up` value named.
-                let fallback = m.members.get(gw).map_or(self.member_ttl, |e| e.ttl);
-                let (drained, ttl) = super::mirror::parse_member(kv.value(), fallback);
+                // A drained value keeps the TTL its `up` value named, and a
+                // put never lowers the TTL recorded (review finding: a hand
+                // re-put of `up 1` under the member's lease made its
+                // departure count from 1 ms after its last proof).
+                let known = m.members.get(gw).map(|e| e.ttl);
+                let (drained, ttl) = super::mirror::parse_member(kv.value(), known.unwrap_or(self.member_ttl));
+                let ttl = known.map_or(ttl, |k| k.max(ttl));
                 m.members.insert(gw.to_string(), MemberEntry { lease: kv.lease(), drained, ttl });
                 m.seen_at.insert(gw.to_string(), tokio::time::Instant::now());
                 self.metrics.cluster_members.set(i64::try_from(m.members.len()).unwrap_or(i64::MAX));

@@ -515,8 +515,13 @@ impl Cluster {
                 until = until.max(m.loaded_at.map(|t| t + self.quarantine));
                 for (gw, lease) in &members {
                     match m.members.get(gw) {
+                        // A member that marked itself drained still counts
+                        // until its key goes (it revokes its lease right
+                        // after): a `drained` put by hand, which cannot be
+                        // told from its own, must not let a grant skip a
+                        // gateway that still runs (review finding).
                         Some(e) if e.lease == *lease => {
-                            if !e.drained && m.acks.get(gw).copied().unwrap_or(0) < rev {
+                            if m.acks.get(gw).copied().unwrap_or(0) < rev {
                                 missing.push(gw);
                             }
                         }
