@@ -699,12 +699,8 @@ async fn a_gateway_whose_watch_broke_grants_without_quarantining_everyone() {
     let mut s = setup_with(2, 8000).await;
     let leader = s.etcd.leader().await;
     let follower = (0..3).find(|m| *m != leader).expect("three members");
-    let only = format!("[{:?}]", s.etcd.endpoints()[follower]);
     // Its membership outlives the follower's restart.
-    let config = gateway_config_with(&s.etcd, "gw2", &s.rec.url(), 8000)
-        .replace(&s.etcd.endpoints_toml(), &only)
-        .replace(&format!("member_ttl_ms = {MEMBER_TTL_MS}"), "member_ttl_ms = 10000");
-    s.gws.push(Gateway::start(&s.dir().join("gw2"), Opts { config: Some(config), ..Opts::default() }));
+    start_on_members(&mut s, "gw2", &[follower], 8000, 10_000);
     s.wait_current(2, Duration::from_secs(20)).await;
     // The start's own quarantine (a first load knows nobody's past) is over.
     let started = Instant::now();
@@ -821,6 +817,35 @@ async fn member_lease(s: &Setup, gw: &str) -> Option<i64> {
     panic!("{key} could not be read in 5 s");
 }
 
+/// Starts gateway `id` (forwarding to the recorder) that knows only the
+/// etcd `members` listed, with the given upstream timeout and member TTL.
+fn start_on_members(s: &mut Setup, id: &str, members: &[usize], upstream_timeout_ms: u64, member_ttl_ms: u64) {
+    let eps = members.iter().map(|m| format!("{:?}", s.etcd.endpoints()[*m])).collect::<Vec<_>>().join(", ");
+    let config = gateway_config_with(&s.etcd, id, &s.rec.url(), upstream_timeout_ms)
+        .replace(&s.etcd.endpoints_toml(), &format!("[{eps}]"))
+        .replace(&format!("member_ttl_ms = {MEMBER_TTL_MS}"), &format!("member_ttl_ms = {member_ttl_ms}"));
+    s.gws.push(Gateway::start(&s.dir().join(id), Opts { config: Some(config), ..Opts::default() }));
+}
+
+/// Deletes `/fencegate/m/{gw}` by hand through the members that answer
+/// (asked again while the client picks a stopped one).
+async fn delete_member_key(s: &Setup, gw: &str) {
+    let key = format!("/fencegate/m/{gw}");
+    let mut tries = 0;
+    loop {
+        let mut client = s.etcd.client().await;
+        match client.delete(key.as_str(), None).await {
+            Ok(d) => {
+                assert_eq!(d.deleted(), 1, "the member key's name changed");
+                return;
+            }
+            Err(e) => assert!(tries < 100, "deleting {key}: {e}"),
+        }
+        tries += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// A gateway's own member key deleted while its watch is broken (the only
 /// etcd member it knows is down): no watch ever delivers that delete, as
 /// the watch resumes after the full read that follows. The read itself
@@ -832,29 +857,13 @@ async fn a_member_key_deleted_while_the_gateway_s_watch_is_broken_is_found_by_th
     let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
     let mut s = setup(1).await;
     // The victim knows member 0 alone, and its lease outlives the outage.
-    let only = format!("[{:?}]", s.etcd.endpoints()[0]);
-    let config = gateway_config(&s.etcd, "victim", &s.rec.url())
-        .replace(&s.etcd.endpoints_toml(), &only)
-        .replace(&format!("member_ttl_ms = {MEMBER_TTL_MS}"), "member_ttl_ms = 10000");
-    s.gws.push(Gateway::start(&s.dir().join("victim"), Opts { config: Some(config), ..Opts::default() }));
+    start_on_members(&mut s, "victim", &[0], UPSTREAM_TIMEOUT_MS, 10_000);
     s.wait_current(1, Duration::from_secs(20)).await;
     let before = member_lease(&s, "victim").await.expect("the victim joined");
     s.etcd.kill9(0);
     // The victim's watch broke with member 0; its full reads fail until it
     // is back. The delete goes through the other two.
-    let mut tries = 0;
-    loop {
-        let mut client = s.etcd.client().await;
-        match client.delete("/fencegate/m/victim", None).await {
-            Ok(d) => {
-                assert_eq!(d.deleted(), 1, "the member key's name changed");
-                break;
-            }
-            Err(e) => assert!(tries < 100, "deleting the member key: {e}"),
-        }
-        tries += 1;
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    delete_member_key(&s, "victim").await;
     s.etcd.restart(0);
     s.etcd.wait_healthy(Duration::from_secs(30)).await;
     let started = Instant::now();
@@ -895,34 +904,16 @@ async fn a_member_key_deleted_behind_a_blind_gateway_s_back_is_not_skipped_befor
     let follower = (0..3).find(|m| *m != leader).expect("three members");
     // gw0 knows the two others (its own calls never wait on the paused
     // member); the blind gateway knows the follower alone.
-    let others = (0..3).filter(|m| *m != follower).map(|m| format!("{:?}", s.etcd.endpoints()[m]));
-    let others = format!("[{}]", others.collect::<Vec<_>>().join(", "));
-    let config = gateway_config(&s.etcd, "gw0", &s.rec.url()).replace(&s.etcd.endpoints_toml(), &others);
-    s.gws.push(Gateway::start(&s.dir().join("gw0"), Opts { config: Some(config), ..Opts::default() }));
-    let only = format!("[{:?}]", s.etcd.endpoints()[follower]);
-    let config = gateway_config(&s.etcd, "blind", &s.rec.url())
-        .replace(&s.etcd.endpoints_toml(), &only)
-        .replace(&format!("member_ttl_ms = {MEMBER_TTL_MS}"), "member_ttl_ms = 10000");
-    s.gws.push(Gateway::start(&s.dir().join("blind"), Opts { config: Some(config), ..Opts::default() }));
+    let others: Vec<usize> = (0..3).filter(|m| *m != follower).collect();
+    start_on_members(&mut s, "gw0", &others, UPSTREAM_TIMEOUT_MS, MEMBER_TTL_MS);
+    start_on_members(&mut s, "blind", &[follower], UPSTREAM_TIMEOUT_MS, 10_000);
     s.wait_current(0, Duration::from_secs(30)).await;
     s.wait_current(1, Duration::from_secs(30)).await;
     let old = acquire(&s.http, &s.api(0), "blind/k", 60_000, 20_000).await.unwrap();
     assert_eq!(s.put(1, "/blind/k", old.token).await.status, StatusCode::OK);
     let paused = s.etcd.pid(follower);
     common::signal(paused, "STOP");
-    let mut tries = 0;
-    loop {
-        let mut client = s.etcd.client().await;
-        match client.delete("/fencegate/m/blind", None).await {
-            Ok(d) => {
-                assert_eq!(d.deleted(), 1, "the member key's name changed");
-                break;
-            }
-            Err(e) => assert!(tries < 100, "deleting the member key: {e}"),
-        }
-        tries += 1;
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    delete_member_key(&s, "blind").await;
     release(&s.http, &s.api(0), &old).await;
     let started = Instant::now();
     // (gw0's own calls that land on the paused member fail closed: asked again.)
