@@ -250,7 +250,7 @@ impl Authority {
         };
         for Due { at_ms, key } in due {
             let forget = {
-                let Some(mut st) = self.keys.get_mut(&key) else {
+                let Some(mut st) = self.fences.lease_mut(&key) else {
                     continue;
                 };
                 if st.scheduled_ms != at_ms {
@@ -287,7 +287,7 @@ impl Authority {
             return;
         };
         for Due { at_ms, key } in due {
-            let Some(mut st) = self.keys.get_mut(&key) else {
+            let Some(mut st) = self.fences.lease_mut(&key) else {
                 continue;
             };
             match st.queue.as_mut() {

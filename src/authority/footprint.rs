@@ -10,13 +10,11 @@ use crate::fence::Key;
 use crate::fence::TableFootprint;
 use crate::store::StoreMemory;
 
-/// Bytes by part. `keys` is the number of keys in the authority's map.
+/// Bytes by part. `keys` is the number of keys with a lease state (they
+/// live in the fence table's slots: the map's buckets are counted there).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Footprint {
     pub keys: usize,
-    /// The authority's map: buckets (key pointer, state pointer, control
-    /// byte), full or not.
-    pub authority_map: usize,
     /// The boxed per-key states (the grant inside).
     pub authority_states: usize,
     /// Waiter queues and watch channels (only keys that have them).
@@ -33,8 +31,7 @@ impl Footprint {
     /// Everything, in bytes.
     pub fn total(&self) -> usize {
         let store = self.store.memtables + self.store.block_cache + self.store.table_readers;
-        self.authority_map
-            + self.authority_states
+        self.authority_states
             + self.queues
             + self.expiry
             + self.holders
@@ -51,11 +48,10 @@ impl Footprint {
         let per = |b: usize| b as f64 / n;
         let store = |b: u64| b as f64 / n;
         format!(
-            "keys {}: authority map {:.1} B, states {:.1} B, queues {:.1} B, expiry heap {:.1} B, holders {:.1} B, \
+            "keys {}: states {:.1} B, queues {:.1} B, expiry heap {:.1} B, holders {:.1} B, \
              fence map {:.1} B, fence slots {:.1} B, keys {:.1} B, in flight {:.1} B, \
              memtables {:.1} B, block cache {:.1} B, table readers {:.1} B; total {:.1} B per key",
             self.keys,
-            per(self.authority_map),
             per(self.authority_states),
             per(self.queues),
             per(self.expiry),
@@ -75,18 +71,18 @@ impl Footprint {
 impl Authority {
     /// What this authority, its fence table and its store hold, by part.
     pub fn footprint(&self) -> Footprint {
-        let bucket = size_of::<(Key, Box<KeyState>)>() + 1;
         let mut queues = 0;
-        for st in &self.keys {
+        let mut keys = 0;
+        self.fences.for_each_lease(|_, st| {
+            keys += 1;
             if let Some(q) = &st.queue {
                 queues += size_of::<Queue>() + q.waiters.capacity() * size_of::<super::Waiter>();
             }
-        }
+        });
         let expiry = self.expiry.lock().map_or(0, |s| s.capacity() * size_of::<(u64, Key)>());
         Footprint {
-            keys: self.keys.len(),
-            authority_map: self.keys.capacity() * bucket,
-            authority_states: self.keys.len() * size_of::<KeyState>(),
+            keys,
+            authority_states: keys * size_of::<KeyState>(),
             queues,
             expiry,
             holders: self.holders.bytes(),

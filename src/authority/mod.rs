@@ -40,13 +40,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use dashmap::DashMap;
 use tokio::sync::{oneshot, watch, Notify};
 use tokio::time::Instant;
 
 use crate::config::{LocksConfig, MAX_TTL_MS};
 use crate::error::Error;
-use crate::fence::{FenceTable, Key};
+use crate::fence::{FenceTable, Key, LeaseSlot};
 use crate::metrics::Metrics;
 use crate::store::{wait_durable, GrantRecord, Op, Store};
 
@@ -163,9 +162,10 @@ struct Queue {
     urgent_ms: u64,
 }
 
-/// Everything the authority knows of one key.
+/// Everything the authority knows of one key: kept in the key's slot of
+/// the fence table (one map for both, see [`crate::fence`]'s `LeaseSlot`).
 #[derive(Debug)]
-struct KeyState {
+pub(crate) struct KeyState {
     grant: Option<Grant>,
     /// The time this key is in the expiry heap for (0: not in it). A heap
     /// entry with another time was superseded: skipped (`expiry.rs`).
@@ -174,7 +174,7 @@ struct KeyState {
 }
 
 impl KeyState {
-    fn new() -> KeyState {
+    pub(crate) fn new() -> KeyState {
         KeyState { grant: None, scheduled_ms: 0, queue: None }
     }
     fn queue_mut(&mut self) -> &mut Queue {
@@ -253,10 +253,10 @@ enum Ended {
     Superseded,
 }
 
-/// The lease authority of one gateway.
+/// The lease authority of one gateway. Its per-key states live in the
+/// fence table's slots ([`FenceTable::lease_slot`]): a key's grant and its
+/// fence under one lock, one bucket per key.
 pub struct Authority {
-    /// Boxed states: a bucket is a key and a pointer, whatever the map's load.
-    keys: DashMap<Key, Box<KeyState>>,
     fences: Arc<FenceTable>,
     holders: Holders,
     /// The zero of [`Authority::now_ms`].
@@ -274,8 +274,8 @@ impl crate::fence::GrantLiveness for Authority {
     /// whether or not the expiry task has reached it yet.
     fn liveness(&self, key: &str, token: u64) -> crate::fence::Liveness {
         let now_ms = self.now_ms();
-        self.keys
-            .get(key)
+        self.fences
+            .lease(key)
             .is_some_and(|st| st.grant.as_ref().is_some_and(|g| g.token() == token && g.deadline_ms > now_ms))
             .into()
     }
@@ -283,17 +283,12 @@ impl crate::fence::GrantLiveness for Authority {
 
 impl std::fmt::Debug for Authority {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Authority").field("keys", &self.keys.len()).finish()
+        f.debug_struct("Authority").field("fences", &self.fences).finish()
     }
 }
 
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
-}
-
-/// `KeyState` boxed, as the map keeps it.
-fn new_state() -> Box<KeyState> {
-    Box::new(KeyState::new())
 }
 
 impl Authority {
@@ -307,7 +302,6 @@ impl Authority {
         limits: LocksConfig,
     ) -> Result<Arc<Authority>, Error> {
         let auth = Arc::new(Authority {
-            keys: DashMap::new(),
             fences,
             holders: Holders::default(),
             base: Instant::now(),
@@ -331,11 +325,10 @@ impl Authority {
                 continue;
             };
             // Live again if its token is still the fence (else a newer
-            // fence superseded it); one copy of the key for both maps.
-            let Some(key) = auth.fences.restore_grant(&key, rec.token) else {
+            // fence superseded it).
+            if auth.fences.restore_grant(&key, rec.token).is_none() {
                 continue;
-            };
-            let mut st = new_state();
+            }
             let Some(mut grant) = Grant::new(rec.token, lease_id, auth.holders.intern(&rec.holder), rec.ttl_ms, now)
             else {
                 tracing::warn!(key = %key, "stored grant with token 0; not restored");
@@ -343,10 +336,12 @@ impl Authority {
             };
             grant.set_durable();
             let deadline_ms = grant.deadline_ms;
+            let mut slot = auth.fences.lease_slot(&key);
+            let key = slot.key().clone();
+            let st = slot.state();
             st.grant = Some(grant);
-            auth.schedule_expiry(&key, &mut st, deadline_ms);
+            auth.schedule_expiry(&key, st, deadline_ms);
             auth.metrics.leases_active.inc();
-            auth.keys.insert(key, st);
         }
         Ok(auth)
     }
@@ -384,7 +379,9 @@ impl Authority {
 
     /// Number of live grants.
     pub fn live_grants(&self) -> usize {
-        self.keys.iter().filter(|e| e.grant.is_some()).count()
+        let mut n = 0;
+        self.fences.for_each_lease(|_, st| n += usize::from(st.grant.is_some()));
+        n
     }
 
     /// Acquires `req.key`, waiting up to `wait_ms` in FIFO order.
@@ -406,28 +403,34 @@ impl Authority {
         let holder = req.validate(&self.limits)?;
         let started = Instant::now();
         let lease_id = LeaseId::new()?;
-        // One copy of the key for both maps: the fence table's if it has one.
-        let key: Key = self.fences.shared_key(&req.key).unwrap_or_else(|| Key::from(req.key.as_str()));
 
         // Take the lock at once, or join the queue.
-        let step = {
-            let mut st = self.keys.entry(key.clone()).or_insert_with(new_state);
-            // The map's copy (a watch may have made the state first).
-            let key = st.key().clone();
+        let (key, step) = {
+            let mut slot = self.fences.lease_slot(&req.key);
+            // The map's copy of the key (one for the fence and the grant).
+            let key = slot.key().clone();
             let now_ms = self.now_ms();
-            self.expire_if_due(&key, &mut st, now_ms);
-            if st.is_free() {
-                Step::Installed(self.install(&key, &mut st, lease_id, &holder, req.ttl_ms)?)
-            } else if req.wait_ms == 0 || st.waiter_count() >= self.limits.max_waiters_per_key {
-                let retry_after_ms = st.retry_after_ms(self.deadline_base());
+            self.expire_if_due(&key, slot.state(), now_ms);
+            if slot.state().is_free() {
+                let issued = self.install(&mut slot, lease_id, &holder, req.ttl_ms);
+                if issued.is_err() {
+                    // Nothing was installed: a slot made for this acquire
+                    // (no fence: the quota refused it) is not kept.
+                    drop(slot);
+                    self.gc(&key);
+                }
+                (key, Step::Installed(issued?))
+            } else if req.wait_ms == 0 || slot.state().waiter_count() >= self.limits.max_waiters_per_key {
+                let retry_after_ms = slot.state().retry_after_ms(self.deadline_base());
                 return Err(Error::Locked { key: req.key, retry_after_ms });
             } else {
+                let st = slot.state();
                 let id = self.next_waiter.fetch_add(1, Ordering::Relaxed);
                 let (wake, rx) = oneshot::channel();
                 st.queue_mut().waiters.push_back(Waiter { id, wake });
                 self.metrics.lock_waiters.inc();
-                self.schedule_urgent(&key, &mut st);
-                Step::Queued(id, rx)
+                self.schedule_urgent(&key, st);
+                (key, Step::Queued(id, rx))
             }
         };
         let (token, durable) = match step {
@@ -439,12 +442,13 @@ impl Authority {
                 if !matches!(woken, Ok(Ok(()))) {
                     drop(guard);
                     self.metrics.lock_wait.with_label_values(&["timeout"]).observe(waited);
-                    let retry_after_ms = self.keys.get(&key).map_or(0, |st| st.retry_after_ms(self.deadline_base()));
+                    let retry_after_ms =
+                        self.fences.lease(&key).map_or(0, |st| st.retry_after_ms(self.deadline_base()));
                     self.gc(&key);
                     return Err(Error::Locked { key: req.key, retry_after_ms });
                 }
-                let mut st = self.keys.entry(key.clone()).or_insert_with(new_state);
-                let key = st.key().clone();
+                let mut slot = self.fences.lease_slot(&key);
+                let st = slot.state();
                 if st.handoff() != Some(id) {
                     return Err(Error::Internal(format!("waiter on {key} woken without the hand-off")));
                 }
@@ -452,7 +456,13 @@ impl Authority {
                 st.tidy();
                 guard.armed = false;
                 self.metrics.lock_wait.with_label_values(&["granted"]).observe(waited);
-                self.install(&key, &mut st, lease_id, &holder, req.ttl_ms)?
+                let issued = self.install(&mut slot, lease_id, &holder, req.ttl_ms);
+                if issued.is_err() {
+                    // The quota refused the key its first fence: the turn
+                    // passes to the next waiter, if any.
+                    self.wake_next(slot.state());
+                }
+                issued?
             }
         };
 
@@ -483,8 +493,8 @@ impl Authority {
         // promises only the time left.
         let now = self.deadline_base();
         let left = self
-            .keys
-            .get(&key)
+            .fences
+            .lease(&key)
             .and_then(|st| st.grant.as_ref().filter(|g| g.token() == token).map(|g| g.deadline_ms.saturating_sub(now)));
         let ttl_ms = match left {
             // No wait worth the name: the TTL asked for, as always.
@@ -503,8 +513,12 @@ impl Authority {
 
     /// The grant `token` of `key` is fsynced: readers may see it now.
     fn publish_durable(&self, key: &Key, token: u64) {
-        self.fences.mark_durable(key, token);
-        if let Some(mut st) = self.keys.get_mut(key) {
+        // The slot has a fence (this grant's), so it is never forgotten.
+        let Some(mut slot) = self.fences.existing_lease_slot(key) else {
+            return;
+        };
+        slot.mark_durable(token);
+        if let Some(st) = slot.state_mut() {
             if let Some(g) = st.grant.as_mut().filter(|g| g.token() == token) {
                 g.set_durable();
                 st.publish(token);
@@ -514,15 +528,8 @@ impl Authority {
 
     /// Issues the next token to a new grant. Caller holds the key's state
     /// and has checked that it is free (or handed off to it).
-    fn install(
-        &self,
-        key: &Key,
-        st: &mut KeyState,
-        lease_id: LeaseId,
-        holder: &str,
-        ttl_ms: u64,
-    ) -> Result<Issued, Error> {
-        let (token, durable) = self.fences.issue_shared(key, &self.store, |k, token| {
+    fn install(&self, slot: &mut LeaseSlot<'_>, lease_id: LeaseId, holder: &str, ttl_ms: u64) -> Result<Issued, Error> {
+        let (token, durable) = slot.issue(&self.store, |k, token| {
             let record = GrantRecord { token, lease_id: lease_id.to_hex(), holder: holder.to_string(), ttl_ms };
             vec![Op::Fence { key: k.clone(), token }, Op::Grant { key: k.clone(), record }]
         })?;
@@ -530,10 +537,12 @@ impl Authority {
         let grant = Grant::new(token, lease_id, self.holders.intern(holder), ttl_ms, now)
             .ok_or_else(|| Error::Internal("the fence table issued token 0".into()))?;
         let deadline_ms = grant.deadline_ms;
+        let key = slot.key().clone();
+        let st = slot.state();
         st.grant = Some(grant);
         // Published to watchers only once durable (see `publish_durable`).
-        self.schedule_expiry(key, st, deadline_ms);
-        self.schedule_urgent(key, st);
+        self.schedule_expiry(&key, st, deadline_ms);
+        self.schedule_urgent(&key, st);
         self.metrics.grants.inc();
         self.metrics.fence_advances.inc();
         self.metrics.leases_active.inc();
@@ -558,23 +567,27 @@ impl Authority {
             validate_ttl(ttl_ms, &self.limits)?;
         }
         let lost = || Error::LeaseLost { key: req.key.clone() };
-        let Some(mut st) = self.keys.get_mut(req.key.as_str()) else {
+        let Some(mut slot) = self.fences.existing_lease_slot(req.key.as_str()) else {
             return Err(lost());
         };
-        let key = st.key().clone();
+        let key = slot.key().clone();
+        let fence = slot.fence();
         let now_ms = self.now_ms();
-        self.expire_if_due(&key, &mut st, now_ms);
+        let Some(st) = slot.state_mut() else {
+            return Err(lost());
+        };
+        self.expire_if_due(&key, st, now_ms);
         let Some(grant) = st.grant.as_mut() else {
             return Err(lost());
         };
         if !grant.lease_id.matches(&req.lease_id) {
             return Err(lost());
         }
-        if self.fences.fence(&key) > grant.token() {
+        if fence > grant.token() {
             // An external route on this key raised its fence past the
             // grant: every write under it is refused as stale, so the grant
             // is over (and the key free for a grant above that fence).
-            self.end_locked(&key, &mut st, Ended::Superseded);
+            self.end_locked(&key, st, Ended::Superseded);
             return Err(lost());
         }
         let Some(grant) = st.grant.as_mut() else {
@@ -598,8 +611,8 @@ impl Authority {
         let (token, ttl_ms) = (grant.token(), grant.ttl_ms());
         if sooner {
             // A shorter TTL: the key's entries may lie after the new deadline.
-            self.schedule_expiry(&key, &mut st, deadline_ms);
-            self.schedule_urgent(&key, &mut st);
+            self.schedule_expiry(&key, st, deadline_ms);
+            self.schedule_urgent(&key, st);
         }
         Ok(RenewView { key: req.key, fencing_token: token, ttl_ms })
     }
@@ -622,7 +635,7 @@ impl Authority {
     fn release_inner(&self, req: &ReleaseRequest) -> Result<(), Error> {
         validate_key(&req.key)?;
         let not_owner = || Error::NotOwner { key: req.key.clone() };
-        let Some(mut st) = self.keys.get_mut(req.key.as_str()) else {
+        let Some(mut st) = self.fences.lease_mut(req.key.as_str()) else {
             return Err(not_owner());
         };
         let key = st.key().clone();
@@ -650,7 +663,7 @@ impl Authority {
         let now_up = self.deadline_base();
         // Copied out under the key's lock: the interned holder name is
         // never cloned outside a grant (see `Holders::release`).
-        let held = self.keys.get(key).and_then(|st| {
+        let held = self.fences.lease(key).and_then(|st| {
             st.grant
                 .as_ref()
                 .filter(|g| g.durable() && g.deadline_ms > now_ms)
@@ -677,13 +690,14 @@ impl Authority {
         // The guard unsubscribes and forgets the key's state however the
         // watch ends, including a client that hung up (the future dropped).
         let rx = {
-            let mut st = self.keys.entry(Key::from(key)).or_insert_with(new_state);
-            let key = st.key().clone();
+            let mut slot = self.fences.lease_slot(key);
+            let key = slot.key().clone();
+            let st = slot.state();
             // A grant past its deadline is over, swept or not: a watcher
             // must not be told of its token as the holder's.
-            self.expire_if_due(&key, &mut st, self.now_ms());
+            self.expire_if_due(&key, st, self.now_ms());
             let rx = st.subscribe();
-            self.schedule_urgent(&key, &mut st);
+            self.schedule_urgent(&key, st);
             rx
         };
         let mut w = WatchGuard { auth: self, key, rx: Some(rx) };
@@ -705,7 +719,7 @@ impl Authority {
 
     /// Ends grant `token` of `key` if it is still the current one.
     fn end(&self, key: &str, token: u64, why: Ended) {
-        let Some(mut st) = self.keys.get_mut(key) else {
+        let Some(mut st) = self.fences.lease_mut(key) else {
             return;
         };
         if st.grant.as_ref().is_some_and(|g| g.token() == token) {
@@ -760,9 +774,17 @@ impl Authority {
         st.tidy();
     }
 
+    /// Keys with a lease state (for tests).
+    #[cfg(test)]
+    fn state_count(&self) -> usize {
+        let mut n = 0;
+        self.fences.for_each_lease(|_, _| n += 1);
+        n
+    }
+
     /// Drops the state of a key nobody holds, waits for or watches.
     fn gc(&self, key: &str) {
-        self.keys.remove_if(key, |_, st| st.is_idle());
+        self.fences.forget_lease_if(key, KeyState::is_idle);
     }
 }
 
@@ -815,7 +837,7 @@ impl Drop for WaiterGuard<'_> {
         if !self.armed {
             return;
         }
-        let Some(mut st) = self.auth.keys.get_mut(&self.key) else {
+        let Some(mut st) = self.auth.fences.lease_mut(&self.key) else {
             return;
         };
         if st.handoff() == Some(self.id) {

@@ -163,7 +163,7 @@ async fn waiter_that_times_out_leaves_the_queue() {
     let timed_out = r.auth.acquire(acq("k", 1000, 500)).await;
     assert!(matches!(timed_out, Err(Error::Locked { .. })));
     assert!(started.elapsed() >= Duration::from_millis(500));
-    assert_eq!(r.auth.keys.get("k").unwrap().waiter_count(), 0);
+    assert_eq!(r.auth.fences.lease("k").unwrap().waiter_count(), 0);
     // A later waiter is served right after the release.
     let later = tokio::spawn({
         let auth = r.auth.clone();
@@ -304,7 +304,7 @@ async fn the_expiry_schedule_holds_one_entry_per_key_not_per_grant() {
     assert_eq!(r.auth.scheduled(), 1);
     // The one entry still expires the last grant on time.
     sleep(Duration::from_millis(30_100)).await;
-    assert!(r.auth.keys.get("churn").is_none_or(|st| st.grant.is_none()), "the last grant outlived its TTL");
+    assert!(r.auth.fences.lease("churn").is_none_or(|st| st.grant.is_none()), "the last grant outlived its TTL");
     assert_eq!(r.auth.fences.fence("churn"), last.fencing_token);
 }
 
@@ -385,7 +385,8 @@ async fn an_abandoned_watch_leaves_no_state_behind() {
         w.abort();
         let _ = w.await;
     }
-    assert_eq!(r.auth.keys.len(), 0, "hung-up watches must not keep their keys");
+    assert_eq!(r.auth.state_count(), 0, "hung-up watches must not keep their keys");
+    assert_eq!(r.auth.fences.slot_count(), 0, "nor the slots made for them (the keys have no fence)");
 }
 
 #[tokio::test(start_paused = true)]
@@ -424,11 +425,11 @@ async fn a_released_key_is_forgotten_once_its_expiry_entry_comes_due() {
     let g = r.auth.acquire(acq("gone", 1_000, 0)).await.unwrap();
     r.auth.release(ReleaseRequest { key: "gone".into(), lease_id: g.lease_id }).unwrap();
     // Kept while its heap entry is pending (a new grant would reuse it) ...
-    assert_eq!(r.auth.keys.len(), 1);
+    assert_eq!(r.auth.state_count(), 1);
     assert_eq!(r.auth.scheduled(), 1);
     sleep(Duration::from_millis(1_001)).await;
     // ... and forgotten when it comes due.
-    assert_eq!(r.auth.keys.len(), 0);
+    assert_eq!(r.auth.state_count(), 0);
     assert_eq!(r.auth.scheduled(), 0);
     assert_eq!(r.auth.metrics.lease_expirations.get(), 0, "a released lease does not expire");
 }
@@ -455,7 +456,7 @@ async fn leases_due_in_the_same_millisecond_and_renewed_ones_among_them() {
     sleep(Duration::from_millis(500)).await;
     assert_eq!(r.auth.metrics.leases_active.get(), 0);
     assert_eq!(r.auth.metrics.lease_expirations.get(), 1_000);
-    assert_eq!(r.auth.keys.len(), 0);
+    assert_eq!(r.auth.state_count(), 0);
 }
 
 #[tokio::test(start_paused = true)]
@@ -476,7 +477,7 @@ async fn a_shorter_ttl_moves_the_lease_earlier_and_the_old_entry_is_skipped() {
     sleep(Duration::from_millis(61_000)).await;
     assert!(!r.auth.status("short").unwrap().held);
     assert_eq!(r.auth.scheduled(), 0);
-    assert_eq!(r.auth.keys.len(), 0);
+    assert_eq!(r.auth.state_count(), 0);
 }
 
 #[tokio::test(start_paused = true)]
@@ -555,9 +556,9 @@ async fn memory_per_held_lease_by_part() {
     assert_eq!(f.keys, n);
     assert_eq!(f.fences.keys, n);
     let per = |b: usize| b / n;
-    // Structures: one bucket of each map, one boxed state and slot, one
-    // key block (shared), one heap entry.
-    assert!(per(f.authority_states) <= 80 && per(f.fences.slots) <= 32, "{}", f.report());
+    // Structures: one bucket of the one map, one boxed state and slot, one
+    // key block, one heap entry.
+    assert!(per(f.authority_states) <= 64 && per(f.fences.slots) <= 40, "{}", f.report());
     assert!(per(f.fences.key_bytes) <= 16 + 13, "the key is stored once: {}", f.report());
     assert!(per(f.expiry) <= 2 * 16, "{}", f.report());
     assert_eq!((f.queues, f.holders, f.fences.inflight), (0, 0, 0), "nobody waits, watches or writes");
@@ -700,7 +701,7 @@ async fn a_paced_mass_expiry_ends_every_lease() {
     // The backlog, the first holder and the waiter's own grant.
     assert_eq!(r.auth.metrics.lease_expirations.get(), n as u64 + 2);
     assert_eq!(r.auth.metrics.leases_active.get(), 0);
-    assert_eq!(r.auth.keys.len(), 0);
+    assert_eq!(r.auth.state_count(), 0);
 }
 
 /// However many waiters and watches a key gets, it has one entry in the

@@ -9,6 +9,7 @@
 mod table;
 pub mod token;
 
+pub(crate) use table::LeaseSlot;
 pub use table::{
     Admission, BarrierOutcome, CheckPolicy, FenceTable, InflightCtl, InflightGuard, Refusal, TableFootprint,
 };

@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+use dashmap::mapref::one::{MappedRef, MappedRefMut, RefMut};
 use dashmap::DashMap;
 use futures_util::task::AtomicWaker;
 use tokio::sync::{oneshot, Notify};
@@ -167,28 +168,56 @@ impl Rare {
     }
 }
 
+/// `Slot::state`: the slot counts against the fence quota (made for a
+/// fence; a slot the authority made for a key only watched does not, until
+/// a grant issues it a fence).
+const COUNTED: u64 = 1 << 63;
 /// `Slot::state`: the fence was set by an external authority's token: no
 /// grant of this gateway stands behind it, so embedded routes never admit it.
 const EXTERNAL: u64 = 1 << 62;
 /// `Slot::state`: when the fence last moved ([`clock_ms`]; 0: not since the start).
 const MOVED_MS: u64 = (1 << 62) - 1;
 
-/// One key's fence: 32 bytes (`size_of`), boxed, with the key shared with
-/// the authority's map (one allocation for both, see [`FenceTable::issue_shared`]).
+/// The embedded lease authority's state of a key, kept in the key's slot:
+/// one map, one bucket and one lock for a key's fence and its grant
+/// (issue 18: a second map cost ~35 bytes of buckets per held lease).
+pub(crate) use crate::authority::KeyState as LeaseState;
+
+/// A key's lease state, read-locked ([`FenceTable::lease`]).
+pub(crate) type LeaseRef<'a> = MappedRef<'a, Key, Box<Slot>, LeaseState>;
+/// A key's lease state, write-locked ([`FenceTable::lease_mut`]).
+pub(crate) type LeaseMut<'a> = MappedRefMut<'a, Key, Box<Slot>, LeaseState>;
+
+/// One key's fence and, if the embedded authority has anything for the
+/// key, its lease state: 40 bytes (`size_of`), boxed.
 #[derive(Default)]
-struct Slot {
+pub(crate) struct Slot {
     /// The highest token granted or accepted: older tokens are refused.
     fence: u64,
     /// The highest fence known to be fsynced. No request is admitted with
     /// a token above it (a crash would bring back the older fence, and the
     /// token could be issued again).
     durable: u64,
-    /// [`EXTERNAL`] and [`MOVED_MS`] in one word.
+    /// [`COUNTED`], [`EXTERNAL`] and [`MOVED_MS`] in one word.
     state: u64,
     rare: Option<Box<Rare>>,
+    /// The embedded authority's grant, waiters and watchers of the key
+    /// (null in cluster mode and for keys it has nothing for).
+    lease: Option<Box<LeaseState>>,
 }
 
 impl Slot {
+    fn counted(&self) -> bool {
+        self.state & COUNTED != 0
+    }
+
+    /// Nothing to keep: no fence (so never issued one), nothing in flight,
+    /// no lease state. Only a slot the authority made for a watch is ever
+    /// like this.
+    fn is_empty(&self) -> bool {
+        self.fence == 0 && !self.counted() && self.rare.is_none() && self.lease.is_none()
+    }
+
     fn external(&self) -> bool {
         self.state & EXTERNAL != 0
     }
@@ -467,7 +496,7 @@ impl FenceTable {
     /// after an etcd restore a lower stored fence is ignored. Refused only
     /// by the fence quota.
     pub fn install(&self, key: &str, token: u64) -> Result<(), Error> {
-        let mut slot = self.slot_or_new(key, None).map_err(|limit| Error::FenceQuota { scope: "gateway", limit })?;
+        let mut slot = self.slot_or_new(key).map_err(|limit| Error::FenceQuota { scope: "gateway", limit })?;
         if token > slot.fence {
             slot.raise(token);
             slot.set_external(false);
@@ -491,34 +520,49 @@ impl FenceTable {
 
     /// Calls `f` for every key with a fence (start-up accounting).
     pub fn for_each_key(&self, mut f: impl FnMut(&str)) {
-        for slot in &self.slots {
+        for slot in self.slots.iter().filter(|s| s.counted()) {
             f(slot.key());
         }
     }
 
-    /// The slot of `key`, made if the quota allows one more. A new slot
-    /// keys the map with `shared` when given (the authority's copy of the
-    /// key: one allocation for both maps), else with a new copy.
-    fn slot_or_new(
-        &self,
-        key: &str,
-        shared: Option<&Key>,
-    ) -> Result<dashmap::mapref::one::RefMut<'_, Key, Box<Slot>>, usize> {
-        if let Some(slot) = self.slots.get_mut(key) {
+    /// The slot of `key`, made if the quota allows one more (and counted
+    /// if the authority made it for a watch).
+    fn slot_or_new(&self, key: &str) -> Result<RefMut<'_, Key, Box<Slot>>, usize> {
+        if let Some(mut slot) = self.slots.get_mut(key) {
+            self.count(&mut slot)?;
             return Ok(slot);
         }
-        let owned = shared.filter(|s| &***s == key).cloned().unwrap_or_else(|| Key::from(key));
-        match self.slots.entry(owned) {
-            dashmap::Entry::Occupied(o) => Ok(o.into_ref()),
+        match self.slots.entry(Key::from(key)) {
+            dashmap::Entry::Occupied(o) => {
+                let mut slot = o.into_ref();
+                self.count(&mut slot)?;
+                Ok(slot)
+            }
             dashmap::Entry::Vacant(v) => {
-                let max = self.max_fences.load(Ordering::Acquire);
-                if self.fence_count.fetch_add(1, Ordering::AcqRel) >= max {
-                    self.fence_count.fetch_sub(1, Ordering::AcqRel);
-                    return Err(max);
-                }
-                Ok(v.insert(Box::default()))
+                self.take_quota()?;
+                Ok(v.insert(Box::new(Slot { state: COUNTED, ..Slot::default() })))
             }
         }
+    }
+
+    /// Counts `slot` against the fence quota if it is not yet (a slot the
+    /// authority made for a watch, about to get a fence).
+    fn count(&self, slot: &mut Slot) -> Result<(), usize> {
+        if !slot.counted() {
+            self.take_quota()?;
+            slot.state |= COUNTED;
+        }
+        Ok(())
+    }
+
+    /// One more key with a fence, if the quota allows it.
+    fn take_quota(&self) -> Result<(), usize> {
+        let max = self.max_fences.load(Ordering::Acquire);
+        if self.fence_count.fetch_add(1, Ordering::AcqRel) >= max {
+            self.fence_count.fetch_sub(1, Ordering::AcqRel);
+            return Err(max);
+        }
+        Ok(())
     }
 
     /// What the table holds in memory, by part (an account from the sizes
@@ -552,12 +596,6 @@ impl FenceTable {
         (slot.fence == token).then(|| slot.key().clone())
     }
 
-    /// The table's own copy of `key`, if it has a slot: a map that keeps
-    /// the key too (the authority's) shares this allocation.
-    pub fn shared_key(&self, key: &str) -> Option<Key> {
-        self.slots.get(key).map(|s| s.key().clone())
-    }
-
     /// After an unclean restart: every activation barrier lasts at least
     /// until `until` (set once, at start).
     pub fn set_quarantine(&self, until: Instant) {
@@ -567,7 +605,8 @@ impl FenceTable {
     /// Installs a fence read from the store at start (durable, not live);
     /// the next token issued is above it.
     pub fn load(&self, key: &str, fence: u64) {
-        if self.slots.insert(Key::from(key), Box::new(Slot { fence, durable: fence, ..Slot::default() })).is_none() {
+        let slot = Box::new(Slot { fence, durable: fence, state: COUNTED, ..Slot::default() });
+        if self.slots.insert(Key::from(key), slot).is_none() {
             self.fence_count.fetch_add(1, Ordering::AcqRel);
         }
         self.next_token.fetch_max(fence.saturating_add(1), Ordering::AcqRel);
@@ -599,12 +638,12 @@ impl FenceTable {
 
     /// Number of keys with a fence.
     pub fn len(&self) -> usize {
-        self.slots.len()
+        self.fence_count.load(Ordering::Acquire)
     }
 
     /// True when no key has a fence.
     pub fn is_empty(&self) -> bool {
-        self.slots.is_empty()
+        self.len() == 0
     }
 
     /// The current fence of `key` (0: never fenced).
@@ -779,7 +818,7 @@ impl FenceTable {
         store: &Store,
     ) -> Result<(InflightGuard, Option<oneshot::Receiver<Result<(), Error>>>), Refusal> {
         self.currency.check()?;
-        let mut slot = self.slot_or_new(key, None).map_err(|limit| Refusal::NoRoom { limit })?;
+        let mut slot = self.slot_or_new(key).map_err(|limit| Refusal::NoRoom { limit })?;
         if token < slot.fence {
             let superseded_for = slot.superseded_for();
             return Err(Refusal::Stale { token, fence: slot.fence, superseded_for });
@@ -822,28 +861,17 @@ impl FenceTable {
         store: &Store,
         ops: impl FnOnce(&Key, u64) -> Vec<Op>,
     ) -> Result<(u64, oneshot::Receiver<Result<(), Error>>), Error> {
-        self.issue_inner(key, None, store, ops)
+        let mut slot = self.slot_or_new(key).map_err(|limit| Error::FenceQuota { scope: "gateway", limit })?;
+        self.issue_locked(&mut slot, store, ops)
     }
 
-    /// [`FenceTable::issue`] for a caller that keeps the key in a map of
-    /// its own: a new slot shares `key`'s allocation.
-    pub fn issue_shared(
+    /// [`FenceTable::issue`] on a slot already locked and counted.
+    fn issue_locked(
         &self,
-        key: &Key,
+        slot: &mut RefMut<'_, Key, Box<Slot>>,
         store: &Store,
         ops: impl FnOnce(&Key, u64) -> Vec<Op>,
     ) -> Result<(u64, oneshot::Receiver<Result<(), Error>>), Error> {
-        self.issue_inner(key, Some(key), store, ops)
-    }
-
-    fn issue_inner(
-        &self,
-        key: &str,
-        shared: Option<&Key>,
-        store: &Store,
-        ops: impl FnOnce(&Key, u64) -> Vec<Op>,
-    ) -> Result<(u64, oneshot::Receiver<Result<(), Error>>), Error> {
-        let mut slot = self.slot_or_new(key, shared).map_err(|limit| Error::FenceQuota { scope: "gateway", limit })?;
         let token = self.take_token(slot.fence).ok_or_else(|| Error::Internal("token space exhausted".into()))?;
         slot.raise(token);
         slot.set_external(false);
@@ -948,6 +976,115 @@ impl FenceTable {
                     slot.rare = None;
                 }
             }
+        }
+    }
+}
+
+/// The embedded authority's view of the table: a key's lease state lives
+/// in its slot, under the slot's lock, beside the fence a grant issues.
+impl FenceTable {
+    /// `key`'s slot, write-locked, made if absent (fence 0, outside the
+    /// fence quota until a grant issues it a fence).
+    pub(crate) fn lease_slot(&self, key: &str) -> LeaseSlot<'_> {
+        if let Some(slot) = self.slots.get_mut(key) {
+            return LeaseSlot { table: self, slot };
+        }
+        LeaseSlot { table: self, slot: self.slots.entry(Key::from(key)).or_default() }
+    }
+
+    /// `key`'s slot, write-locked, if it has one.
+    pub(crate) fn existing_lease_slot(&self, key: &str) -> Option<LeaseSlot<'_>> {
+        self.slots.get_mut(key).map(|slot| LeaseSlot { table: self, slot })
+    }
+
+    /// `key`'s lease state, write-locked, if it has one.
+    pub(crate) fn lease_mut(&self, key: &str) -> Option<LeaseMut<'_>> {
+        self.slots.get_mut(key)?.try_map(|s| s.lease.as_deref_mut()).ok()
+    }
+
+    /// `key`'s lease state, read-locked, if it has one.
+    pub(crate) fn lease(&self, key: &str) -> Option<LeaseRef<'_>> {
+        self.slots.get(key)?.try_map(|s| s.lease.as_deref()).ok()
+    }
+
+    /// Drops `key`'s lease state if `idle` says it holds nothing, and the
+    /// slot with it if the slot holds nothing else (a key only watched).
+    pub(crate) fn forget_lease_if(&self, key: &str, idle: impl FnOnce(&LeaseState) -> bool) {
+        let empty = {
+            let Some(mut slot) = self.slots.get_mut(key) else {
+                return;
+            };
+            if slot.lease.as_deref().is_some_and(idle) {
+                slot.lease = None;
+            }
+            slot.is_empty()
+        };
+        if empty {
+            self.slots.remove_if(key, |_, s| s.is_empty());
+        }
+    }
+
+    /// Slots in the map, with or without a fence (for tests).
+    #[cfg(test)]
+    pub(crate) fn slot_count(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Calls `f` for every key's lease state (read-locked, a shard at a time).
+    pub(crate) fn for_each_lease(&self, mut f: impl FnMut(&Key, &LeaseState)) {
+        for slot in &self.slots {
+            if let Some(st) = slot.lease.as_deref() {
+                f(slot.key(), st);
+            }
+        }
+    }
+}
+
+/// A key's slot write-locked for the embedded authority: its lease state
+/// and its fence under one lock ([`FenceTable::lease_slot`]).
+pub(crate) struct LeaseSlot<'a> {
+    table: &'a FenceTable,
+    slot: RefMut<'a, Key, Box<Slot>>,
+}
+
+impl LeaseSlot<'_> {
+    /// The map's copy of the key.
+    pub(crate) fn key(&self) -> &Key {
+        self.slot.key()
+    }
+
+    /// The key's fence (0: never fenced).
+    pub(crate) fn fence(&self) -> u64 {
+        self.slot.fence
+    }
+
+    /// The key's lease state, made if it has none.
+    pub(crate) fn state(&mut self) -> &mut LeaseState {
+        self.slot.lease.get_or_insert_with(|| Box::new(LeaseState::new()))
+    }
+
+    /// The key's lease state, if it has one.
+    pub(crate) fn state_mut(&mut self) -> Option<&mut LeaseState> {
+        self.slot.lease.as_deref_mut()
+    }
+
+    /// [`FenceTable::issue`] under this lock: the next token, installed as
+    /// the fence, `ops(token)` submitted to the store. Refused by the fence
+    /// quota for a key that had no fence.
+    pub(crate) fn issue(
+        &mut self,
+        store: &Store,
+        ops: impl FnOnce(&Key, u64) -> Vec<Op>,
+    ) -> Result<(u64, oneshot::Receiver<Result<(), Error>>), Error> {
+        let table = self.table;
+        table.count(&mut self.slot).map_err(|limit| Error::FenceQuota { scope: "gateway", limit })?;
+        table.issue_locked(&mut self.slot, store, ops)
+    }
+
+    /// [`FenceTable::mark_durable`] under this lock.
+    pub(crate) fn mark_durable(&mut self, token: u64) {
+        if token <= self.slot.fence && token > self.slot.durable {
+            self.slot.durable = token;
         }
     }
 }
@@ -1160,10 +1297,10 @@ mod tests {
     }
 
     #[test]
-    fn a_slot_is_32_bytes_and_its_flags_and_time_do_not_clobber_each_other() {
-        assert_eq!(std::mem::size_of::<Slot>(), 32);
+    fn a_slot_is_40_bytes_and_its_flags_and_time_do_not_clobber_each_other() {
+        assert_eq!(std::mem::size_of::<Slot>(), 40);
         assert_eq!(std::mem::size_of::<(Key, Box<Slot>)>(), 16);
-        let mut s = Slot::default();
+        let mut s = Slot { state: COUNTED, ..Slot::default() };
         assert_eq!(s.superseded_for(), Duration::ZERO, "never moved");
         s.set_external(true);
         s.raise(3);
@@ -1173,6 +1310,7 @@ mod tests {
         s.set_external(false);
         assert!(!s.external());
         assert_ne!(s.state & MOVED_MS, 0, "the time survives the flags");
+        assert!(s.counted(), "the quota's flag survives the others");
         // A sequence lives in the rare part, which goes when nothing is in it.
         assert!(s.rare.is_none());
         s.set_last_sequence(Some(4));
@@ -1197,17 +1335,33 @@ mod tests {
     }
 
     #[test]
-    fn the_authority_and_the_table_share_one_copy_of_a_key() {
+    fn a_slot_made_for_a_lease_state_counts_as_a_fence_only_once_issued() {
         let store = Store::memory();
         let t = new_table();
-        let key: Key = Key::from("shared");
-        t.issue_shared(&key, &store, |k, token| vec![Op::Fence { key: k.clone(), token }]).unwrap();
-        assert!(Key::ptr_eq(&t.shared_key("shared").unwrap(), &key));
-        // A key the table has already: its own copy is kept and handed out.
-        let other: Key = Key::from("shared");
-        t.issue_shared(&other, &store, |k, token| vec![Op::Fence { key: k.clone(), token }]).unwrap();
-        assert!(Key::ptr_eq(&t.shared_key("shared").unwrap(), &key));
-        assert!(t.shared_key("absent").is_none());
+        t.set_max_fences(1);
+        // A watch's state: a slot with fence 0, outside the quota, refused
+        // like a key never fenced, and gone once the state is.
+        t.lease_slot("watched").state();
+        assert_eq!((t.len(), t.slot_count(), t.fence("watched")), (0, 1, 0));
+        assert!(matches!(t.admit("watched", 0, LAX), Err(Refusal::Unissued { .. })));
+        t.forget_lease_if("watched", |_| true);
+        assert_eq!(t.slot_count(), 0);
+        // Issued through the lease slot: counted, and the quota applies.
+        let mut slot = t.lease_slot("a");
+        slot.state();
+        let (token, _rx) = slot.issue(&store, |k, token| vec![Op::Fence { key: k.clone(), token }]).unwrap();
+        drop(slot);
+        assert_eq!((t.len(), t.fence("a")), (1, token));
+        let mut slot = t.lease_slot("b");
+        slot.state();
+        let refused = slot.issue(&store, |k, token| vec![Op::Fence { key: k.clone(), token }]);
+        assert!(matches!(refused, Err(Error::FenceQuota { limit: 1, .. })));
+        drop(slot);
+        // A fenced key keeps its slot when its lease state goes.
+        t.forget_lease_if("a", |_| true);
+        t.forget_lease_if("b", |_| true);
+        assert_eq!((t.len(), t.slot_count(), t.fence("a")), (1, 1, token));
+        assert!(t.lease("a").is_none());
     }
 
     #[tokio::test(start_paused = true)]
