@@ -421,29 +421,34 @@ def wrk_slice(url, token, secs=1, conns=32):
     raise RuntimeError(f"wrk gave no result: {r.stdout[-300:]} {r.stderr[-300:]}")
 
 
-async def expiry_phase(a, procs, work, fg_bin, deadline, problems):
+async def expiry_phase(a, procs, work, fg_bin, deadline, problems, control=False):
     """N leases made to expire within the same second (a batch renewal round sets each one's TTL to
     end at the same instant) while wrk sends fenced PUTs through the proxy to nginx `return 200`:
-    the PUTs' p99 in 1-second slices before, during and after the expiry."""
+    the PUTs' p99 in 1-second slices before, during and after the expiry.
+
+    control: the same steps, but the renewal round gives every lease 10 minutes more, so nothing
+    expires in the window: what the figure reads on this machine when there is no mass expiry (the
+    worst of the slices around "the instant" over the median of the slices before)."""
     if not shutil.which("wrk") or not shutil.which("nginx"):
         raise RuntimeError("the mass-expiry part needs wrk and nginx (run.sh installs them)")
     p_backend, p_fg, p_api = free_ports(3)
-    d = os.path.join(work, "expiry")
+    tag = "expiry-control" if control else "expiry"
+    d = os.path.join(work, tag)
     os.makedirs(os.path.join(d, "nginx-backend-body"))
     os.makedirs(os.path.join(d, "nginx-backend-proxy"))
     with open(os.path.join(HERE, "conf", "nginx-backend.conf")) as f:
         conf = f.read().replace("@WORK@", d).replace("@PORT@", str(p_backend))
     with open(os.path.join(d, "backend.conf"), "w") as f:
         f.write(conf)
-    backend = procs.start("expiry-backend", ["nginx", "-p", d, "-e", os.path.join(d, "backend.err"),
+    backend = procs.start(f"{tag}-backend", ["nginx", "-p", d, "-e", os.path.join(d, "backend.err"),
                                              "-c", os.path.join(d, "backend.conf")])
-    procs.start("expiry-fencegate", [fg_bin, "serve", "--data-dir", os.path.join(d, "data"), "--listen",
+    procs.start(f"{tag}-fencegate", [fg_bin, "serve", "--data-dir", os.path.join(d, "data"), "--listen",
                                      f"127.0.0.1:{p_fg}", "--api-listen", f"127.0.0.1:{p_api}", "--upstream",
                                      f"http://127.0.0.1:{p_backend}"], {"RUST_LOG": "warn"})
     if not await wait_ready(p_api, 30):
         raise RuntimeError("expiry: fencegate not ready after 30 s")
     if backend.poll() is not None:
-        raise RuntimeError("expiry: the nginx backend exited (see expiry-backend.log)")
+        raise RuntimeError(f"expiry: the nginx backend exited (see {tag}-backend.log)")
     n = a.keys
     # The token of the PUTs: a lease on the object written, held throughout.
     got = {}
@@ -473,8 +478,10 @@ async def expiry_phase(a, procs, work, fg_bin, deadline, problems):
     expire_at = time.monotonic() + lead_s
     late = []
 
+    extra_ms = 600_000 if control else 0
+
     def renew_batch(chunk):
-        ttl = int((expire_at - time.monotonic()) * 1000)
+        ttl = int((expire_at - time.monotonic()) * 1000) + extra_ms
         ops = [{"op": "renew", "key": f"x/{key_of(i)}", "lease_id": leases[i], "ttl_ms": max(ttl, 100)}
                for i in chunk]
         return post("/v1/locks/batch", {"operations": ops})
@@ -510,8 +517,8 @@ async def expiry_phase(a, procs, work, fg_bin, deadline, problems):
                   lambda i, st, b: stats.__setitem__("m", b.decode(errors="replace")), 1, 1, deadline)
     metric = lambda name: next((float(l.split()[-1]) for l in stats.get("m", "").splitlines()
                                 if l.startswith(name + " ")), None)
-    procs.stop("expiry-fencegate")
-    procs.stop("expiry-backend")
+    procs.stop(f"{tag}-fencegate")
+    procs.stop(f"{tag}-backend")
     # Every slice from the one before the instant to the end: working off
     # N expirations takes seconds, and all of them count.
     during = [s for s in slices if s["start_rel_s"] > -1.0]
@@ -533,10 +540,15 @@ async def expiry_phase(a, procs, work, fg_bin, deadline, problems):
         problems.append(f"expiry: {errors} wrk errors")
     if any(s.get("stalled") for s in slices):
         problems.append("expiry: a 1-s slice of fenced PUTs got no answer at all (the gateway stalled)")
-    if out["leases_active_after"] != 1 or (out["expirations_total"] or 0) < n:
+    if control:
+        out["control"] = True
+        if out["leases_active_after"] != n + 1 or out["expirations_total"]:
+            problems.append(f"expiry control: leases_active = {out['leases_active_after']}, expirations = "
+                            f"{out['expirations_total']} (expected {n + 1} and 0: nothing was due)")
+    elif out["leases_active_after"] != 1 or (out["expirations_total"] or 0) < n:
         problems.append(f"expiry: after the expiry leases_active = {out['leases_active_after']}, "
                         f"expirations = {out['expirations_total']} (expected 1 and {n})")
-    log(f"mass expiry of {n:,} leases: renewal round {round_s:.1f} s; fenced PUT p99 before "
+    log(f"{'control (no expiry) with' if control else 'mass expiry of'} {n:,} leases: renewal round {round_s:.1f} s; fenced PUT p99 before "
         f"{base_p99} us (median of {len(baseline)} 1-s slices), during {out['during_p99_us']} us "
         f"({out.get('p99_during_over_before')}x); slices {[(s['start_rel_s'], s['p99_us']) for s in slices]}; "
         f"after: leases_active {out['leases_active_after']}, expirations {out['expirations_total']}")
@@ -782,6 +794,8 @@ async def run_parts(a, procs, work, fg_bin, deadline):
         res["mix"] = await mix_phase(a, procs, work, fg_bin, deadline, problems)
     if "expiry" in a.parts:
         res["mass_expiry"] = await expiry_phase(a, procs, work, fg_bin, deadline, problems)
+    if "expiry-control" in a.parts:
+        res["mass_expiry_control"] = await expiry_phase(a, procs, work, fg_bin, deadline, problems, control=True)
     res["problems"] = problems
     return res
 
@@ -797,7 +811,8 @@ def main():
     ap.add_argument("--redis-conns", type=int, default=8)
     ap.add_argument("--redis-batch", type=int, default=500, help="locks (SET + INCR) pipelined per Redis write")
     ap.add_argument("--parts", default="fill,mix,expiry",
-                    help="comma-separated: fill (fill, memory and restarts), mix, expiry")
+                    help="comma-separated: fill (fill, memory and restarts), mix, expiry, expiry-control "
+                         "(the expiry part's steps with nothing expiring: the figure's noise floor)")
     ap.add_argument("--mix-clients", type=int, default=64, help="closed-loop clients of the 1:1:1 mix")
     ap.add_argument("--mix-secs", type=float, default=10, help="length of the mix (smoke: 1)")
     ap.add_argument("--mix-rates", default=None,
@@ -820,9 +835,9 @@ def main():
         a.expiry_after_s = 2
     a.sample = min(a.sample, a.keys)
     a.parts = [p.strip() for p in a.parts.split(",") if p.strip()]
-    unknown = set(a.parts) - {"fill", "mix", "expiry"}
+    unknown = set(a.parts) - {"fill", "mix", "expiry", "expiry-control"}
     if unknown:
-        sys.exit(f"unknown --parts {sorted(unknown)}: fill, mix, expiry")
+        sys.exit(f"unknown --parts {sorted(unknown)}: fill, mix, expiry, expiry-control")
     t_begin = time.monotonic()
     deadline = t_begin + a.budget_s - 30  # leaves time to stop everything
 

@@ -42,7 +42,7 @@ impl Footprint {
             + usize::try_from(store).unwrap_or(usize::MAX)
     }
 
-    /// One line per part, with bytes per key of the authority's map.
+    /// One line per part, in bytes per key with a lease state.
     pub fn report(&self) -> String {
         let n = self.keys.max(1) as f64;
         let per = |b: usize| b as f64 / n;

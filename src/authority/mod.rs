@@ -326,7 +326,7 @@ impl Authority {
             };
             // Live again if its token is still the fence (else a newer
             // fence superseded it).
-            if auth.fences.restore_grant(&key, rec.token).is_none() {
+            if !auth.fences.restore_grant(&key, rec.token) {
                 continue;
             }
             let Some(mut grant) = Grant::new(rec.token, lease_id, auth.holders.intern(&rec.holder), rec.ttl_ms, now)

@@ -1,6 +1,8 @@
 //! The in-memory fence table: per key, the fence and the mutations in
-//! flight under each token. Whether the grant behind a fence is live is
-//! asked of the authority that issued it ([`GrantLiveness`]), not copied.
+//! flight under each token, and the embedded authority's lease state of the
+//! key in the same slot (one map for both, [`LeaseSlot`]). Whether the grant
+//! behind a fence is live is asked of the authority that issued it
+//! ([`GrantLiveness`]), outside the slot's lock.
 //!
 //! Every operation takes the key's shard lock for a few instructions and
 //! never across an `.await`. The compare and the registration of a request
@@ -314,7 +316,7 @@ pub struct TableFootprint {
     pub map: usize,
     /// The boxed slots.
     pub slots: usize,
-    /// The keys' own blocks (shared with the authority's map).
+    /// The keys' own blocks (one per key, for the fence and the grant).
     pub key_bytes: usize,
     /// In-flight registrations and stored sequences.
     pub inflight: usize,
@@ -588,12 +590,10 @@ impl FenceTable {
         }
     }
 
-    /// Start-up: a stored grant of `token` on `key` comes back if `token`
-    /// is still the key's fence; its copy of the key is returned (for the
-    /// authority's map to share). `None`: the grant was superseded.
-    pub fn restore_grant(&self, key: &str, token: u64) -> Option<Key> {
-        let slot = self.slots.get(key)?;
-        (slot.fence == token).then(|| slot.key().clone())
+    /// Start-up: a stored grant of `token` on `key` comes back only if
+    /// `token` is still the key's fence (else a newer fence superseded it).
+    pub fn restore_grant(&self, key: &str, token: u64) -> bool {
+        self.slots.get(key).is_some_and(|slot| slot.fence == token)
     }
 
     /// After an unclean restart: every activation barrier lasts at least
