@@ -557,6 +557,26 @@ impl FenceTable {
         Ok(())
     }
 
+    /// A slot counted for a fence that it did not get (refused, or no
+    /// token left): its unit of the quota goes back, and the slot too if
+    /// it holds nothing else (review finding: each failed first issue kept
+    /// its unit until a restart).
+    fn give_back(&self, mut slot: RefMut<'_, Key, Box<Slot>>) {
+        self.uncount_unfenced(&mut slot);
+        if slot.is_empty() {
+            let key = slot.key().clone();
+            drop(slot);
+            self.slots.remove_if(&key, |_, s| s.is_empty());
+        }
+    }
+
+    fn uncount_unfenced(&self, slot: &mut Slot) {
+        if slot.fence == 0 && slot.counted() {
+            slot.state &= !COUNTED;
+            self.fence_count.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
     /// One more key with a fence, if the quota allows it.
     fn take_quota(&self) -> Result<(), usize> {
         let max = self.max_fences.load(Ordering::Acquire);
@@ -824,7 +844,10 @@ impl FenceTable {
             return Err(Refusal::Stale { token, fence: slot.fence, superseded_for });
         }
         if token > slot.fence {
-            check_step(token, slot.fence, policy)?;
+            if let Err(refusal) = check_step(token, slot.fence, policy) {
+                self.give_back(slot);
+                return Err(refusal);
+            }
             // No lease stands behind an external token: a strict embedded
             // route on the same key refuses it (lease_expired), and the
             // embedded sequence moves past it, so no grant of another key
@@ -862,7 +885,11 @@ impl FenceTable {
         ops: impl FnOnce(&Key, u64) -> Vec<Op>,
     ) -> Result<(u64, oneshot::Receiver<Result<(), Error>>), Error> {
         let mut slot = self.slot_or_new(key).map_err(|limit| Error::FenceQuota { scope: "gateway", limit })?;
-        self.issue_locked(&mut slot, store, ops)
+        let issued = self.issue_locked(&mut slot, store, ops);
+        if issued.is_err() {
+            self.give_back(slot);
+        }
+        issued
     }
 
     /// [`FenceTable::issue`] on a slot already locked and counted.
@@ -872,7 +899,10 @@ impl FenceTable {
         store: &Store,
         ops: impl FnOnce(&Key, u64) -> Vec<Op>,
     ) -> Result<(u64, oneshot::Receiver<Result<(), Error>>), Error> {
-        let token = self.take_token(slot.fence).ok_or_else(|| Error::Internal("token space exhausted".into()))?;
+        let Some(token) = self.take_token(slot.fence) else {
+            self.uncount_unfenced(slot);
+            return Err(Error::Internal("token space exhausted".into()));
+        };
         slot.raise(token);
         slot.set_external(false);
         let durable = store.submit(ops(slot.key(), token));
@@ -1447,6 +1477,36 @@ mod tests {
         assert!(matches!(t.advance("k", 1006, None, EXT, &store), Err(Refusal::TooFar { .. })));
         assert_eq!(t.fence("k"), 5);
         assert!(t.advance("k", 1005, None, EXT, &store).is_ok());
+    }
+
+    #[test]
+    fn a_first_fence_refused_gives_its_quota_unit_back() {
+        let store = Store::memory();
+        let t = new_table();
+        t.set_max_fences(2);
+        // An external route's step refused on new keys, again and again.
+        for i in 0..5 {
+            let refused = t.advance(&format!("far/{i}"), 1001, None, EXT, &store);
+            assert!(matches!(refused, Err(Refusal::TooFar { .. })));
+        }
+        assert_eq!((t.len(), t.slot_count()), (0, 0));
+        // The token space exhausted (an external token at its end): every
+        // issue on a new key fails, and none keeps a unit.
+        t.load("end", u64::MAX - 1);
+        for i in 0..5 {
+            let failed = t.issue(&format!("new/{i}"), &store, |k, token| vec![Op::Fence { key: k.clone(), token }]);
+            assert!(matches!(failed, Err(Error::Internal(_))));
+            let mut slot = t.lease_slot(&format!("lease/{i}"));
+            slot.state();
+            let failed = slot.issue(&store, |k, token| vec![Op::Fence { key: k.clone(), token }]);
+            assert!(matches!(failed, Err(Error::Internal(_))));
+            drop(slot);
+            t.forget_lease_if(&format!("lease/{i}"), |_| true);
+        }
+        assert_eq!((t.len(), t.slot_count()), (1, 1));
+        // The one unit left is still there for an external fence.
+        assert!(t.advance("near", 10, None, EXT, &store).is_ok());
+        assert_eq!(t.len(), 2);
     }
 
     #[tokio::test(start_paused = true)]
