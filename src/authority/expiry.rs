@@ -211,6 +211,7 @@ impl Authority {
                     loop {
                         let started = Instant::now();
                         if !self.expire_some(self.now_ms(), EXPIRE_PER_TURN) {
+                            self.flush_expiry_lines();
                             break;
                         }
                         if shutdown.is_triggered() {

@@ -267,6 +267,21 @@ pub struct Authority {
     expiry: Mutex<expiry::Schedule>,
     expiry_wake: Notify,
     next_waiter: AtomicU64,
+    /// "lease expired" lines of the current second ([`Authority::log_expired`]).
+    expiry_lines: Mutex<LineBudget>,
+}
+
+/// Individual "lease expired" lines per second at most: past it, the
+/// second's expirations are summed up in one line. 500,000 leases expiring
+/// at once wrote 500,000 lines at the default level (`info`).
+const EXPIRY_LINES_PER_SEC: u32 = 100;
+
+#[derive(Debug, Default)]
+struct LineBudget {
+    /// The second (of the authority's clock) the counts are for.
+    second: u64,
+    logged: u32,
+    skipped: u64,
 }
 
 impl crate::fence::GrantLiveness for Authority {
@@ -311,6 +326,7 @@ impl Authority {
             expiry: Mutex::default(),
             expiry_wake: Notify::new(),
             next_waiter: AtomicU64::new(1),
+            expiry_lines: Mutex::default(),
         });
         // Strict routes ask this authority whether a grant is live.
         let liveness: std::sync::Weak<dyn crate::fence::GrantLiveness> =
@@ -744,7 +760,7 @@ impl Authority {
         match why {
             Ended::Expired => {
                 self.metrics.lease_expirations.inc();
-                tracing::info!(key = %key, token = grant.token(), holder = %grant.holder(), "lease expired");
+                self.log_expired(key, grant.token(), grant.holder());
             }
             Ended::Released => tracing::debug!(key = %key, token = grant.token(), "lease released"),
             Ended::Superseded => {
@@ -759,6 +775,50 @@ impl Authority {
             st.publish(0);
         }
         self.wake_next(st);
+    }
+
+    /// Logs a lease's expiry, up to [`EXPIRY_LINES_PER_SEC`] a second;
+    /// the rest of that second's are counted for one summary line.
+    fn log_expired(&self, key: &str, token: u64, holder: &str) {
+        if !tracing::enabled!(tracing::Level::INFO) {
+            return;
+        }
+        let second = self.now_ms() / 1000;
+        let Ok(mut b) = self.expiry_lines.lock() else { return };
+        if b.second != second {
+            let skipped = std::mem::take(&mut *b).skipped;
+            b.second = second;
+            drop(b);
+            Self::log_skipped(skipped);
+            b = match self.expiry_lines.lock() {
+                Ok(b) => b,
+                Err(_) => return,
+            };
+        }
+        if b.logged < EXPIRY_LINES_PER_SEC {
+            b.logged += 1;
+            drop(b);
+            tracing::info!(key = %key, token, holder = %holder, "lease expired");
+        } else {
+            b.skipped += 1;
+        }
+    }
+
+    /// Logs the summary of the expirations not logged one by one, if any
+    /// (the expiry task calls it when a backlog is worked off).
+    pub(crate) fn flush_expiry_lines(&self) {
+        let skipped = self.expiry_lines.lock().map_or(0, |mut b| std::mem::take(&mut b.skipped));
+        Self::log_skipped(skipped);
+    }
+
+    fn log_skipped(skipped: u64) {
+        if skipped > 0 {
+            tracing::info!(
+                leases = skipped,
+                "more leases expired within a second, not logged one by one \
+                 (fencegate_lease_expirations_total counts every one)"
+            );
+        }
     }
 
     /// Hands the key to the first waiter still listening.
