@@ -827,6 +827,20 @@ fn start_on_members(s: &mut Setup, id: &str, members: &[usize], upstream_timeout
     s.gws.push(Gateway::start(&s.dir().join(id), Opts { config: Some(config), ..Opts::default() }));
 }
 
+/// Starts gw0 on two etcd members (its own calls never wait on the third)
+/// and gateway `id`, member TTL 10 s, on the third alone, a follower; both
+/// current. Returns that follower, for the test to pause.
+async fn on_one_follower(s: &mut Setup, id: &str) -> usize {
+    let leader = s.etcd.leader().await;
+    let follower = (0..3).find(|m| *m != leader).expect("three members");
+    let others: Vec<usize> = (0..3).filter(|m| *m != follower).collect();
+    start_on_members(s, "gw0", &others, UPSTREAM_TIMEOUT_MS, MEMBER_TTL_MS);
+    start_on_members(s, id, &[follower], UPSTREAM_TIMEOUT_MS, 10_000);
+    s.wait_current(0, Duration::from_secs(30)).await;
+    s.wait_current(1, Duration::from_secs(30)).await;
+    follower
+}
+
 /// Deletes `/fencegate/m/{gw}` by hand through the members that answer
 /// (asked again while the client picks a stopped one).
 async fn delete_member_key(s: &Setup, gw: &str) {
@@ -900,15 +914,7 @@ async fn a_member_key_deleted_while_the_gateway_s_watch_is_broken_is_found_by_th
 async fn a_member_key_deleted_behind_a_blind_gateway_s_back_is_not_skipped_before_its_deadline() {
     let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
     let mut s = setup(0).await;
-    let leader = s.etcd.leader().await;
-    let follower = (0..3).find(|m| *m != leader).expect("three members");
-    // gw0 knows the two others (its own calls never wait on the paused
-    // member); the blind gateway knows the follower alone.
-    let others: Vec<usize> = (0..3).filter(|m| *m != follower).collect();
-    start_on_members(&mut s, "gw0", &others, UPSTREAM_TIMEOUT_MS, MEMBER_TTL_MS);
-    start_on_members(&mut s, "blind", &[follower], UPSTREAM_TIMEOUT_MS, 10_000);
-    s.wait_current(0, Duration::from_secs(30)).await;
-    s.wait_current(1, Duration::from_secs(30)).await;
+    let follower = on_one_follower(&mut s, "blind").await;
     let old = acquire(&s.http, &s.api(0), "blind/k", 60_000, 20_000).await.unwrap();
     assert_eq!(s.put(1, "/blind/k", old.token).await.status, StatusCode::OK);
     let paused = s.etcd.pid(follower);
@@ -943,13 +949,7 @@ async fn a_member_key_deleted_behind_a_blind_gateway_s_back_is_not_skipped_befor
 async fn a_gateway_that_missed_its_deadline_while_its_lease_lived_keeps_its_membership() {
     let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
     let mut s = setup(0).await;
-    let leader = s.etcd.leader().await;
-    let follower = (0..3).find(|m| *m != leader).expect("three members");
-    let others: Vec<usize> = (0..3).filter(|m| *m != follower).collect();
-    start_on_members(&mut s, "gw0", &others, UPSTREAM_TIMEOUT_MS, MEMBER_TTL_MS);
-    start_on_members(&mut s, "victim", &[follower], UPSTREAM_TIMEOUT_MS, 10_000);
-    s.wait_current(0, Duration::from_secs(30)).await;
-    s.wait_current(1, Duration::from_secs(30)).await;
+    let follower = on_one_follower(&mut s, "victim").await;
     let before = member_lease(&s, "victim").await.expect("the victim is a member");
     let paused = s.etcd.pid(follower);
     common::signal(paused, "STOP");
