@@ -511,12 +511,21 @@ async def expiry_phase(a, procs, work, fg_bin, deadline, problems, control=False
             m["p99_us"] = m["p50_us"] = int(m["duration_us"])
             m["stalled"] = True
         slices.append(m)
-    await asyncio.sleep(1.0)
+    # The sweep (ending each expired grant, writing its record) is paced
+    # behind the deadlines (an expired lease is refused at its deadline,
+    # swept or not): wait up to 30 s for it to finish, and say when it did.
     stats = {}
-    await run_ops(p_api, [0], lambda i: get("/metrics"),
-                  lambda i, st, b: stats.__setitem__("m", b.decode(errors="replace")), 1, 1, deadline)
     metric = lambda name: next((float(l.split()[-1]) for l in stats.get("m", "").splitlines()
                                 if l.startswith(name + " ")), None)
+    want = n + 1 if control else 1
+    swept_after_s = None
+    for _ in range(60):
+        await asyncio.sleep(0.5)
+        await run_ops(p_api, [0], lambda i: get("/metrics"),
+                      lambda i, st, b: stats.__setitem__("m", b.decode(errors="replace")), 1, 1, deadline)
+        if metric("fencegate_leases_active") == want:
+            swept_after_s = round(time.monotonic() - expire_at, 1)
+            break
     procs.stop(f"{tag}-fencegate")
     procs.stop(f"{tag}-backend")
     # Every slice from the one before the instant to the end: working off
@@ -531,6 +540,7 @@ async def expiry_phase(a, procs, work, fg_bin, deadline, problems, control=False
            "baseline_p99_us": base_p99,
            "during_p99_us": max((s["p99_us"] for s in during), default=None),
            "leases_active_after": metric("fencegate_leases_active"),
+           "swept_after_s": swept_after_s,
            "expirations_total": metric("fencegate_lease_expirations_total"),
            "wrk_errors": errors, "problems": late}
     if out["during_p99_us"] is not None:
@@ -551,7 +561,8 @@ async def expiry_phase(a, procs, work, fg_bin, deadline, problems, control=False
     log(f"{'control (no expiry) with' if control else 'mass expiry of'} {n:,} leases: renewal round {round_s:.1f} s; fenced PUT p99 before "
         f"{base_p99} us (median of {len(baseline)} 1-s slices), during {out['during_p99_us']} us "
         f"({out.get('p99_during_over_before')}x); slices {[(s['start_rel_s'], s['p99_us']) for s in slices]}; "
-        f"after: leases_active {out['leases_active_after']}, expirations {out['expirations_total']}")
+        f"after: leases_active {out['leases_active_after']}, expirations {out['expirations_total']}, "
+        f"swept {out['swept_after_s']} s after the instant")
     return out
 
 
