@@ -10,15 +10,8 @@
 //! that very put come back on its watch (etcd 3.4's progress notifications
 //! are not reliable for this). Past the deadline, or while the watch is
 //! broken, the fence table refuses mutations (`not_current`) and aborts
-//! uploads still streaming. Past the deadline the gateway keeps its lease
-//! and goes on sending keepalives: one that etcd answers with a TTL proves
-//! the lease never expired, so no peer ever counted this gateway gone (they
-//! waited for its acknowledgements all along), and a new proof makes it
-//! current again. Only a lease etcd no longer has, or a member key deleted,
-//! ends the membership: the gateway then rejoins with a new lease, and is
+//! uploads still streaming; the gateway rejoins with a new lease, and is
 //! current again once its watch has caught up with its new member key.
-//! (Rejoining at every lapse made a paused etcd leader cost the grants of
-//! every peer the old lease's expiry plus a quarantine: 5–12 s.)
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -88,8 +81,6 @@ impl Cluster {
         let mut keeper = None;
         // The join itself is the first round: prove the watch current.
         let mut next_deadline = Some(deadline);
-        // Past the deadline with the lease kept (see the module's doc).
-        let mut lapsed = false;
         loop {
             // A round that failed (a keepalive or the proof unanswered: a
             // member down, an election) is tried again soon, not a third
@@ -113,15 +104,10 @@ impl Cluster {
                     failed = false;
                     self.fences.set_current_until(d);
                     self.metrics.cluster_current.set(1);
-                    if lapsed {
-                        lapsed = false;
-                        tracing::info!(gateway = %self.gateway_id, lease, "current again on the same membership lease");
-                    }
                 }
             }
             let pause = if failed { RETRY.min(interval) } else { interval };
-            let now = Instant::now();
-            let wake = if now >= deadline { now + pause } else { (now + pause).min(deadline) };
+            let wake = (Instant::now() + pause).min(deadline);
             tokio::select! {
                 () = tokio::time::sleep_until(wake) => {}
                 () = self.member_lost_kick.notified() => {}
@@ -129,19 +115,8 @@ impl Cluster {
             if self.member_lost.load(std::sync::atomic::Ordering::Acquire) == lease {
                 return "this gateway's membership key was deleted from etcd";
             }
-            if !lapsed && Instant::now() >= deadline {
-                // The fence table refuses by itself from the deadline on;
-                // this also aborts uploads still streaming.
-                lapsed = true;
-                self.fences.set_not_current(
-                    "the gateway's membership lease may have lapsed (no keepalive acknowledged in time)",
-                );
-                self.metrics.cluster_current.set(0);
-                tracing::warn!(
-                    gateway = %self.gateway_id,
-                    lease,
-                    "not current: no keepalive and proof in time; keeping the lease until etcd says it is gone"
-                );
+            if Instant::now() >= deadline {
+                return "the gateway's membership lease may have lapsed (no keepalive acknowledged in time)";
             }
             // One keepalive in flight, bounded by the deadline. Opening
             // the stream sends the first one and reads its answer.
@@ -149,8 +124,7 @@ impl Cluster {
             // A healthy quorum answers a keepalive in milliseconds; one
             // that hangs (its member paused) is given up after half a
             // period and sent again on another connection.
-            let left = if lapsed { self.timeout } else { deadline.saturating_duration_since(sent) };
-            let budget = left.min(self.timeout).min(interval / 2);
+            let budget = deadline.saturating_duration_since(sent).min(self.timeout).min(interval / 2);
             let round = async {
                 match keeper.as_mut() {
                     None => {
