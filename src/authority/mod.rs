@@ -284,6 +284,26 @@ struct LineBudget {
     skipped: u64,
 }
 
+impl LineBudget {
+    /// One more expiry in `second`: the count of an earlier second's
+    /// expirations not logged one by one (to sum up now; 0: none), and
+    /// whether this one gets its own line.
+    fn take(&mut self, second: u64) -> (u64, bool) {
+        let mut earlier = 0;
+        if self.second != second {
+            earlier = std::mem::take(self).skipped;
+            self.second = second;
+        }
+        if self.logged < EXPIRY_LINES_PER_SEC {
+            self.logged += 1;
+            (earlier, true)
+        } else {
+            self.skipped += 1;
+            (earlier, false)
+        }
+    }
+}
+
 impl crate::fence::GrantLiveness for Authority {
     /// Live: `key`'s grant has `token` and its deadline has not passed —
     /// whether or not the expiry task has reached it yet.
@@ -783,24 +803,10 @@ impl Authority {
         if !tracing::enabled!(tracing::Level::INFO) {
             return;
         }
-        let second = self.now_ms() / 1000;
-        let Ok(mut b) = self.expiry_lines.lock() else { return };
-        if b.second != second {
-            let skipped = std::mem::take(&mut *b).skipped;
-            b.second = second;
-            drop(b);
-            Self::log_skipped(skipped);
-            b = match self.expiry_lines.lock() {
-                Ok(b) => b,
-                Err(_) => return,
-            };
-        }
-        if b.logged < EXPIRY_LINES_PER_SEC {
-            b.logged += 1;
-            drop(b);
+        let (earlier, this_one) = self.expiry_lines.lock().map_or((0, false), |mut b| b.take(self.now_ms() / 1000));
+        Self::log_skipped(earlier);
+        if this_one {
             tracing::info!(key = %key, token, holder = %holder, "lease expired");
-        } else {
-            b.skipped += 1;
         }
     }
 
