@@ -850,10 +850,16 @@ async fn delete_member_key(s: &Setup, gw: &str) {
         let mut client = s.etcd.client().await;
         match client.delete(key.as_str(), None).await {
             Ok(d) => {
-                assert_eq!(d.deleted(), 1, "the member key's name changed");
+                // After a failed try the delete may have been applied all
+                // the same (its answer lost with the paused member): seen
+                // once in CI under load.
+                assert!(d.deleted() == 1 || tries > 0, "the member key's name changed");
                 return;
             }
-            Err(e) => assert!(tries < 100, "deleting {key}: {e}"),
+            Err(e) => {
+                println!("deleting {key}: {e}");
+                assert!(tries < 100, "deleting {key}: {e}");
+            }
         }
         tries += 1;
         tokio::time::sleep(Duration::from_millis(50)).await;
