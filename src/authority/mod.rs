@@ -362,9 +362,9 @@ impl Authority {
             };
             // Live again if its token is still the fence (else a newer
             // fence superseded it).
-            if !auth.fences.restore_grant(&key, rec.token) {
+            let Some(mut slot) = auth.fences.existing_lease_slot(&key).filter(|s| s.fence() == rec.token) else {
                 continue;
-            }
+            };
             let Some(mut grant) = Grant::new(rec.token, lease_id, auth.holders.intern(&rec.holder), rec.ttl_ms, now)
             else {
                 tracing::warn!(key = %key, "stored grant with token 0; not restored");
@@ -372,7 +372,6 @@ impl Authority {
             };
             grant.set_durable();
             let deadline_ms = grant.deadline_ms;
-            let mut slot = auth.fences.lease_slot(&key);
             let key = slot.key().clone();
             let st = slot.state();
             st.grant = Some(grant);
@@ -494,8 +493,8 @@ impl Authority {
                 self.metrics.lock_wait.with_label_values(&["granted"]).observe(waited);
                 let issued = self.install(&mut slot, lease_id, &holder, req.ttl_ms);
                 if issued.is_err() {
-                    // The quota refused the key its first fence: the turn
-                    // passes to the next waiter, if any.
+                    // No token was issued (the key has a fence, so not the
+                    // quota: the token space): the turn passes on.
                     self.wake_next(slot.state());
                 }
                 issued?

@@ -214,8 +214,8 @@ impl Slot {
     }
 
     /// Nothing to keep: no fence (so never issued one), nothing in flight,
-    /// no lease state. Only a slot the authority made for a watch is ever
-    /// like this.
+    /// no lease state: a slot made for a watch that ended, or for a first
+    /// fence that was refused.
     fn is_empty(&self) -> bool {
         self.fence == 0 && !self.counted() && self.rare.is_none() && self.lease.is_none()
     }
@@ -608,12 +608,6 @@ impl FenceTable {
             key_bytes,
             inflight,
         }
-    }
-
-    /// Start-up: a stored grant of `token` on `key` comes back only if
-    /// `token` is still the key's fence (else a newer fence superseded it).
-    pub fn restore_grant(&self, key: &str, token: u64) -> bool {
-        self.slots.get(key).is_some_and(|slot| slot.fence == token)
     }
 
     /// After an unclean restart: every activation barrier lasts at least
