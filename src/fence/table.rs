@@ -1034,10 +1034,29 @@ impl FenceTable {
     /// Drops `key`'s lease state if `idle` says it holds nothing, and the
     /// slot with it if the slot holds nothing else (a key only watched).
     pub(crate) fn forget_lease_if(&self, key: &str, idle: impl FnOnce(&LeaseState) -> bool) {
+        self.update_lease_then_forget_if(key, |_| true, idle);
+    }
+
+    /// Calls `f` with `key`'s lease state write-locked, if it has one; if
+    /// `f` returns true, then drops the state if `idle` says it holds
+    /// nothing, and the slot with it if the slot holds nothing else. One
+    /// lookup of the key for both (the expiry task ends 500,000 grants in
+    /// a mass expiry: a second lookup per key was a third of its map work).
+    pub(crate) fn update_lease_then_forget_if(
+        &self,
+        key: &str,
+        f: impl FnOnce(&mut LeaseState) -> bool,
+        idle: impl FnOnce(&LeaseState) -> bool,
+    ) {
         let empty = {
             let Some(mut slot) = self.slots.get_mut(key) else {
                 return;
             };
+            if let Some(st) = slot.lease.as_deref_mut() {
+                if !f(st) {
+                    return;
+                }
+            }
             if slot.lease.as_deref().is_some_and(idle) {
                 slot.lease = None;
             }
