@@ -2,7 +2,7 @@
 //! three column families and the one group-commit writer thread. See the
 //! parent module for the contract.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -16,6 +16,7 @@ use super::{
     WriterOptions, GRANT_RELEASED,
 };
 use crate::error::Error;
+use crate::fence::Key;
 
 const CF_FENCES: &str = "fences";
 const CF_GRANTS: &str = "grants";
@@ -86,6 +87,10 @@ struct QueueState {
     sync_by: Option<Instant>,
     /// fsyncs taken for lazy groups alone (for tests).
     lazy_syncs: u64,
+    /// The keys the queued lazy commits write, with their number of
+    /// writes: a durable commit that writes none of them may be written
+    /// before them ([`QueueState::durable_ahead`]).
+    lazy_keys: HashMap<Key, u32>,
     /// The writer waits: with a deadline when a lazy commit is queued,
     /// without one otherwise. False while it writes, and once someone woke
     /// it: one wake-up (a futex syscall) per wait, not one per commit.
@@ -114,6 +119,9 @@ impl Queue {
             s.durable += 1;
             s.waiting
         } else {
+            for op in &commit.ops {
+                *s.lazy_keys.entry(op_key(op).clone()).or_insert(0) += 1;
+            }
             let first_lazy = s.oldest_lazy.is_none();
             s.oldest_lazy.get_or_insert_with(Instant::now);
             s.waiting && first_lazy
@@ -169,15 +177,81 @@ impl Queue {
             };
             s.waiting = false;
         }
+        if s.durable > 0 && !s.closed {
+            if let Some(group) = s.durable_ahead(limit) {
+                return Some(group);
+            }
+        }
         // Lazy commits alone: a short burst (see `LAZY_GROUP`).
         let limit = if s.durable == 0 && !s.closed { limit.min(LAZY_GROUP) } else { limit };
         let take = s.items.len().min(limit);
         let group: Vec<Commit> = s.items.drain(..take).collect();
         s.durable -= group.iter().filter(|c| c.done.is_some()).count();
+        for commit in group.iter().filter(|c| c.done.is_none()) {
+            s.forget_lazy_keys(commit);
+        }
         if !s.items.iter().any(|c| c.done.is_none()) {
             s.oldest_lazy = None;
         }
         Some(group)
+    }
+}
+
+impl QueueState {
+    /// A grant queued behind a backlog of lazy commits (a storm of
+    /// releases, a mass expiry) is written before them instead of after
+    /// hundreds of groups, as long as it writes no key a queued lazy
+    /// commit writes (the per-key order stays the order of submission):
+    /// the durable commits from the first one on, in order, up to `limit`
+    /// and up to the first that writes such a key. `None` when the first
+    /// durable commit is within the next group anyway, or writes such a
+    /// key.
+    fn durable_ahead(&mut self, limit: usize) -> Option<Vec<Commit>> {
+        // The durable commits' places, found from the back: they are the
+        // newest, and the backlog before them may be hundreds of thousands
+        // long (the queue's lock is held: submitters wait meanwhile).
+        let mut places = Vec::with_capacity(self.durable);
+        for (i, c) in self.items.iter().enumerate().rev() {
+            if c.done.is_some() {
+                places.push(i);
+                if places.len() == self.durable {
+                    break;
+                }
+            }
+        }
+        places.reverse();
+        if places.first().is_none_or(|&first| first < limit) {
+            return None;
+        }
+        let clear = |c: &Commit| c.ops.iter().all(|op| !self.lazy_keys.contains_key(op_key(op)));
+        let ahead = places.iter().take(limit).take_while(|&&i| clear(&self.items[i])).count();
+        if ahead == 0 {
+            return None;
+        }
+        // Removed from the back (each removal shifts only what follows it,
+        // which is short), then put back in order.
+        let mut group: Vec<Commit> = places[..ahead].iter().rev().filter_map(|&i| self.items.remove(i)).collect();
+        group.reverse();
+        self.durable -= group.len();
+        Some(group)
+    }
+
+    fn forget_lazy_keys(&mut self, commit: &Commit) {
+        for op in &commit.ops {
+            if let Some(n) = self.lazy_keys.get_mut(op_key(op)) {
+                *n -= 1;
+                if *n == 0 {
+                    self.lazy_keys.remove(op_key(op));
+                }
+            }
+        }
+    }
+}
+
+/// The key an operation writes.
+fn op_key(op: &Op) -> &Key {
+    match op {
+        Op::Fence { key, .. } | Op::FenceWith { key, .. } | Op::Grant { key, .. } | Op::DropGrant { key, .. } => key,
     }
 }
 
@@ -191,6 +265,7 @@ impl Drop for WriterGone {
         s.closed = true;
         s.items.clear();
         s.durable = 0;
+        s.lazy_keys.clear();
     }
 }
 
@@ -876,6 +951,30 @@ mod tests {
         assert!(rocks(&s).queue.lock().sync_by.is_none());
         tokio::time::sleep(super::LAZY_SYNC_WITHIN + std::time::Duration::from_millis(300)).await;
         assert_eq!(syncs(), 1, "a lazy write covered by a durable commit's fsync was fsynced again");
+    }
+
+    /// A grant queued behind a backlog of lazy writes of other keys is
+    /// written before them; one of a key with a queued lazy write waits for
+    /// it (its order kept).
+    #[tokio::test]
+    async fn a_grant_goes_ahead_of_a_lazy_backlog_but_not_of_its_own_key_s_release() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = open(dir.path());
+        let others: Vec<Key> = (0..20_000).map(|i| Key::from(format!("other/{i}").as_str())).collect();
+        let k: Key = Key::from("k");
+        s.commit(vec![grant(&k, "a")]).await.unwrap();
+        for key in &others {
+            s.submit_lazy(vec![drop_grant(key)]);
+        }
+        s.commit(vec![grant(&Key::from("fresh"), "f")]).await.unwrap();
+        let left = rocks(&s).queue.lock().items.len();
+        assert!(left > 10_000, "the grant waited for {} of 20,000 lazy writes queued before it", 20_000 - left);
+        // Its own key's release queued behind the backlog: the grant after it
+        // is written after it.
+        s.submit_lazy(vec![drop_grant(&k)]);
+        s.commit(vec![grant(&k, "b")]).await.unwrap();
+        assert!(rocks(&s).queue.lock().items.is_empty(), "the grant of k went ahead of k's release");
+        assert_eq!(leases(&s), vec!["f", "b"]);
     }
 
     /// The `nice` field of a thread's `/proc/.../stat`.
