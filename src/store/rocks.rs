@@ -589,8 +589,9 @@ fn writer_loop(db: &DB, queue: &Queue, opts: WriterOptions, observe: &SyncObserv
             if lazy_only {
                 s.lazy_rest_until = Some(Instant::now() + started.elapsed() * LAZY_REST);
                 s.sync_by.get_or_insert_with(|| started + LAZY_SYNC_WITHIN);
-            } else {
-                // This group's fsync covered every earlier write.
+            } else if result.is_ok() {
+                // This group's fsync covered every earlier write (a failed
+                // one did not: the owed fsync stays owed).
                 s.sync_by = None;
             }
         }
@@ -645,8 +646,7 @@ fn write_group(db: &DB, group: &[Commit], wo: &WriteOptions, observe: Option<&Sy
         }
     }
     let started = Instant::now();
-    let result =
-        db.write_opt(batch, wo).map_err(|e| Error::Store(format!("writing {} ops with fsync: {e}", group.len())));
+    let result = db.write_opt(batch, wo).map_err(|e| Error::Store(format!("writing {} ops: {e}", group.len())));
     if let Some(observe) = observe {
         observe(started.elapsed(), group.len());
     }
