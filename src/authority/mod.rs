@@ -32,6 +32,7 @@ mod footprint;
 mod holders;
 pub mod types;
 
+pub use expiry::Sweep;
 pub use footprint::Footprint;
 
 use std::collections::VecDeque;

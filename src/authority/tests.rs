@@ -20,7 +20,7 @@ fn rig_with(store: Store) -> Rig {
     store.for_each_fence(|k, r| fences.load_record(k, r)).unwrap();
     let auth = Authority::restore(fences, store, metrics, LocksConfig::default()).unwrap();
     let (trigger, stop) = shutdown::channel();
-    tokio::spawn(auth.clone().run_expiry(stop));
+    tokio::spawn(auth.clone().run_expiry_with(stop, Sweep::Inline));
     Rig { auth, _trigger: trigger }
 }
 
