@@ -223,7 +223,9 @@ impl QueueState {
         if places.first().is_none_or(|&first| first < limit) {
             return None;
         }
-        let clear = |c: &Commit| c.ops.iter().all(|op| !self.lazy_keys.contains_key(op_key(op)));
+        // A commit of no operations is a barrier (`Store::mark_clean`:
+        // everything queued before it is written first): it never moves.
+        let clear = |c: &Commit| !c.ops.is_empty() && c.ops.iter().all(|op| !self.lazy_keys.contains_key(op_key(op)));
         let ahead = places.iter().take(limit).take_while(|&&i| clear(&self.items[i])).count();
         if ahead == 0 {
             return None;
@@ -975,6 +977,23 @@ mod tests {
         s.commit(vec![grant(&k, "b")]).await.unwrap();
         assert!(rocks(&s).queue.lock().items.is_empty(), "the grant of k went ahead of k's release");
         assert_eq!(leases(&s), vec!["f", "b"]);
+    }
+
+    /// An empty durable commit (the clean-stop barrier) is never put ahead
+    /// of a lazy backlog: when it is answered, every release queued before
+    /// it is written (an outside review saw the clean-stop mark written
+    /// before 200,000 queued releases: a kill 50 ms later brought 4,123 of
+    /// 5,000 sampled released leases back after a start that read the stop
+    /// as clean).
+    #[tokio::test]
+    async fn the_clean_stop_barrier_waits_for_the_whole_lazy_backlog() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = open(dir.path());
+        for i in 0..20_000 {
+            s.submit_lazy(vec![drop_grant(&Key::from(format!("other/{i}").as_str()))]);
+        }
+        s.commit(Vec::new()).await.unwrap();
+        assert!(rocks(&s).queue.lock().items.is_empty(), "the barrier went ahead of the lazy backlog");
     }
 
     /// The `nice` field of a thread's `/proc/.../stat`.
