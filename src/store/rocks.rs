@@ -90,7 +90,7 @@ struct QueueState {
     /// The keys the queued lazy commits write, with their number of
     /// writes: a durable commit that writes none of them may be written
     /// before them ([`QueueState::durable_ahead`]).
-    lazy_keys: HashMap<Key, u32>,
+    lazy_keys: LazyKeys,
     /// The writer waits: with a deadline when a lazy commit is queued,
     /// without one otherwise. False while it writes, and once someone woke
     /// it: one wake-up (a futex syscall) per wait, not one per commit.
@@ -120,7 +120,7 @@ impl Queue {
             s.waiting
         } else {
             for op in &commit.ops {
-                *s.lazy_keys.entry(op_key(op).clone()).or_insert(0) += 1;
+                s.lazy_keys.add(op_key(op));
             }
             let first_lazy = s.oldest_lazy.is_none();
             s.oldest_lazy.get_or_insert_with(Instant::now);
@@ -225,7 +225,7 @@ impl QueueState {
         }
         // A commit of no operations is a barrier (`Store::mark_clean`:
         // everything queued before it is written first): it never moves.
-        let clear = |c: &Commit| !c.ops.is_empty() && c.ops.iter().all(|op| !self.lazy_keys.contains_key(op_key(op)));
+        let clear = |c: &Commit| !c.ops.is_empty() && c.ops.iter().all(|op| !self.lazy_keys.contains(op_key(op)));
         let ahead = places.iter().take(limit).take_while(|&&i| clear(&self.items[i])).count();
         if ahead == 0 {
             return None;
@@ -240,12 +240,7 @@ impl QueueState {
 
     fn forget_lazy_keys(&mut self, commit: &Commit) {
         for op in &commit.ops {
-            if let Some(n) = self.lazy_keys.get_mut(op_key(op)) {
-                *n -= 1;
-                if *n == 0 {
-                    self.lazy_keys.remove(op_key(op));
-                }
-            }
+            self.lazy_keys.forget(op_key(op));
         }
     }
 }
@@ -267,7 +262,61 @@ impl Drop for WriterGone {
         s.closed = true;
         s.items.clear();
         s.durable = 0;
-        s.lazy_keys.clear();
+        s.lazy_keys = LazyKeys::default();
+    }
+}
+
+/// The keys of the queued lazy commits, counted, in [`LAZY_KEY_MAPS`]
+/// maps chosen by the key's hash. One map grows by rehashing every entry
+/// it holds, under the queue's lock: at 500,000 queued releases (a mass
+/// expiry) that took milliseconds in one push, while the pusher held a
+/// key's lock of the fence table too, and a fenced PUT of a key of that
+/// shard waited for it. A map of a 64th of the keys rehashes a 64th. A map
+/// left empty and large is given back.
+struct LazyKeys {
+    maps: Vec<HashMap<Key, u32>>,
+    pick: std::hash::RandomState,
+}
+
+/// Maps of [`LazyKeys`].
+const LAZY_KEY_MAPS: usize = 64;
+
+impl Default for LazyKeys {
+    fn default() -> LazyKeys {
+        LazyKeys { maps: (0..LAZY_KEY_MAPS).map(|_| HashMap::new()).collect(), pick: std::hash::RandomState::new() }
+    }
+}
+
+impl LazyKeys {
+    fn map(&self, key: &Key) -> usize {
+        use std::hash::BuildHasher;
+        // The low bits of a 64-bit hash: below 64 whatever the platform.
+        (self.pick.hash_one(key) % LAZY_KEY_MAPS as u64) as usize
+    }
+
+    fn add(&mut self, key: &Key) {
+        let i = self.map(key);
+        if let Some(m) = self.maps.get_mut(i) {
+            *m.entry(key.clone()).or_insert(0) += 1;
+        }
+    }
+
+    fn contains(&self, key: &Key) -> bool {
+        self.maps.get(self.map(key)).is_some_and(|m| m.contains_key(key))
+    }
+
+    fn forget(&mut self, key: &Key) {
+        let i = self.map(key);
+        let Some(m) = self.maps.get_mut(i) else { return };
+        if let Some(n) = m.get_mut(key) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(key);
+                if m.is_empty() && m.capacity() > 1024 {
+                    *m = HashMap::new();
+                }
+            }
+        }
     }
 }
 
