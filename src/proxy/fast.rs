@@ -33,7 +33,8 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use super::pool::Pool;
-use super::{path, AccessLine, Admit, Proxy, Route, METHOD_OVERRIDES};
+use super::s3::tokens::X_FENCING_TOKENS;
+use super::{path, AccessLine, Admit, FastRoute, Proxy, Route, METHOD_OVERRIDES};
 use crate::config::HostHeader;
 use crate::error::Error;
 use crate::fence::token::parse_token_values;
@@ -152,7 +153,7 @@ async fn serve_one(
             return write_response(stream, error.into_response(), false, true, &mut c.out, limits.send_timeout).await
         }
     };
-    let Some(Taken { route, key, method, mutation, pool, prefix, upstream_host, log }) = take(proxy, c, &checked)
+    let Some(Taken { route, key, method, mutation, s3, pool, prefix, upstream_host, log }) = take(proxy, c, &checked)
     else {
         return Next::General;
     };
@@ -173,7 +174,9 @@ async fn serve_one(
     let parsed = parse_token_values(head.token.clone().map(|r| &c.buf[r]));
     let token = parsed.as_ref().ok().copied().flatten();
     // Sequenced requests never come here (see `wire::parse_head`).
-    let guard: Option<InflightGuard> = match proxy.admit(route, &key, mutation, parsed, Ok(None)) {
+    // S3 routes judge no read by its token (the general path's rule).
+    let judged = if s3 && !mutation { Ok(None) } else { parsed };
+    let guard: Option<InflightGuard> = match proxy.admit(route, &key, mutation, judged, Ok(None)) {
         Admit::Forward(guard) => guard,
         _ => return Next::General,
     };
@@ -205,6 +208,13 @@ async fn serve_one(
     route.upstream_duration.observe(elapsed);
     // The upstream has answered (or failed): no longer in flight — unless
     // it answered before its kernel had taken the whole request.
+    // On an S3 route a mutation stays in flight until its response body
+    // ends (S3 answers `CopyObject` with 200 and applies it at the end of
+    // the body: `held_body.rs`), or the deadline.
+    let (guard, body_guard) = match &sent {
+        Some(Ok(up)) if s3 && mutation && super::sendq::delivered(up) => (None, guard),
+        _ => (guard, None),
+    };
     let held = hold_if_undelivered(guard, &sent, deadline);
     c.buf.advance(need);
     let upstream = match sent {
@@ -230,7 +240,36 @@ async fn serve_one(
 
     // 6. The response: its head with this hop's edits, then the body as it comes.
     let pool = (!held).then_some(&**pool);
-    relay_response(stream, upstream, pool, client_close, c, limits.send_timeout).await
+    let Some(body_guard) = body_guard else {
+        return relay_response(stream, upstream, pool, client_close, c, limits.send_timeout).await;
+    };
+    let relayed =
+        tokio::time::timeout_at(deadline, relay_response(stream, upstream, pool, client_close, c, limits.send_timeout))
+            .await;
+    match relayed {
+        // The body was relayed to its end: applied.
+        Ok(next @ (Next::KeepAlive | Next::Close)) => {
+            drop(body_guard);
+            next
+        }
+        // Cut short (the client stopped reading, the upstream broke): the
+        // upstream may still apply it, so it stays in flight until the
+        // deadline.
+        Ok(next) => {
+            tokio::spawn(async move {
+                tokio::time::sleep_until(deadline).await;
+                drop(body_guard);
+            });
+            next
+        }
+        // The deadline: the response is cut off with a reset (a FIN could
+        // end a close-delimited body as if it were whole).
+        Err(_) => {
+            let _ = stream.set_zero_linger();
+            drop(body_guard);
+            Next::Gone
+        }
+    }
 }
 
 /// A fenced request answered before the upstream's kernel had acknowledged
@@ -302,6 +341,8 @@ struct Taken<'p, 'c> {
     key: std::borrow::Cow<'c, str>,
     method: Method,
     mutation: bool,
+    /// An S3 route: a read is not judged by its token.
+    s3: bool,
     pool: &'p std::sync::Arc<Pool>,
     prefix: &'p str,
     upstream_host: Option<&'p http::HeaderValue>,
@@ -336,13 +377,18 @@ fn path_of(target: &str) -> &str {
 /// takes the request. `None`: the general path serves it.
 fn take<'p, 'c>(proxy: &'p Proxy, c: &Conn, checked: &'c path::CheckedPath) -> Option<Taken<'p, 'c>> {
     let head = &c.head;
-    let path_only = path_of(std::str::from_utf8(&c.buf[head.target.clone()]).ok()?);
-    let (route, key) = proxy.route_for(path_only, checked)?;
+    let target = std::str::from_utf8(&c.buf[head.target.clone()]).ok()?;
+    let path_only = path_of(target);
     let method = Method::from_bytes(&c.buf[head.method.clone()]).ok()?;
-    let mutation = route.is_mutation(&method);
+    let host = &c.buf[head.host.clone()?];
+    let FastRoute { route, key, mutation, s3 } = proxy.fast_route(target, &method, host, checked)?;
     // A header name with an underscore may be an alias of one of ours
-    // (`headers::underscore_alias`): the general path decides.
-    if head.forward.iter().any(|(n, _)| c.buf[n.clone()].contains(&b'_')) {
+    // (`headers::underscore_alias`): the general path decides. So it does
+    // per-resource tokens (`X-Fencing-Tokens`, S3 routes).
+    if head.forward.iter().any(|(n, _)| {
+        let name = &c.buf[n.clone()];
+        name.contains(&b'_') || name.eq_ignore_ascii_case(X_FENCING_TOKENS.as_bytes())
+    }) {
         return None;
     }
     // A read carrying a method override is judged by the general path
@@ -355,8 +401,6 @@ fn take<'p, 'c>(proxy: &'p Proxy, c: &Conn, checked: &'c path::CheckedPath) -> O
     {
         return None;
     }
-    // The path rule's route-dependent half: a refusal is the general path's.
-    route.check_trailing_slash(checked, mutation).ok()?;
     let (pool, prefix, upstream_host) = route.upstream.plain_http()?;
     if route.auth || route.policy.external || head.content_length > MAX_FAST_BODY.min(route.max_body_bytes) {
         return None;
@@ -364,7 +408,7 @@ fn take<'p, 'c>(proxy: &'p Proxy, c: &Conn, checked: &'c path::CheckedPath) -> O
     // The access log's fields are gathered only when it is on.
     let log = tracing::enabled!(target: "fencegate::access", tracing::Level::INFO)
         .then(|| Access { path: path_only.to_string(), req_bytes: head.content_length });
-    Some(Taken { route, key, method, mutation, pool, prefix, upstream_host, log })
+    Some(Taken { route, key, method, mutation, s3, pool, prefix, upstream_host, log })
 }
 
 /// Phase 6: the response head with this hop's edits, then the body as it

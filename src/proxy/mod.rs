@@ -72,6 +72,15 @@ enum Kind {
     S3(S3Kind),
 }
 
+/// What the fast path checks a request it takes on ([`Proxy::fast_route`]).
+struct FastRoute<'s, 'c> {
+    route: &'s Route,
+    key: Cow<'c, str>,
+    mutation: bool,
+    /// An S3 route: a read is not judged by its token (see `handle_s3`).
+    s3: bool,
+}
+
 /// The route a request path selected.
 enum Selected<'s, 'c> {
     Http(&'s Route, Cow<'c, str>, &'c path::CheckedPath),
@@ -427,13 +436,50 @@ impl Proxy {
         None
     }
 
-    /// The route of a checked path and its resource key, when the route is
-    /// one the fast path may take (an HTTP route); `None` sends the request
-    /// to the general path, which selects the same route again.
-    fn route_for<'s, 'c>(&'s self, raw: &str, checked: &'c path::CheckedPath) -> Option<(&'s Route, Cow<'c, str>)> {
-        match self.select(raw, Some(checked))? {
-            Selected::Http(r, key, _) => Some((r, key)),
-            Selected::S3(..) => None,
+    /// The route of a request the fast path may take, the resource its
+    /// fence check is made on and whether it mutates it; `None` sends the
+    /// request to the general path, which selects the same route again.
+    ///
+    /// An HTTP route: the key of its path, mutation by method (the caller
+    /// hands method overrides to the general path). An S3 route: only a
+    /// request whose head names its one resource, classified by the S3
+    /// kind exactly as the general path classifies it — `GET`, `HEAD`,
+    /// `PUT`, `DELETE` of one object or bucket (`RenameObject`, which
+    /// changes two, is refused by the classification here for want of its
+    /// source header and decided by the general path). `host`: the
+    /// request's one `Host`. The caller hands `X-Fencing-Tokens` (per
+    /// resource tokens) to the general path.
+    fn fast_route<'s, 'c>(
+        &'s self,
+        target: &str,
+        method: &Method,
+        host: &[u8],
+        checked: &'c path::CheckedPath,
+    ) -> Option<FastRoute<'s, 'c>> {
+        let path_only = target.split_once('?').map_or(target, |(p, _)| p);
+        match self.select(path_only, Some(checked))? {
+            Selected::Http(route, key, _) => {
+                let mutation = route.is_mutation(method);
+                route.check_trailing_slash(checked, mutation).ok()?;
+                Some(FastRoute { route, key, mutation, s3: false })
+            }
+            Selected::S3(route, s3) => {
+                if !matches!(*method, Method::GET | Method::HEAD | Method::PUT | Method::DELETE) {
+                    return None;
+                }
+                let uri = http::Uri::try_from(target).ok()?;
+                let mut headers = http::HeaderMap::new();
+                headers.insert(http::header::HOST, http::HeaderValue::from_bytes(host).ok()?);
+                let s3::S3Plan::Head { primary, mut mutated } = s3.classify(method, &uri, &headers).ok()? else {
+                    return None;
+                };
+                let (key, mutation) = match mutated.len() {
+                    0 => (primary, false),
+                    1 => (mutated.pop()?, true),
+                    _ => return None,
+                };
+                Some(FastRoute { route, key: Cow::Owned(key), mutation, s3: true })
+            }
         }
     }
 

@@ -111,9 +111,15 @@ fn s3_config(upstream: &str, extra: &str) -> String {
 }
 
 async fn setup(extra: &str) -> (tempfile::TempDir, Gateway, Echo, Http) {
+    setup_on(true, extra).await
+}
+
+/// `fast`: the proxy's fast path on (it takes the S3 requests that name
+/// their one resource in the head) or off (hyper serves every request).
+async fn setup_on(fast: bool, extra: &str) -> (tempfile::TempDir, Gateway, Echo, Http) {
     let echo = Echo::start().await;
     let dir = tempfile::tempdir().unwrap();
-    let config = Some(s3_config(&echo.url(), extra));
+    let config = Some(format!("[server]\nproxy_fast_path = {fast}\n{}", s3_config(&echo.url(), extra)));
     let gw = Gateway::start(&dir.path().join("data"), Opts { config, ..Opts::default() });
     (dir, gw, echo, Http::default())
 }
@@ -153,7 +159,13 @@ async fn raw_exchange(addr: std::net::SocketAddr, bytes: &[u8], wait: Duration) 
 
 #[tokio::test(flavor = "multi_thread")]
 async fn every_s3_mutation_kind_is_forwarded_live_and_refused_stale_before_the_upstream() {
-    let (_d, gw, echo, http) = setup("").await;
+    for fast in [true, false] {
+        every_s3_mutation_kind_on(fast).await;
+    }
+}
+
+async fn every_s3_mutation_kind_on(fast: bool) {
+    let (_d, gw, echo, http) = setup_on(fast, "").await;
     let api = gw.api_url("");
     // (method, target, extra headers, resource it fences)
     type Case<'a> = (&'a str, &'a str, &'a [(&'a str, &'a str)], &'a str);
@@ -229,6 +241,44 @@ async fn every_s3_mutation_kind_is_forwarded_live_and_refused_stale_before_the_u
     let m = String::from_utf8(http.get(&gw.api_url("/metrics")).await.body.to_vec()).unwrap();
     assert!(m.contains(&format!("fencegate_mutations_total{{outcome=\"stale\",route=\"s3\"}} {}", cases.len())), "{m}");
     assert!(gw.log_text().contains("mutation refused"));
+}
+
+/// Each request on a connection of its own, so that the fast path (which
+/// hands a connection to hyper after a refusal) decides every one: a stale
+/// or missing token is refused as an S3 error and never forwarded; a
+/// CopyObject with a live token is forwarded; a read's token is not judged.
+#[tokio::test(flavor = "multi_thread")]
+async fn s3_requests_on_fresh_connections_are_fenced_by_the_fast_path() {
+    let (_d, gw, echo, http) = setup_on(true, "").await;
+    let api = gw.api_url("");
+    let (live, stale) = live_and_stale(&http, &api, "bkt/obj").await;
+    let req = |method: &str, target: &str, token: Option<u64>, extra: &str| {
+        let token = token.map(|t| format!("X-Fencing-Token: {t}\r\n")).unwrap_or_default();
+        format!("{method} {target} HTTP/1.1\r\nHost: 127.0.0.1\r\n{token}{extra}Content-Length: 2\r\nConnection: close\r\n\r\nhi")
+    };
+    let wait = Duration::from_secs(5);
+    for (method, target, extra) in [
+        ("PUT", "/bkt/obj", ""),
+        ("PUT", "/bkt/obj?tagging", ""),
+        ("PUT", "/bkt/obj", "x-amz-copy-source: /bkt/src\r\n"),
+        ("DELETE", "/bkt/obj", ""),
+    ] {
+        let before = echo.count();
+        let reply = raw_exchange(gw.proxy, req(method, target, Some(stale), extra).as_bytes(), wait).await;
+        assert!(reply.starts_with("HTTP/1.1 409") && reply.contains("StaleFencingToken"), "{method} {target}: {reply}");
+        let reply = raw_exchange(gw.proxy, req(method, target, None, extra).as_bytes(), wait).await;
+        assert!(
+            reply.starts_with("HTTP/1.1 428") && reply.contains("FencingTokenRequired"),
+            "{method} {target}: {reply}"
+        );
+        assert_eq!(echo.count(), before, "{method} {target}: a refused request reached the upstream");
+        let reply = raw_exchange(gw.proxy, req(method, target, Some(live.token), extra).as_bytes(), wait).await;
+        assert!(reply.starts_with("HTTP/1.1 200"), "{method} {target}: {reply}");
+        assert_eq!(echo.count(), before + 1);
+    }
+    // A read with a stale token passes: S3 routes judge no read by its token.
+    let reply = raw_exchange(gw.proxy, req("GET", "/bkt/obj", Some(stale), "").as_bytes(), wait).await;
+    assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -386,7 +436,13 @@ async fn post_object_is_fenced_by_the_key_in_its_form() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn request_target_host_signed_headers_and_aws_chunked_body_are_forwarded_byte_for_byte() {
-    let (_d, gw, echo, http) = setup("base_domains = [\"s3.test.internal\"]").await;
+    for fast in [true, false] {
+        forwarded_byte_for_byte_on(fast).await;
+    }
+}
+
+async fn forwarded_byte_for_byte_on(fast: bool) {
+    let (_d, gw, echo, http) = setup_on(fast, "base_domains = [\"s3.test.internal\"]").await;
     let api = gw.api_url("");
     let key = "bkt/dir/a+b c~é";
     let g = acquire(&http, &api, key, 60_000, 0).await.unwrap();
