@@ -6,7 +6,8 @@
 //! `Transfer-Encoding`, `Upgrade`, `Expect` or hop-by-hop header besides
 //! `Connection: keep-alive|close`, headers within the listener's limit, a
 //! route that uses the embedded authority, needs no principal and forwards to
-//! a plain `http://` upstream, and a request the fence check admits. The
+//! a plain `http://` upstream (on an S3 route, a request whose head names its
+//! one resource: `Proxy::fast_route`), and a request the fence check admits. The
 //! check is the general path's own ([`Proxy::admit`], around
 //! [`FenceTable::admit`](crate::fence::FenceTable::admit), the one atomic
 //! compare-and-register), made before a byte goes upstream.
