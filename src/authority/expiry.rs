@@ -490,12 +490,27 @@ mod tests {
         let nice = |stat: &str| -> Option<i32> { stat.rsplit_once(')')?.1.split_whitespace().nth(16)?.parse().ok() };
         let own = nice(&std::fs::read_to_string("/proc/thread-self/stat").unwrap()).unwrap();
         let n = 20_000;
+        let mut leases = Vec::with_capacity(n);
         for i in 0..n {
-            let req = AcquireRequest { key: format!("mass/{i}"), ttl_ms: 300, wait_ms: 0, holder: None };
-            auth.acquire(req).await.unwrap();
+            let req = AcquireRequest { key: format!("mass/{i}"), ttl_ms: 60_000, wait_ms: 0, holder: None };
+            leases.push((format!("mass/{i}"), auth.acquire(req).await.unwrap().lease_id));
         }
-        let held =
-            auth.acquire(AcquireRequest { key: "wanted".into(), ttl_ms: 301, wait_ms: 0, holder: None }).await.unwrap();
+        let held = auth
+            .acquire(AcquireRequest { key: "wanted".into(), ttl_ms: 60_000, wait_ms: 0, holder: None })
+            .await
+            .unwrap();
+        // Every deadline at the same instant whatever the time the acquires
+        // took (renewals with a TTL to that instant), the waited-for key's
+        // 2 ms after: the whole backlog is due before it.
+        let at = auth.now_ms() + 2_000;
+        let renew = |key: String, lease_id: String, at: u64| {
+            let ttl_ms = Some(at.saturating_sub(auth.now_ms()).max(1));
+            auth.renew(crate::authority::RenewRequest { key, lease_id, ttl_ms }).unwrap();
+        };
+        for (key, lease_id) in leases {
+            renew(key, lease_id, at);
+        }
+        renew("wanted".into(), held.lease_id.clone(), at + 2);
         let (trigger, stop) = crate::shutdown::channel();
         let expiry = tokio::spawn(auth.clone().run_expiry(stop));
         let waiter = {
