@@ -876,5 +876,7 @@ async fn reply_error(
         access.write(seen, error.status().as_u16(), error.code(), 0);
     }
     let head_request = *seen.method == Method::HEAD;
-    write_response(stream, error.into_response(), head_request, close, &mut Vec::new(), send_timeout).await
+    // An S3 route's failures speak S3 XML, as on the general path.
+    let response = if route.is_s3() { error.into_s3_response() } else { error.into_response() };
+    write_response(stream, response, head_request, close, &mut Vec::new(), send_timeout).await
 }

@@ -281,6 +281,38 @@ async fn s3_requests_on_fresh_connections_are_fenced_by_the_fast_path() {
     assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
 }
 
+/// An upstream that fails (a malformed answer) after the fast path
+/// forwarded an S3 request: the 502 is an S3 XML error, as on the general
+/// path (an outside review saw JSON).
+#[tokio::test(flavor = "multi_thread")]
+async fn upstream_failures_on_s3_routes_are_s3_errors_on_both_paths() {
+    for fast in [true, false] {
+        let bad = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = bad.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = bad.accept().await {
+                tokio::spawn(async move {
+                    let mut buf = [0u8; 4096];
+                    let _ = s.read(&mut buf).await;
+                    let _ = s.write_all(b"NOT HTTP AT ALL\r\n\r\n").await;
+                });
+            }
+        });
+        let dir = tempfile::tempdir().unwrap();
+        let config = format!("[server]\nproxy_fast_path = {fast}\n{}", s3_config(&format!("http://{addr}"), ""));
+        let gw = Gateway::start(&dir.path().join("data"), Opts { config: Some(config), ..Opts::default() });
+        let http = Http::default();
+        let g = acquire(&http, &gw.api_url(""), "bkt/obj", 60_000, 0).await.unwrap();
+        let head = format!(
+            "PUT /bkt/obj HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Fencing-Token: {}\r\nContent-Length: 2\r\nConnection: close\r\n\r\nhi",
+            g.token
+        );
+        let reply = raw_exchange(gw.proxy, head.as_bytes(), Duration::from_secs(10)).await;
+        assert!(reply.starts_with("HTTP/1.1 502"), "fast={fast}: {reply}");
+        assert!(reply.contains("application/xml") && reply.contains("<Code>"), "fast={fast}: {reply}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn rename_object_needs_both_keys_admissible() {
     let (_d, gw, echo, http) = setup("").await;
