@@ -151,7 +151,10 @@ async fn serve_one(
         Ok(Some(checked)) => checked,
         Ok(None) => return Next::General,
         Err(error) => {
-            return write_response(stream, error.into_response(), false, true, &mut c.out, limits.send_timeout).await
+            // Refused before routing; an S3 route's refusals still speak S3.
+            let target = String::from_utf8_lossy(&c.buf[c.head.target.clone()]);
+            let response = if proxy.selects_s3(&target) { error.into_s3_response() } else { error.into_response() };
+            return write_response(stream, response, false, true, &mut c.out, limits.send_timeout).await;
         }
     };
     let Some(Taken { route, key, method, mutation, s3, pool, prefix, upstream_host, log }) = take(proxy, c, &checked)
@@ -382,7 +385,7 @@ fn take<'p, 'c>(proxy: &'p Proxy, c: &Conn, checked: &'c path::CheckedPath) -> O
     let path_only = path_of(target);
     let method = Method::from_bytes(&c.buf[head.method.clone()]).ok()?;
     let host = &c.buf[head.host.clone()?];
-    let FastRoute { route, key, mutation, s3 } = proxy.fast_route(target, &method, host, checked)?;
+    let FastRoute { route, key, mutation, s3 } = proxy.fast_route(target, path_only, &method, host, checked)?;
     // A header name with an underscore may be an alias of one of ours
     // (`headers::underscore_alias`): the general path decides. So it does
     // per-resource tokens (`X-Fencing-Tokens`, S3 routes).

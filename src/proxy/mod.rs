@@ -452,11 +452,11 @@ impl Proxy {
     fn fast_route<'s, 'c>(
         &'s self,
         target: &str,
+        path_only: &str,
         method: &Method,
         host: &[u8],
         checked: &'c path::CheckedPath,
     ) -> Option<FastRoute<'s, 'c>> {
-        let path_only = target.split_once('?').map_or(target, |(p, _)| p);
         match self.select(path_only, Some(checked))? {
             Selected::Http(route, key, _) => {
                 let mutation = route.is_mutation(method);
@@ -481,6 +481,15 @@ impl Proxy {
                 Some(FastRoute { route, key: Cow::Owned(key), mutation, s3: true })
             }
         }
+    }
+
+    /// Whether a request-target as sent (a fragment, a query and all)
+    /// selects an S3 route: a refusal made before routing then speaks S3.
+    fn selects_s3(&self, target: &str) -> bool {
+        let target = target.split_once('#').map_or(target, |(t, _)| t);
+        let path = target.split_once('?').map_or(target, |(p, _)| p);
+        let checked = path::check_path(path);
+        matches!(self.select(path, checked.as_ref().ok()), Some(Selected::S3(..)))
     }
 
     async fn handle_inner<'a>(

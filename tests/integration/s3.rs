@@ -313,6 +313,29 @@ async fn upstream_failures_on_s3_routes_are_s3_errors_on_both_paths() {
     }
 }
 
+/// A fragment in the request-target: the fast path refuses it before the
+/// route is chosen (docs/proxy.md), the general path drops it and judges
+/// the key it names; on an S3 route both answer S3 XML, and nothing
+/// reaches the store.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_fragment_on_an_s3_route_is_refused_in_s3_xml_on_both_paths() {
+    for fast in [true, false] {
+        let (_d, gw, echo, http) = setup_on(fast, "").await;
+        let api = gw.api_url("");
+        let (_live, _) = live_and_stale(&http, &api, "bkt/obj").await;
+        let alias = acquire(&http, &api, "bkt/obj#x", 60_000, 0).await.unwrap();
+        let head = format!(
+            "PUT /bkt/obj#x HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Fencing-Token: {}\r\nContent-Length: 2\r\nConnection: close\r\n\r\nhi",
+            alias.token
+        );
+        let reply = raw_exchange(gw.proxy, head.as_bytes(), Duration::from_secs(10)).await;
+        let status = if fast { "HTTP/1.1 400" } else { "HTTP/1.1 403" };
+        assert!(reply.starts_with(status), "fast={fast}: {reply}");
+        assert!(reply.contains("application/xml") && reply.contains("<Code>"), "fast={fast}: {reply}");
+        assert_eq!(echo.count(), 0, "fast={fast}: nothing reaches the store through a fragment");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn rename_object_needs_both_keys_admissible() {
     let (_d, gw, echo, http) = setup("").await;
@@ -756,6 +779,35 @@ async fn over_h2c_the_authority_is_the_host_forwarded_and_the_target_is_untouche
     conn.abort();
 }
 
+/// Reads one request (head, and a body of its `content-length`) off
+/// `stream`; false if the connection ended first.
+async fn read_request(stream: &mut TcpStream) -> bool {
+    let mut buf = Vec::new();
+    let head_end = loop {
+        if let Some(i) = find(&buf, b"\r\n\r\n") {
+            break i + 4;
+        }
+        let mut chunk = [0u8; 8192];
+        match stream.read(&mut chunk).await {
+            Ok(0) | Err(_) => return false,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+    let len = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:").map(|v| v.trim().parse::<usize>().unwrap()))
+        .unwrap_or(0);
+    while buf.len() < head_end + len {
+        let mut chunk = [0u8; 8192];
+        match stream.read(&mut chunk).await {
+            Ok(0) | Err(_) => return false,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+    true
+}
+
 /// An upstream that answers `200` at once, sends whitespace while it
 /// "runs" the operation for `apply_after`, then applies it (records the
 /// instant) and ends the body — as S3 answers CompleteMultipartUpload,
@@ -769,28 +821,8 @@ async fn slow_complete_upstream(apply_after: Duration) -> (std::net::SocketAddr,
         while let Ok((mut stream, _)) = listener.accept().await {
             let seen = seen.clone();
             tokio::spawn(async move {
-                let mut buf = Vec::new();
-                let head_end = loop {
-                    if let Some(i) = find(&buf, b"\r\n\r\n") {
-                        break i + 4;
-                    }
-                    let mut chunk = [0u8; 8192];
-                    match stream.read(&mut chunk).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                    }
-                };
-                let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
-                let len = head
-                    .lines()
-                    .find_map(|l| l.strip_prefix("content-length:").map(|v| v.trim().parse::<usize>().unwrap()))
-                    .unwrap_or(0);
-                while buf.len() < head_end + len {
-                    let mut chunk = [0u8; 8192];
-                    match stream.read(&mut chunk).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                    }
+                if !read_request(&mut stream).await {
+                    return;
                 }
                 let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\n \r\n").await;
                 let steps = 10u32;
@@ -807,6 +839,31 @@ async fn slow_complete_upstream(apply_after: Duration) -> (std::net::SocketAddr,
         }
     });
     (addr, applied)
+}
+
+/// An upstream that answers `200` with a chunked body of `size` bytes of
+/// whitespace, as fast as it is read, then ends it.
+async fn large_answer_upstream(size: usize) -> std::net::SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                if !read_request(&mut stream).await {
+                    return;
+                }
+                let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n").await;
+                let chunk = format!("10000\r\n{}\r\n", " ".repeat(0x10000));
+                for _ in 0..size / 0x10000 {
+                    if stream.write_all(chunk.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+                let _ = stream.write_all(b"0\r\n\r\n").await;
+            });
+        }
+    });
+    addr
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -864,6 +921,46 @@ async fn a_response_body_that_never_ends_holds_a_grant_no_longer_than_the_upstre
     let waited = started.elapsed();
     assert!(waited >= Duration::from_millis(500), "the grant must wait for the body ({waited:?})");
     assert!(waited < Duration::from_secs(5), "the upstream timeout bounds the wait ({waited:?})");
+}
+
+/// A paused old holder stops reading a large answer (a CopyObject's): the
+/// gateway's write to it blocks, and with it the reading of the response
+/// body; the hold must still end at the route's upstream timeout.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_that_stops_reading_a_large_answer_holds_a_grant_no_longer_than_the_upstream_timeout() {
+    for fast in [false, true] {
+        let addr = large_answer_upstream(64 << 20).await;
+        let dir = tempfile::tempdir().unwrap();
+        let config = format!(
+            "[server]\nproxy_fast_path = {fast}\n{}",
+            s3_config(&format!("http://{addr}"), "upstream_timeout_ms = 1000")
+        );
+        let gw = Gateway::start(&dir.path().join("data"), Opts { config: Some(config), ..Opts::default() });
+        let http = Http::default();
+        let api = gw.api_url("");
+        let old = acquire(&http, &api, "bkt/obj", 10_000, 0).await.unwrap();
+        let mut paused = TcpStream::connect(gw.proxy).await.unwrap();
+        let sent = std::time::Instant::now();
+        let head = format!(
+            "PUT /bkt/obj HTTP/1.1\r\nhost: s3.local\r\nx-fencing-token: {}\r\nx-amz-copy-source: /bkt/src\r\ncontent-length: 0\r\n\r\n",
+            old.token
+        );
+        paused.write_all(head.as_bytes()).await.unwrap();
+        // It reads the head and stops: 64 MiB outlast every socket buffer.
+        let mut first = [0u8; 12];
+        paused.read_exact(&mut first).await.unwrap();
+        assert_eq!(&first, b"HTTP/1.1 200", "fast path {fast}");
+        release(&http, &api, &old).await;
+        let new = acquire(&http, &api, "bkt/obj", 10_000, 20_000).await.unwrap();
+        assert!(new.token > old.token);
+        let waited = sent.elapsed();
+        assert!(
+            waited >= Duration::from_millis(900),
+            "fast path {fast}: the grant must wait for the body ({waited:?})"
+        );
+        assert!(waited < Duration::from_secs(5), "fast path {fast}: the upstream timeout bounds the wait ({waited:?})");
+        drop(paused);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]
