@@ -62,6 +62,9 @@ const SHRINK_ABOVE: usize = 128 * 1024;
 enum Failure {
     Connect(String),
     Exchange(String),
+    /// The exchange broke after the whole request had been written (no
+    /// answer, a malformed one, a reset): the upstream may still apply it.
+    AfterSent(String),
     /// A newer fence arrived before the body was sent.
     Aborted,
     /// Cluster mode: the gateway's view stopped being current (its member
@@ -289,8 +292,19 @@ fn hold_if_undelivered(
     sent: &Option<Result<TcpStream, Failure>>,
     deadline: Instant,
 ) -> bool {
-    let (Some(guard), Some(Ok(upstream))) = (guard, sent) else {
-        return false;
+    let Some(guard) = guard else { return false };
+    let upstream = match sent {
+        Some(Ok(upstream)) => upstream,
+        // Written whole, then no answer (a reset, a close, a malformed
+        // head): the upstream may still apply it until the deadline.
+        Some(Err(Failure::AfterSent(_))) => {
+            tokio::spawn(async move {
+                tokio::time::sleep_until(deadline).await;
+                drop(guard);
+            });
+            return true;
+        }
+        _ => return false,
     };
     if super::sendq::delivered(upstream) {
         return false;
@@ -321,7 +335,7 @@ fn hold_if_undelivered(
 struct Unanswered(Option<TcpStream>);
 
 impl Unanswered {
-    fn answered(mut self) -> Option<TcpStream> {
+    fn answered(&mut self) -> Option<TcpStream> {
         self.0.take()
     }
     fn get(&mut self) -> Option<&mut TcpStream> {
@@ -553,7 +567,7 @@ fn forward_failure(
             tracing::warn!(route = %route.name, error = %e, "upstream connect failed");
             (Error::UpstreamUnavailable("could not connect to the upstream".into()), Outcome::UpstreamError)
         }
-        Some(Some(Failure::Exchange(e))) => {
+        Some(Some(Failure::Exchange(e) | Failure::AfterSent(e))) => {
             tracing::warn!(route = %route.name, error = %e, "upstream exchange failed");
             (Error::UpstreamUnavailable("the upstream exchange failed".into()), Outcome::UpstreamError)
         }
@@ -685,6 +699,16 @@ async fn exchange(
         g.ctl().mark_body_done();
     }
     rbuf.clear();
+    read_response_head(&mut upstream, head_request, rbuf, resp).await.map_err(Failure::AfterSent)
+}
+
+/// Reads the response head of a request written whole.
+async fn read_response_head(
+    upstream: &mut Unanswered,
+    head_request: bool,
+    rbuf: &mut BytesMut,
+    resp: &mut RespHead,
+) -> Result<TcpStream, String> {
     loop {
         if !rbuf.is_empty() {
             match parse_response(rbuf, head_request, resp) {
@@ -693,25 +717,21 @@ async fn exchange(
                     rbuf.advance(resp.len);
                     continue;
                 }
-                RespParsed::Complete if resp.status == 101 => {
-                    return Err(Failure::Exchange("unexpected 101 Switching Protocols".into()))
-                }
-                RespParsed::Complete => {
-                    return upstream.answered().ok_or_else(|| Failure::Exchange("the connection was lost".into()))
-                }
+                RespParsed::Complete if resp.status == 101 => return Err("unexpected 101 Switching Protocols".into()),
+                RespParsed::Complete => return upstream.answered().ok_or_else(|| "the connection was lost".into()),
                 RespParsed::Partial if rbuf.len() <= MAX_RESPONSE_HEAD => {}
-                RespParsed::Partial => return Err(Failure::Exchange("response head too large".into())),
-                RespParsed::Bad(why) => return Err(Failure::Exchange(why.into())),
+                RespParsed::Partial => return Err("response head too large".into()),
+                RespParsed::Bad(why) => return Err(why.into()),
             }
         }
         reserve(rbuf);
         let Some(tcp) = upstream.get() else {
-            return Err(Failure::Exchange("the connection was lost".into()));
+            return Err("the connection was lost".into());
         };
         match tcp.read_buf(rbuf).await {
-            Ok(0) => return Err(Failure::Exchange("the upstream closed the connection before answering".into())),
+            Ok(0) => return Err("the upstream closed the connection before answering".into()),
             Ok(_) => {}
-            Err(e) => return Err(Failure::Exchange(format!("reading the response: {e}"))),
+            Err(e) => return Err(format!("reading the response: {e}")),
         }
     }
 }

@@ -953,6 +953,7 @@ async fn exchange(
     }
     let (upstream, object, timeout) = (route.upstream.clone(), object.to_string(), route.upstream_timeout);
     let hold_body = route.is_s3();
+    let outcome = held.clone();
     let task = tokio::spawn(async move {
         let deadline = tokio::time::Instant::now() + timeout;
         let sent = upstream.send(up, &object, token, timeout).await;
@@ -992,6 +993,17 @@ async fn exchange(
         }
         match sent {
             Ok(resp) if hold_body => Ok(resp.map(|b| BoxBody::new(held_body::HeldBody::new(b, guards, deadline)))),
+            // The exchange broke after the request had gone (no answer, a
+            // malformed one, a reset) and the gateway did not cut its body:
+            // the upstream may still apply it within the upstream timeout,
+            // so it stays in flight until then, as an unanswered one does.
+            Err(SendError::Other(e)) if !outcome.as_ref().is_some_and(|b| b.cut()) => {
+                tokio::spawn(async move {
+                    tokio::time::sleep_until(deadline).await;
+                    drop(guards);
+                });
+                Err(SendError::Other(e))
+            }
             sent => {
                 drop(guards);
                 sent

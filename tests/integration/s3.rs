@@ -923,6 +923,66 @@ async fn a_response_body_that_never_ends_holds_a_grant_no_longer_than_the_upstre
     assert!(waited < Duration::from_secs(5), "the upstream timeout bounds the wait ({waited:?})");
 }
 
+/// An upstream that reads each request whole, then closes the connection
+/// without an answer (a crash, a proxy's own timeout) — it may still apply
+/// what it read.
+async fn no_answer_upstream() -> std::net::SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                if read_request(&mut stream).await {
+                    drop(stream);
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// A mutation written whole whose exchange then breaks with no answer
+/// stays in flight until the route's upstream timeout, on S3 and HTTP
+/// routes and on both paths: a grant answered at once would let the
+/// upstream apply the old holder's write after it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_write_sent_whole_and_never_answered_holds_a_grant_until_the_upstream_timeout() {
+    for s3 in [true, false] {
+        for fast in [false, true] {
+            let addr = no_answer_upstream().await;
+            let dir = tempfile::tempdir().unwrap();
+            let route = if s3 {
+                s3_config(&format!("http://{addr}"), "upstream_timeout_ms = 1000")
+            } else {
+                format!(
+                    "[[routes]]\nmatch = \"/{{*path}}\"\nupstream = \"http://{addr}\"\nupstream_timeout_ms = 1000\n"
+                )
+            };
+            let config = format!("[server]\nproxy_fast_path = {fast}\n{route}");
+            let gw = Gateway::start(&dir.path().join("data"), Opts { config: Some(config), ..Opts::default() });
+            let http = Http::default();
+            let api = gw.api_url("");
+            let old = acquire(&http, &api, "bkt/obj", 10_000, 0).await.unwrap();
+            let sent = std::time::Instant::now();
+            let head = format!(
+                "PUT /bkt/obj HTTP/1.1\r\nhost: s3.local\r\nx-fencing-token: {}\r\ncontent-length: 2\r\nconnection: close\r\n\r\nhi",
+                old.token
+            );
+            let reply = raw_exchange(gw.proxy, head.as_bytes(), Duration::from_secs(10)).await;
+            assert!(reply.starts_with("HTTP/1.1 502"), "s3={s3} fast={fast}: {reply}");
+            release(&http, &api, &old).await;
+            let new = acquire(&http, &api, "bkt/obj", 10_000, 20_000).await.unwrap();
+            assert!(new.token > old.token);
+            let waited = sent.elapsed();
+            assert!(waited >= Duration::from_millis(900), "s3={s3} fast={fast}: the grant came at {waited:?}");
+            assert!(
+                waited < Duration::from_secs(5),
+                "s3={s3} fast={fast}: the upstream timeout bounds it ({waited:?})"
+            );
+        }
+    }
+}
+
 /// A paused old holder stops reading a large answer (a CopyObject's): the
 /// gateway's write to it blocks, and with it the reading of the response
 /// body; the hold must still end at the route's upstream timeout.
