@@ -173,7 +173,10 @@ impl Drop for HeldBody {
                 let drain = async {
                     while let Some(frame) = inner.frame().await {
                         if frame.is_err() {
-                            break;
+                            // Cut short by the upstream: it may still apply
+                            // the write, so the hold lasts to the deadline.
+                            drop(inner);
+                            return std::future::pending::<()>().await;
                         }
                     }
                 };
