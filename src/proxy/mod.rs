@@ -956,7 +956,15 @@ async fn exchange(
     let outcome = held.clone();
     let task = tokio::spawn(async move {
         let deadline = tokio::time::Instant::now() + timeout;
-        let sent = upstream.send(up, &object, token, timeout).await;
+        let sent = match upstream.send(up, &object, token, timeout).await {
+            // A registered mutation never asks for an upgrade: an upstream
+            // switching protocols on it broke the exchange (and may still
+            // apply the write), as an unparseable answer does.
+            Ok(resp) if resp.status() == http::StatusCode::SWITCHING_PROTOCOLS => {
+                Err(SendError::Other("unexpected 101 Switching Protocols on a fenced mutation".into()))
+            }
+            sent => sent,
+        };
         // Answered while the body still streamed, or before the upstream's
         // kernel had taken all of it (it was in the gateway's send queue):
         // this upstream answers before it has read a request whole, so what
