@@ -263,10 +263,7 @@ async fn serve_one(
         // upstream may still apply it, so it stays in flight until the
         // deadline.
         Ok(next) => {
-            tokio::spawn(async move {
-                tokio::time::sleep_until(deadline).await;
-                drop(body_guard);
-            });
+            super::hold_until(deadline, body_guard);
             next
         }
         // The deadline: the response is cut off with a reset (a FIN could
@@ -298,10 +295,7 @@ fn hold_if_undelivered(
         // Written whole, then no answer (a reset, a close, a malformed
         // head): the upstream may still apply it until the deadline.
         Some(Err(Failure::AfterSent(_))) => {
-            tokio::spawn(async move {
-                tokio::time::sleep_until(deadline).await;
-                drop(guard);
-            });
+            super::hold_until(deadline, guard);
             return true;
         }
         _ => return false,

@@ -1006,10 +1006,7 @@ async fn exchange(
             // the upstream may still apply it within the upstream timeout,
             // so it stays in flight until then, as an unanswered one does.
             Err(SendError::Other(e)) if !outcome.as_ref().is_some_and(|b| b.cut()) => {
-                tokio::spawn(async move {
-                    tokio::time::sleep_until(deadline).await;
-                    drop(guards);
-                });
+                hold_until(deadline, guards);
                 Err(SendError::Other(e))
             }
             sent => {
@@ -1022,6 +1019,15 @@ async fn exchange(
         Ok(sent) => sent,
         Err(e) => Err(SendError::Other(format!("the exchange task failed: {e}"))),
     }
+}
+
+/// Keeps `held` (in-flight registrations) until `deadline`, then ends it:
+/// for a write the upstream may still apply although the exchange is over.
+fn hold_until<T: Send + 'static>(deadline: tokio::time::Instant, held: T) {
+    tokio::spawn(async move {
+        tokio::time::sleep_until(deadline).await;
+        drop(held);
+    });
 }
 
 /// A success that the upstream gave before the request body had ended (it
