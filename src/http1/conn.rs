@@ -80,12 +80,15 @@ impl Deadline {
         }
     }
 
-    /// `fut`, unless the deadline passes first (`None`).
+    /// `fut`, unless the deadline passes first (`None`). The timer is
+    /// polled outside the task's cooperative budget: a peer that keeps
+    /// `fut` busy (an upstream flooding `102 Processing`) exhausts the
+    /// budget on every poll, and a budgeted timer would then never fire.
     pub(crate) async fn within<T>(&mut self, fut: impl std::future::Future<Output = T>) -> Option<T> {
         tokio::select! {
             biased;
             r = fut => Some(r),
-            () = self.passed() => None,
+            () = tokio::task::unconstrained(self.passed()) => None,
         }
     }
 }
@@ -156,4 +159,24 @@ pub(crate) async fn send(stream: &TcpStream, mut buf: &[u8], stall: Duration) ->
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A future that is always ready for more (a peer flooding interim
+    /// answers) uses up the task's budget on every poll; the deadline must
+    /// still pass. With the timer inside the budget this never returned.
+    #[tokio::test]
+    async fn a_deadline_passes_while_the_future_keeps_using_up_the_budget() {
+        let mut deadline = Deadline::new(Instant::now() + Duration::from_millis(50));
+        let busy = async {
+            loop {
+                tokio::task::consume_budget().await;
+            }
+        };
+        let ended = tokio::time::timeout(Duration::from_secs(5), deadline.within(busy)).await;
+        assert!(matches!(ended, Ok(None)), "the deadline passed: within() gave None");
+    }
 }

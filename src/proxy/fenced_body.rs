@@ -43,6 +43,9 @@ pub struct BodyOutcome {
     /// The upstream connection the body is going out on (a fenced
     /// upload), and the number of its request there.
     wire: Mutex<(Weak<Wire>, u64)>,
+    /// The body was empty when its request was put on a connection: the
+    /// head is the whole request.
+    empty: AtomicBool,
 }
 
 const STREAMING: u8 = 0;
@@ -87,6 +90,12 @@ impl BodyOutcome {
     /// The body stopped with an error (any of the above).
     pub fn cut(&self) -> bool {
         matches!(self.state.load(Ordering::Acquire), ABORTED | TOO_LARGE | CLIENT_BROKE | NOT_CURRENT | TIMED_OUT)
+    }
+    /// True when the whole request was handed to the upstream client: its
+    /// last frame went (or it had none). A body the client dropped part-way
+    /// (the upstream broke the exchange mid-upload) was not.
+    pub fn handed_over(&self) -> bool {
+        self.empty.load(Ordering::Acquire) || self.state.load(Ordering::Acquire) == ENDED
     }
     /// True once the body has ended, been cut, or been dropped.
     pub fn settled_now(&self) -> bool {
@@ -323,6 +332,7 @@ impl FencedBody {
         };
         if self.is_end_stream() {
             gate.empty.store(true, Ordering::Release);
+            self.outcome.empty.store(true, Ordering::Release);
         }
         let carried = wire.carry(Some(gate.clone() as Arc<dyn WriteCheck>));
         *self.outcome.wire.lock().unwrap_or_else(PoisonError::into_inner) = (Arc::downgrade(wire), carried);

@@ -1001,11 +1001,13 @@ async fn exchange(
         }
         match sent {
             Ok(resp) if hold_body => Ok(resp.map(|b| BoxBody::new(held_body::HeldBody::new(b, guards, deadline)))),
-            // The exchange broke after the request had gone (no answer, a
-            // malformed one, a reset) and the gateway did not cut its body:
-            // the upstream may still apply it within the upstream timeout,
-            // so it stays in flight until then, as an unanswered one does.
-            Err(SendError::Other(e)) if !outcome.as_ref().is_some_and(|b| b.cut()) => {
+            // The exchange broke after the whole request had gone (no
+            // answer, a malformed one, a reset): the upstream may still
+            // apply it within the upstream timeout, so it stays in flight
+            // until then, as an unanswered one does. A request not handed
+            // over whole (cut by the gateway, or dropped part-way when the
+            // upstream broke off mid-upload) cannot be applied.
+            Err(SendError::Other(e)) if outcome.as_ref().is_none_or(|b| b.handed_over()) => {
                 hold_until(deadline, guards);
                 Err(SendError::Other(e))
             }

@@ -43,6 +43,11 @@ pub struct Activity {
     /// The response bodies of the connection, each with how long it has
     /// waited on the client.
     bodies: Mutex<Vec<Arc<Waits>>>,
+    /// An HTTP/1 response body failed part-way: the connection must end
+    /// with a reset, not a close, so that the client cannot take what it
+    /// got for the whole answer (a close-delimited one would look
+    /// complete).
+    cut: AtomicBool,
 }
 
 impl Activity {
@@ -52,7 +57,14 @@ impl Activity {
             in_flight: AtomicUsize::new(0),
             last_ms: AtomicU64::new(0),
             bodies: Mutex::new(Vec::new()),
+            cut: AtomicBool::new(false),
         })
+    }
+
+    /// True once an HTTP/1 response body of the connection failed
+    /// part-way ([`Tracked::resets_on_error`]).
+    pub fn answer_cut(&self) -> bool {
+        self.cut.load(Ordering::Acquire)
     }
 
     fn now_ms(&self) -> u64 {
@@ -141,6 +153,8 @@ pub struct Tracked {
     waker: Waker,
     /// What is left of a data frame larger than [`PIECE`].
     rest: Bytes,
+    /// An error of the inner body marks the connection cut (HTTP/1).
+    resets: bool,
 }
 
 /// Whether a response body waits on the client. It does from the moment
@@ -219,7 +233,16 @@ impl Tracked {
         });
         let waker = Waker::from(waits.clone());
         in_flight.0.bodies().push(waits.clone());
-        Tracked { inner, _in_flight: in_flight, waits, waker, rest: Bytes::new() }
+        Tracked { inner, _in_flight: in_flight, waits, waker, rest: Bytes::new(), resets: false }
+    }
+
+    /// An error of the body (an upstream that cut its answer, a held
+    /// answer past its deadline) ends the connection with a reset: on
+    /// HTTP/1 the connection is the only way to tell the client that the
+    /// answer is not whole. (HTTP/2 resets the stream by itself.)
+    pub fn resets_on_error(mut self) -> Tracked {
+        self.resets = true;
+        self
     }
 }
 
@@ -248,6 +271,12 @@ impl Body for Tracked {
             this.waits.pending.store(false, Ordering::SeqCst);
             match polled {
                 Poll::Ready(Some(Ok(frame))) => frame,
+                Poll::Ready(Some(Err(e))) => {
+                    if this.resets {
+                        this._in_flight.0.cut.store(true, Ordering::Release);
+                    }
+                    return Poll::Ready(Some(Err(e)));
+                }
                 other => return other,
             }
         } else {

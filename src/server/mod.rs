@@ -90,16 +90,21 @@ impl Drop for AddressSlot {
     }
 }
 
-async fn serve_conn<I>(ctx: &Listener, watcher: hyper_util::server::graceful::Watcher, io: I, client: Peer)
-where
+async fn serve_conn<I>(
+    ctx: &Listener,
+    watcher: hyper_util::server::graceful::Watcher,
+    io: I,
+    client: Peer,
+    activity: Arc<idle::Activity>,
+) where
     I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
 {
     let (name, limits, handler) = (ctx.name, ctx.limits, ctx.handler.clone());
     let addr = client.addr;
-    let activity = idle::Activity::new();
     let tracker = activity.clone();
     let service = service_fn(move |req: Request<Incoming>| {
         let exchange = tracker.begin();
+        let h1 = req.version() < hyper::Version::HTTP_2;
         let header_bytes: usize = req.headers().iter().map(|(k, v)| k.as_str().len() + v.len() + 4).sum();
         let fut = if header_bytes > limits.max_header_bytes {
             let limit_bytes = limits.max_header_bytes as u64;
@@ -108,7 +113,16 @@ where
             let req = req.map(|b| b.map_err(Into::into).boxed_unsync());
             handler(req, client.clone())
         };
-        async move { Ok::<_, Infallible>(fut.await.map(|b| idle::Tracked::new(b, exchange))) }
+        async move {
+            Ok::<_, Infallible>(fut.await.map(|b| {
+                let body = idle::Tracked::new(b, exchange);
+                if h1 {
+                    body.resets_on_error()
+                } else {
+                    body
+                }
+            }))
+        }
     });
     let conn = ctx.builder.serve_connection(io, service);
     tokio::pin!(conn);
@@ -156,9 +170,37 @@ where
 
 /// A stream that first gives back bytes already read from it (what the
 /// proxy's fast path, or [`sniff`], read before hyper took the connection).
-struct Rewind<S> {
+struct Rewind<S: Resettable> {
     prefix: bytes::BytesMut,
     inner: S,
+    /// The connection's activity: a response cut part-way ends it with a
+    /// reset ([`idle::Activity::answer_cut`]).
+    activity: Arc<idle::Activity>,
+}
+
+/// A client connection that can be made to end with a TCP reset.
+trait Resettable {
+    fn reset_on_close(&self);
+}
+
+impl Resettable for tokio::net::TcpStream {
+    fn reset_on_close(&self) {
+        let _ = self.set_zero_linger();
+    }
+}
+
+impl Resettable for tokio_rustls::server::TlsStream<tokio::net::TcpStream> {
+    fn reset_on_close(&self) {
+        self.get_ref().0.reset_on_close();
+    }
+}
+
+impl<S: Resettable> Drop for Rewind<S> {
+    fn drop(&mut self) {
+        if self.activity.answer_cut() {
+            self.inner.reset_on_close();
+        }
+    }
 }
 
 /// The HTTP/2 connection preface (RFC 9113 §3.4).
@@ -195,7 +237,7 @@ async fn sniff<S: tokio::io::AsyncRead + Unpin>(
     tokio::time::timeout(limit, read).await.unwrap_or(false)
 }
 
-impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Rewind<S> {
+impl<S: tokio::io::AsyncRead + Unpin + Resettable> tokio::io::AsyncRead for Rewind<S> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
@@ -210,7 +252,7 @@ impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Rewind<S> {
     }
 }
 
-impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Rewind<S> {
+impl<S: tokio::io::AsyncWrite + Unpin + Resettable> tokio::io::AsyncWrite for Rewind<S> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
@@ -374,8 +416,9 @@ async fn serve_accepted(
         if !sniff(&mut h.stream, &mut h.buffered, limits.header_read_timeout).await {
             return;
         }
-        let io = Rewind { prefix: h.buffered, inner: h.stream };
-        serve_conn(ctx, watcher, TokioIo::new(io), client).await;
+        let activity = idle::Activity::new();
+        let io = Rewind { prefix: h.buffered, inner: h.stream, activity: activity.clone() };
+        serve_conn(ctx, watcher, TokioIo::new(io), client, activity).await;
         return;
     };
     let accept = TlsAcceptor::from(config).accept(stream);
@@ -393,8 +436,9 @@ async fn serve_accepted(
                 .and_then(|c| subject_cn(c))
                 .map(Arc::from);
             let client = Peer::new(addr, true, cert_cn);
-            let io = TokioIo::new(Rewind { prefix: buffered, inner: tls_stream });
-            serve_conn(ctx, watcher, io, client).await;
+            let activity = idle::Activity::new();
+            let io = TokioIo::new(Rewind { prefix: buffered, inner: tls_stream, activity: activity.clone() });
+            serve_conn(ctx, watcher, io, client, activity).await;
         }
         Ok(Err(e)) => tracing::debug!(listener = name, client = %addr, error = %e, "TLS handshake failed"),
         Err(_) => tracing::debug!(listener = name, client = %addr, "TLS handshake timed out"),

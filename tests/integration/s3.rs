@@ -923,16 +923,19 @@ async fn a_response_body_that_never_ends_holds_a_grant_no_longer_than_the_upstre
     assert!(waited < Duration::from_secs(5), "the upstream timeout bounds the wait ({waited:?})");
 }
 
-/// An upstream that reads each request whole, then closes the connection
-/// without an answer (a crash, a proxy's own timeout) — it may still apply
-/// what it read.
-async fn no_answer_upstream() -> std::net::SocketAddr {
+/// An upstream that reads each request whole, sends `reply` (nothing, or
+/// an answer no request asked for) and closes the connection without a
+/// usable answer (a crash, a proxy's own timeout) — it may still apply what
+/// it read.
+async fn no_answer_upstream(reply: &'static [u8]) -> std::net::SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
         while let Ok((mut stream, _)) = listener.accept().await {
             tokio::spawn(async move {
                 if read_request(&mut stream).await {
+                    let _ = stream.write_all(reply).await;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
                     drop(stream);
                 }
             });
@@ -941,45 +944,224 @@ async fn no_answer_upstream() -> std::net::SocketAddr {
     addr
 }
 
-/// A mutation written whole whose exchange then breaks with no answer
-/// stays in flight until the route's upstream timeout, on S3 and HTTP
-/// routes and on both paths: a grant answered at once would let the
-/// upstream apply the old holder's write after it.
+/// A gateway with one route (S3, or HTTP for every path) to `addr`, its
+/// upstream timeout 1 s.
+fn one_route_gateway(dir: &std::path::Path, addr: std::net::SocketAddr, s3: bool, fast: bool) -> Gateway {
+    let route = if s3 {
+        s3_config(&format!("http://{addr}"), "upstream_timeout_ms = 1000")
+    } else {
+        format!("[[routes]]\nmatch = \"/{{*path}}\"\nupstream = \"http://{addr}\"\nupstream_timeout_ms = 1000\n")
+    };
+    let config = format!("[server]\nproxy_fast_path = {fast}\n{route}");
+    Gateway::start(&dir.join("data"), Opts { config: Some(config), ..Opts::default() })
+}
+
+/// The time from `sent` until a new grant of `key` is answered, after the
+/// old holder's release.
+async fn regrant_after(http: &Http, api: &str, old: &Grant, sent: std::time::Instant) -> Duration {
+    release(http, api, old).await;
+    let new = acquire(http, api, &old.key, 10_000, 20_000).await.unwrap();
+    assert!(new.token > old.token);
+    sent.elapsed()
+}
+
+/// A mutation written whole whose exchange then breaks with no usable
+/// answer (a close, an unsolicited `101 Switching Protocols`) stays in
+/// flight until the route's upstream timeout, on S3 and HTTP routes and on
+/// both paths: a grant answered at once would let the upstream apply the
+/// old holder's write after it.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_write_sent_whole_and_never_answered_holds_a_grant_until_the_upstream_timeout() {
+    let replies: [&'static [u8]; 2] =
+        [b"", b"HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: x\r\n\r\n"];
     for s3 in [true, false] {
         for fast in [false, true] {
-            let addr = no_answer_upstream().await;
+            for reply in replies {
+                let addr = no_answer_upstream(reply).await;
+                let dir = tempfile::tempdir().unwrap();
+                let gw = one_route_gateway(dir.path(), addr, s3, fast);
+                let (http, api) = (Http::default(), gw.api_url(""));
+                let old = acquire(&http, &api, "bkt/obj", 10_000, 0).await.unwrap();
+                let sent = std::time::Instant::now();
+                let head = format!(
+                    "PUT /bkt/obj HTTP/1.1\r\nhost: s3.local\r\nx-fencing-token: {}\r\ncontent-length: 2\r\nconnection: close\r\n\r\nhi",
+                    old.token
+                );
+                let answer = raw_exchange(gw.proxy, head.as_bytes(), Duration::from_secs(10)).await;
+                let case = format!("s3={s3} fast={fast} upstream {:?}", String::from_utf8_lossy(reply));
+                assert!(answer.starts_with("HTTP/1.1 502"), "{case}: {answer}");
+                let waited = regrant_after(&http, &api, &old, sent).await;
+                assert!(waited >= Duration::from_millis(900), "{case}: the grant came at {waited:?}");
+                assert!(waited < Duration::from_secs(5), "{case}: the upstream timeout bounds it ({waited:?})");
+            }
+        }
+    }
+}
+
+/// An upstream that floods `102 Processing` after the request (it never
+/// sends a final answer) is timed out at the route's upstream timeout on
+/// both paths — the flood must not keep the exchange, and the key's next
+/// grant, past it.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_upstream_flooding_interim_answers_is_timed_out_at_the_upstream_timeout() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                if read_request(&mut stream).await {
+                    let flood = b"HTTP/1.1 102 Processing\r\n\r\n".repeat(64);
+                    let until = std::time::Instant::now() + Duration::from_secs(4);
+                    while std::time::Instant::now() < until && stream.write_all(&flood).await.is_ok() {}
+                }
+            });
+        }
+    });
+    for fast in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let gw = one_route_gateway(dir.path(), addr, false, fast);
+        let (http, api) = (Http::default(), gw.api_url(""));
+        let old = acquire(&http, &api, "bkt/obj", 10_000, 0).await.unwrap();
+        let sent = std::time::Instant::now();
+        let head = format!(
+            "PUT /bkt/obj HTTP/1.1\r\nhost: s3.local\r\nx-fencing-token: {}\r\ncontent-length: 2\r\nconnection: close\r\n\r\nhi",
+            old.token
+        );
+        let answer = raw_exchange(gw.proxy, head.as_bytes(), Duration::from_secs(10)).await;
+        let answered = sent.elapsed();
+        assert!(answer.starts_with("HTTP/1.1 504"), "fast={fast}: {answer}");
+        assert!(answered < Duration::from_millis(2500), "fast={fast}: answered after {answered:?}");
+        let waited = regrant_after(&http, &api, &old, sent).await;
+        assert!(waited >= Duration::from_millis(900), "fast={fast}: the grant came at {waited:?}");
+        assert!(waited < Duration::from_millis(2500), "fast={fast}: the flood held the grant to {waited:?}");
+    }
+}
+
+/// An answer the upstream cuts part-way reaches an HTTP/1.0 client
+/// close-delimited: the gateway must end that connection with a reset, or
+/// the client takes the cut answer for the whole one. S3 (held) and HTTP
+/// routes, both paths.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_answer_cut_part_way_ends_an_http_1_0_client_s_connection_with_a_reset() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                if read_request(&mut stream).await {
+                    let _ =
+                        stream.write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n4\r\npart\r\n").await;
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    let _ = stream.set_zero_linger();
+                }
+            });
+        }
+    });
+    for s3 in [true, false] {
+        for fast in [false, true] {
             let dir = tempfile::tempdir().unwrap();
-            let route = if s3 {
-                s3_config(&format!("http://{addr}"), "upstream_timeout_ms = 1000")
-            } else {
-                format!(
-                    "[[routes]]\nmatch = \"/{{*path}}\"\nupstream = \"http://{addr}\"\nupstream_timeout_ms = 1000\n"
-                )
-            };
-            let config = format!("[server]\nproxy_fast_path = {fast}\n{route}");
-            let gw = Gateway::start(&dir.path().join("data"), Opts { config: Some(config), ..Opts::default() });
-            let http = Http::default();
-            let api = gw.api_url("");
-            let old = acquire(&http, &api, "bkt/obj", 10_000, 0).await.unwrap();
-            let sent = std::time::Instant::now();
-            let head = format!(
-                "PUT /bkt/obj HTTP/1.1\r\nhost: s3.local\r\nx-fencing-token: {}\r\ncontent-length: 2\r\nconnection: close\r\n\r\nhi",
-                old.token
-            );
-            let reply = raw_exchange(gw.proxy, head.as_bytes(), Duration::from_secs(10)).await;
-            assert!(reply.starts_with("HTTP/1.1 502"), "s3={s3} fast={fast}: {reply}");
-            release(&http, &api, &old).await;
-            let new = acquire(&http, &api, "bkt/obj", 10_000, 20_000).await.unwrap();
-            assert!(new.token > old.token);
-            let waited = sent.elapsed();
-            assert!(waited >= Duration::from_millis(900), "s3={s3} fast={fast}: the grant came at {waited:?}");
+            let gw = one_route_gateway(dir.path(), addr, s3, fast);
+            let mut client = TcpStream::connect(gw.proxy).await.unwrap();
+            client.write_all(b"GET /bkt/obj HTTP/1.0\r\nhost: s3.local\r\n\r\n").await.unwrap();
+            let mut got = Vec::new();
+            let ended = tokio::time::timeout(Duration::from_secs(10), async {
+                let mut chunk = [0u8; 4096];
+                loop {
+                    match client.read(&mut chunk).await {
+                        Ok(0) => return Ok(()),
+                        Ok(n) => got.extend_from_slice(&chunk[..n]),
+                        Err(e) => return Err(e),
+                    }
+                }
+            })
+            .await
+            .expect("the connection ends");
+            let text = String::from_utf8_lossy(&got).to_string();
+            let case = format!("s3={s3} fast={fast}");
+            assert!(text.starts_with("HTTP/1.0 200") || text.starts_with("HTTP/1.1 200"), "{case}: {text}");
             assert!(
-                waited < Duration::from_secs(5),
-                "s3={s3} fast={fast}: the upstream timeout bounds it ({waited:?})"
+                ended.as_ref().is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+                "{case}: a cut answer must end in a reset, not {ended:?} after {text:?}"
             );
         }
+    }
+}
+
+/// An upstream that resets an upload mid-body never got the request whole
+/// and cannot apply it: the next grant is not held to the upstream timeout.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_upload_the_upstream_resets_mid_body_does_not_hold_a_grant() {
+    for s3 in [true, false] {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                let mut chunk = [0u8; 8192];
+                let _ = stream.read(&mut chunk).await;
+                let _ = stream.set_zero_linger();
+                drop(stream);
+            }
+        });
+        let dir = tempfile::tempdir().unwrap();
+        let gw = one_route_gateway(dir.path(), addr, s3, false);
+        let (http, api) = (Http::default(), gw.api_url(""));
+        let old = acquire(&http, &api, "bkt/obj", 10_000, 0).await.unwrap();
+        let mut client = TcpStream::connect(gw.proxy).await.unwrap();
+        let head = format!(
+            "PUT /bkt/obj HTTP/1.1\r\nhost: s3.local\r\nx-fencing-token: {}\r\ncontent-length: 1000000\r\n\r\n",
+            old.token
+        );
+        client.write_all(head.as_bytes()).await.unwrap();
+        client.write_all(&[b'x'; 1000]).await.unwrap();
+        let sent = std::time::Instant::now();
+        // The upstream has reset it; the client's upload stalls, unfinished.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let waited = regrant_after(&http, &api, &old, sent).await;
+        assert!(
+            waited < Duration::from_millis(800),
+            "s3={s3}: the grant waited {waited:?} for an upload that cannot be applied"
+        );
+        drop(client);
+    }
+}
+
+/// The old holder hangs up mid-answer, then the upstream cuts its response
+/// short: the store may still apply the write, so the hold lasts to the
+/// upstream timeout (the drain must not end it at the upstream's error).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_gone_mid_answer_and_an_answer_cut_by_the_upstream_hold_a_grant_to_the_deadline() {
+    for fast in [false, true] {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    if read_request(&mut stream).await {
+                        let _ =
+                            stream.write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\n \r\n").await;
+                        tokio::time::sleep(Duration::from_millis(300)).await;
+                        let _ = stream.set_zero_linger();
+                    }
+                });
+            }
+        });
+        let dir = tempfile::tempdir().unwrap();
+        let gw = one_route_gateway(dir.path(), addr, true, fast);
+        let (http, api) = (Http::default(), gw.api_url(""));
+        let old = acquire(&http, &api, "bkt/obj", 10_000, 0).await.unwrap();
+        let sent = std::time::Instant::now();
+        let mut client = TcpStream::connect(gw.proxy).await.unwrap();
+        let head = format!(
+            "PUT /bkt/obj HTTP/1.1\r\nhost: s3.local\r\nx-fencing-token: {}\r\nx-amz-copy-source: /bkt/src\r\ncontent-length: 0\r\n\r\n",
+            old.token
+        );
+        client.write_all(head.as_bytes()).await.unwrap();
+        let mut first = [0u8; 12];
+        client.read_exact(&mut first).await.unwrap();
+        drop(client);
+        let waited = regrant_after(&http, &api, &old, sent).await;
+        assert!(waited >= Duration::from_millis(900), "fast={fast}: the grant came at {waited:?}");
+        assert!(waited < Duration::from_secs(5), "fast={fast}: the upstream timeout bounds it ({waited:?})");
     }
 }
 
