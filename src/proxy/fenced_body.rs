@@ -46,6 +46,10 @@ pub struct BodyOutcome {
     /// The body was empty when its request was put on a connection: the
     /// head is the whole request.
     empty: AtomicBool,
+    /// The HTTP client dropped the body while the upstream still lacked
+    /// part of it: declared bytes never handed out, or a chunked body's
+    /// end.
+    short: AtomicBool,
 }
 
 const STREAMING: u8 = 0;
@@ -91,11 +95,14 @@ impl BodyOutcome {
     pub fn cut(&self) -> bool {
         matches!(self.state.load(Ordering::Acquire), ABORTED | TOO_LARGE | CLIENT_BROKE | NOT_CURRENT | TIMED_OUT)
     }
-    /// True when the whole request was handed to the upstream client: its
-    /// last frame went (or it had none). A body the client dropped part-way
-    /// (the upstream broke the exchange mid-upload) was not.
+    /// False only when the upstream is known to lack part of the request:
+    /// the gateway cut the body, or the HTTP client dropped it (the
+    /// upstream broke the exchange mid-upload) before the last declared
+    /// byte, or a chunked body before its end. A body whose declared bytes
+    /// all went counts as whole even if the client's stream had more to
+    /// say (HTTP/2 trailers): the upstream may apply it.
     pub fn handed_over(&self) -> bool {
-        self.empty.load(Ordering::Acquire) || self.state.load(Ordering::Acquire) == ENDED
+        !self.cut() && (self.empty.load(Ordering::Acquire) || !self.short.load(Ordering::Acquire))
     }
     /// True once the body has ended, been cut, or been dropped.
     pub fn settled_now(&self) -> bool {
@@ -265,6 +272,8 @@ pub struct FencedBody {
     done: bool,
     /// The length the request declared (its `Content-Length`), if any.
     declared: Option<u64>,
+    /// Bytes handed to the HTTP client so far.
+    handed: u64,
     /// The frame that completed the declared length, held until the
     /// client's stream ends.
     held: Option<Frame<Bytes>>,
@@ -305,6 +314,7 @@ impl FencedBody {
             outcome: outcome.clone(),
             done: false,
             declared,
+            handed: 0,
             held: None,
             _hold: hold,
             h2,
@@ -390,8 +400,16 @@ impl FencedBody {
 
 impl Drop for FencedBody {
     fn drop(&mut self) {
+        if self.outcome.state.load(Ordering::Acquire) == STREAMING && self.declared.is_none_or(|d| self.handed < d) {
+            self.outcome.short.store(true, Ordering::Release);
+        }
         self.outcome.set_if_streaming(DROPPED);
     }
+}
+
+/// The bytes of a frame (0 for trailers).
+fn data_len(frame: &Frame<Bytes>) -> u64 {
+    frame.data_ref().map_or(0, |d| d.len() as u64)
 }
 
 impl Body for FencedBody {
@@ -439,11 +457,13 @@ impl Body for FencedBody {
                         // Trailers after the declared bytes: the stream is
                         // well formed so far; hand both over in order.
                         self.held = Some(frame);
+                        self.handed += data_len(&held);
                         return Poll::Ready(Some(Ok(held)));
                     }
                     if self.inner.is_end_stream() {
                         self.finish();
                     }
+                    self.handed += data_len(&frame);
                     return Poll::Ready(Some(Ok(frame)));
                 }
                 Poll::Ready(None) => {
@@ -458,6 +478,7 @@ impl Body for FencedBody {
                     }
                     if let Some(held) = self.held.take() {
                         self.finish();
+                        self.handed += data_len(&held);
                         return Poll::Ready(Some(Ok(held)));
                     }
                     self.finish();

@@ -628,6 +628,11 @@ impl RawH2 {
         self.s.write_all(&h2_frame(0x0, u8::from(end), 1, d)).await.unwrap();
     }
 
+    /// Trailers on stream 1 (HEADERS with END_STREAM).
+    pub(crate) async fn trailers(&mut self, fields: &[(&str, &str)]) {
+        self.s.write_all(&h2_frame(0x1, 0x5, 1, &header_block(fields))).await.unwrap();
+    }
+
     /// RST_STREAM on stream 1 with `code` (0: NO_ERROR).
     pub(crate) async fn reset(&mut self, code: u32) {
         self.s.write_all(&h2_frame(0x3, 0, 1, &code.to_be_bytes())).await.unwrap();

@@ -1087,6 +1087,41 @@ async fn an_answer_cut_part_way_ends_an_http_1_0_client_s_connection_with_a_rese
     }
 }
 
+/// An HTTP/2 upload whose DATA carries every declared byte and whose
+/// stream then ends with trailers reaches the upstream whole (an HTTP/1.1
+/// request with `Content-Length` has no trailers): when that exchange
+/// breaks unanswered the hold lasts to the upstream timeout, as for any
+/// request sent whole (review finding: it was released at once).
+#[tokio::test(flavor = "multi_thread")]
+async fn an_h2_upload_ended_by_trailers_and_never_answered_holds_a_grant_until_the_upstream_timeout() {
+    use crate::hostile::RawH2;
+    for s3 in [true, false] {
+        let addr = no_answer_upstream(b"").await;
+        let dir = tempfile::tempdir().unwrap();
+        let gw = one_route_gateway(dir.path(), addr, s3, false);
+        let (http, api) = (Http::default(), gw.api_url(""));
+        let old = acquire(&http, &api, "bkt/obj", 10_000, 0).await.unwrap();
+        let sent = std::time::Instant::now();
+        let token = old.token.to_string();
+        let fields = [
+            (":method", "PUT"),
+            (":scheme", "http"),
+            (":path", "/bkt/obj"),
+            (":authority", "s3.local"),
+            ("content-length", "3"),
+            ("x-fencing-token", token.as_str()),
+        ];
+        let mut h2 = RawH2::open(gw.proxy, &fields).await;
+        h2.data(b"abc", false).await;
+        h2.trailers(&[("x-checksum", "zzz")]).await;
+        let frames = h2.answer(Duration::from_secs(5)).await;
+        assert!(!crate::hostile::answered_200(&frames), "s3={s3}: {frames:?}");
+        let waited = regrant_after(&http, &api, &old, sent).await;
+        assert!(waited >= Duration::from_millis(900), "s3={s3}: the grant came at {waited:?}");
+        assert!(waited < Duration::from_secs(5), "s3={s3}: the upstream timeout bounds it ({waited:?})");
+    }
+}
+
 /// An upstream that resets an upload mid-body never got the request whole
 /// and cannot apply it: the next grant is not held to the upstream timeout.
 #[tokio::test(flavor = "multi_thread")]
