@@ -46,10 +46,6 @@ pub struct BodyOutcome {
     /// The body was empty when its request was put on a connection: the
     /// head is the whole request.
     empty: AtomicBool,
-    /// The HTTP client dropped the body while the upstream still lacked
-    /// part of it: declared bytes never handed out, or a chunked body's
-    /// end.
-    short: AtomicBool,
 }
 
 const STREAMING: u8 = 0;
@@ -98,11 +94,12 @@ impl BodyOutcome {
     /// False only when the upstream is known to lack part of the request:
     /// the gateway cut the body, or the HTTP client dropped it (the
     /// upstream broke the exchange mid-upload) before the last declared
-    /// byte, or a chunked body before its end. A body whose declared bytes
-    /// all went counts as whole even if the client's stream had more to
-    /// say (HTTP/2 trailers): the upstream may apply it.
+    /// byte, or a chunked body before its end (its trailers are its end).
+    /// A body whose declared bytes all went counts as whole even if the
+    /// client's stream had more to say (HTTP/2 trailers, which an HTTP/1.1
+    /// request with a length cannot carry): the upstream may apply it.
     pub fn handed_over(&self) -> bool {
-        !self.cut() && (self.empty.load(Ordering::Acquire) || !self.short.load(Ordering::Acquire))
+        !self.cut() && (self.empty.load(Ordering::Acquire) || self.state.load(Ordering::Acquire) != DROPPED)
     }
     /// True once the body has ended, been cut, or been dropped.
     pub fn settled_now(&self) -> bool {
@@ -400,8 +397,11 @@ impl FencedBody {
 
 impl Drop for FencedBody {
     fn drop(&mut self) {
-        if self.outcome.state.load(Ordering::Acquire) == STREAMING && self.declared.is_none_or(|d| self.handed < d) {
-            self.outcome.short.store(true, Ordering::Release);
+        // Every declared byte went (what the client's stream still held,
+        // trailers, cannot go on a request with a length): the upstream
+        // has the whole request.
+        if self.outcome.state.load(Ordering::Acquire) == STREAMING && self.declared == Some(self.handed) {
+            self.finish();
         }
         self.outcome.set_if_streaming(DROPPED);
     }
@@ -460,7 +460,10 @@ impl Body for FencedBody {
                         self.handed += data_len(&held);
                         return Poll::Ready(Some(Ok(held)));
                     }
-                    if self.inner.is_end_stream() {
+                    // Trailers are a body's last frame, whatever the inner
+                    // body says of its end (hyper's HTTP/1.1 body never
+                    // says it after them).
+                    if self.inner.is_end_stream() || frame.is_trailers() {
                         self.finish();
                     }
                     self.handed += data_len(&frame);

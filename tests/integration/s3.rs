@@ -798,7 +798,13 @@ async fn read_request(stream: &mut TcpStream) -> bool {
         .lines()
         .find_map(|l| l.strip_prefix("content-length:").map(|v| v.trim().parse::<usize>().unwrap()))
         .unwrap_or(0);
-    while buf.len() < head_end + len {
+    // A chunked body: to its last chunk and the end of its trailers.
+    let chunked = head.contains("transfer-encoding: chunked");
+    let ended = |b: &[u8]| {
+        let body = &b[head_end..];
+        body.ends_with(b"\r\n\r\n") && (body.starts_with(b"0\r\n") || find(body, b"\r\n0\r\n").is_some())
+    };
+    while buf.len() < head_end + len || (chunked && !ended(&buf)) {
         let mut chunk = [0u8; 8192];
         match stream.read(&mut chunk).await {
             Ok(0) | Err(_) => return false,
@@ -1119,6 +1125,75 @@ async fn an_h2_upload_ended_by_trailers_and_never_answered_holds_a_grant_until_t
         let waited = regrant_after(&http, &api, &old, sent).await;
         assert!(waited >= Duration::from_millis(900), "s3={s3}: the grant came at {waited:?}");
         assert!(waited < Duration::from_secs(5), "s3={s3}: the upstream timeout bounds it ({waited:?})");
+    }
+}
+
+/// The same with HTTP/1.1: a chunked upload whose last chunk carries
+/// trailers reaches the upstream whole (`0`, the trailers, the blank
+/// line), on S3 and HTTP routes and on both kinds of gateway.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_chunked_upload_ended_by_trailers_and_never_answered_holds_a_grant_until_the_upstream_timeout() {
+    for s3 in [true, false] {
+        for fast in [false, true] {
+            let addr = no_answer_upstream(b"").await;
+            let dir = tempfile::tempdir().unwrap();
+            let gw = one_route_gateway(dir.path(), addr, s3, fast);
+            let (http, api) = (Http::default(), gw.api_url(""));
+            let old = acquire(&http, &api, "bkt/obj", 10_000, 0).await.unwrap();
+            let sent = std::time::Instant::now();
+            let request = format!(
+                "PUT /bkt/obj HTTP/1.1\r\nhost: s3.local\r\nx-fencing-token: {}\r\ntransfer-encoding: chunked\r\n\
+                 connection: close\r\n\r\n3\r\nabc\r\n0\r\nx-checksum: zzz\r\n\r\n",
+                old.token
+            );
+            let answer = raw_exchange(gw.proxy, request.as_bytes(), Duration::from_secs(10)).await;
+            assert!(answer.starts_with("HTTP/1.1 502"), "s3={s3} fast={fast}: {answer}");
+            let waited = regrant_after(&http, &api, &old, sent).await;
+            assert!(waited >= Duration::from_millis(900), "s3={s3} fast={fast}: the grant came at {waited:?}");
+            assert!(waited < Duration::from_secs(5), "s3={s3} fast={fast}: bounded ({waited:?})");
+        }
+    }
+}
+
+/// An upload ended by trailers and answered `200` by an upstream that
+/// applied it is over: the next grant does not wait for the upstream
+/// timeout (HTTP/2 with a length, HTTP/1.1 chunked; an HTTP route).
+#[tokio::test(flavor = "multi_thread")]
+async fn an_upload_ended_by_trailers_and_answered_does_not_hold_a_grant() {
+    use crate::hostile::RawH2;
+    let addr = no_answer_upstream(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n").await;
+    let dir = tempfile::tempdir().unwrap();
+    let gw = one_route_gateway(dir.path(), addr, false, false);
+    let (http, api) = (Http::default(), gw.api_url(""));
+    for h2 in [true, false] {
+        let (key, path) = if h2 { ("bkt/h2", "/bkt/h2") } else { ("bkt/h1", "/bkt/h1") };
+        let old = acquire(&http, &api, key, 10_000, 0).await.unwrap();
+        let token = old.token.to_string();
+        let sent = std::time::Instant::now();
+        if h2 {
+            let fields = [
+                (":method", "PUT"),
+                (":scheme", "http"),
+                (":path", path),
+                (":authority", "s3.local"),
+                ("content-length", "3"),
+                ("x-fencing-token", token.as_str()),
+            ];
+            let mut raw = RawH2::open(gw.proxy, &fields).await;
+            raw.data(b"abc", false).await;
+            raw.trailers(&[("x-checksum", "zzz")]).await;
+            let frames = raw.answer(Duration::from_secs(5)).await;
+            assert!(crate::hostile::answered_200(&frames), "{frames:?}");
+        } else {
+            let request = format!(
+                "PUT {path} HTTP/1.1\r\nhost: s3.local\r\nx-fencing-token: {token}\r\ntransfer-encoding: chunked\r\n\
+                 connection: close\r\n\r\n3\r\nabc\r\n0\r\nx-checksum: zzz\r\n\r\n"
+            );
+            let answer = raw_exchange(gw.proxy, request.as_bytes(), Duration::from_secs(10)).await;
+            assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        }
+        let waited = regrant_after(&http, &api, &old, sent).await;
+        assert!(waited < Duration::from_millis(800), "h2={h2}: the grant waited {waited:?}");
     }
 }
 
