@@ -75,6 +75,17 @@ pub fn underscore_alias_refused(name: &HeaderName) -> crate::error::Error {
     ))
 }
 
+/// True when `Transfer-Encoding` names a coding besides `chunked`
+/// (`gzip, chunked`): the server takes the chunked framing off and leaves
+/// the rest coded, so the request would go upstream re-framed with its
+/// coding lost, and an upstream would keep the coded bytes as the body.
+/// Refused (nginx answers 501).
+pub fn other_transfer_coding(h: &HeaderMap) -> bool {
+    h.get_all(header::TRANSFER_ENCODING).iter().any(|v| {
+        v.as_bytes().split(|b| *b == b',').map(<[u8]>::trim_ascii).any(|t| !t.eq_ignore_ascii_case(b"chunked"))
+    })
+}
+
 /// True when a `Connection` header names a fencing header.
 pub fn connection_names_fencing_header(h: &HeaderMap) -> bool {
     h.get_all(header::CONNECTION)

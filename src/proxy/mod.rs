@@ -514,6 +514,11 @@ impl Proxy {
         if let Some(name) = headers::underscore_alias(req.headers()) {
             return Err(headers::underscore_alias_refused(name).into());
         }
+        //    A transfer coding the gateway would drop on the way.
+        if headers::other_transfer_coding(req.headers()) {
+            let why = "Transfer-Encoding may only be chunked: other codings would not reach the upstream";
+            return Err(Error::BadRequest(why.into()).into());
+        }
         let (route, key, checked) = match selected {
             Some(Selected::Http(route, key, checked)) => (route, key, checked),
             Some(Selected::S3(route, s3)) => {

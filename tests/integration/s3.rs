@@ -1197,6 +1197,43 @@ async fn an_upload_ended_by_trailers_and_answered_does_not_hold_a_grant() {
     }
 }
 
+/// A transfer coding besides `chunked` (`gzip, chunked`) would lose its
+/// coding on the way (the chunked framing comes off, the rest is sent on
+/// as the body): refused with 400 on S3 and HTTP routes and both kinds of
+/// gateway, and nothing reaches the upstream.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transfer_coding_besides_chunked_is_refused_and_never_forwarded() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let reached = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = reached.clone();
+    tokio::spawn(async move {
+        while let Ok((_stream, _)) = listener.accept().await {
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    });
+    for s3 in [true, false] {
+        for fast in [false, true] {
+            let dir = tempfile::tempdir().unwrap();
+            let gw = one_route_gateway(dir.path(), addr, s3, fast);
+            let (http, api) = (Http::default(), gw.api_url(""));
+            let g = acquire(&http, &api, "bkt/obj", 10_000, 0).await.unwrap();
+            for coding in ["gzip, chunked", "gzip,chunked"] {
+                let request = format!(
+                    "PUT /bkt/obj HTTP/1.1\r\nhost: s3.local\r\nx-fencing-token: {}\r\ntransfer-encoding: {coding}\r\n\
+                     connection: close\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+                    g.token
+                );
+                let answer = raw_exchange(gw.proxy, request.as_bytes(), Duration::from_secs(5)).await;
+                assert!(answer.starts_with("HTTP/1.1 400"), "s3={s3} fast={fast} {coding:?}: {answer}");
+                let code = if s3 { "<Code>BadRequest</Code>" } else { "\"error\":\"bad_request\"" };
+                assert!(answer.contains(code), "s3={s3} fast={fast} {coding:?}: {answer}");
+            }
+        }
+    }
+    assert_eq!(reached.load(std::sync::atomic::Ordering::SeqCst), 0, "the upstream was reached");
+}
+
 /// An upstream that resets an upload mid-body never got the request whole
 /// and cannot apply it: the next grant is not held to the upstream timeout.
 #[tokio::test(flavor = "multi_thread")]
