@@ -19,7 +19,12 @@ use fencegate::store::{wait_durable, Store, SyncObserver, WriterOptions};
 
 fn authority(dir: &std::path::Path, group_commit: bool) -> Arc<Authority> {
     let noop: SyncObserver = Arc::new(|_, _| {});
-    let store = Store::open(dir, WriterOptions { group_commit, max_batch: 1024, nice: 10 }, noop).unwrap();
+    let store = Store::open(
+        dir,
+        WriterOptions { group_commit, max_batch: 1024, nice: 10, background_write_bytes_per_sec: 0 },
+        noop,
+    )
+    .unwrap();
     let metrics = Arc::new(Metrics::new().unwrap());
     Authority::restore(FenceTable::new(), store, metrics, LocksConfig::default()).unwrap()
 }
@@ -92,7 +97,12 @@ fn sequenced(c: &mut Criterion) {
     group.sample_size(10).measurement_time(Duration::from_secs(4)).warm_up_time(Duration::from_millis(500));
     let dir = tempfile::tempdir().unwrap();
     let noop: SyncObserver = Arc::new(|_, _| {});
-    let store = Store::open(dir.path(), WriterOptions { group_commit: true, max_batch: 1024, nice: 10 }, noop).unwrap();
+    let store = Store::open(
+        dir.path(),
+        WriterOptions { group_commit: true, max_batch: 1024, nice: 10, background_write_bytes_per_sec: 0 },
+        noop,
+    )
+    .unwrap();
     let table = FenceTable::new();
     // Strict admission asks the authority whether the grant is live (a map
     // lookup there, as here).

@@ -27,7 +27,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dir = std::env::temp_dir().join(format!("fencegate-restart-{}", std::process::id()));
     {
         let noop: SyncObserver = Arc::new(|_, _| {});
-        let store = Store::open(&dir, WriterOptions { group_commit: true, max_batch: 64, nice: 0 }, noop)?;
+        let store = Store::open(
+            &dir,
+            WriterOptions { group_commit: true, max_batch: 64, nice: 0, background_write_bytes_per_sec: 0 },
+            noop,
+        )?;
         let started = Instant::now();
         let mut batch = Vec::with_capacity(10_000);
         for i in 0..n {

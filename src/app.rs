@@ -270,6 +270,7 @@ fn open_store(cfg: &Config, metrics: &Metrics) -> Result<Store, Error> {
         group_commit: cfg.store.group_commit,
         max_batch: cfg.store.max_batch,
         nice: cfg.store.writer_nice,
+        background_write_bytes_per_sec: cfg.store.background_write_bytes_per_sec,
     };
     Store::open(&cfg.data_dir, writer, observe)
 }

@@ -196,6 +196,11 @@ pub struct StoreConfig {
     /// commit is queued or an fsync returns: they go on serving, more
     /// commits queue meanwhile, and each fsync carries more of them.
     pub writer_nice: i32,
+    /// Bytes a second RocksDB's flushes and compactions may write (its rate
+    /// limiter; 0: no bound). The log's own writes and fsyncs are never
+    /// limited. Spread out, the background writes of a mass expiry's
+    /// compaction disturb the fsyncs of grants and fences less.
+    pub background_write_bytes_per_sec: u64,
 }
 
 /// Listener settings shared by both listeners.
@@ -461,7 +466,7 @@ impl Default for LocksConfig {
 
 impl Default for StoreConfig {
     fn default() -> Self {
-        StoreConfig { group_commit: true, max_batch: 1024, writer_nice: 10 }
+        StoreConfig { group_commit: true, max_batch: 1024, writer_nice: 10, background_write_bytes_per_sec: 16 << 20 }
     }
 }
 

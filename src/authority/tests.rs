@@ -529,7 +529,8 @@ fn per_key_state_stays_small() {
 async fn memory_per_held_lease_by_part() {
     let dir = tempfile::tempdir().unwrap();
     let noop: crate::store::SyncObserver = Arc::new(|_, _| {});
-    let writer = crate::store::WriterOptions { group_commit: true, max_batch: 4096, nice: 0 };
+    let writer =
+        crate::store::WriterOptions { group_commit: true, max_batch: 4096, nice: 0, background_write_bytes_per_sec: 0 };
     let store = Store::open(dir.path(), writer, noop).unwrap();
     let metrics = Arc::new(Metrics::new().unwrap());
     let auth = Authority::restore(FenceTable::new(), store, metrics, LocksConfig::default()).unwrap();

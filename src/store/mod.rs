@@ -173,6 +173,9 @@ pub struct WriterOptions {
     pub max_batch: usize,
     /// Niceness the writer thread sets itself (0: left as started).
     pub nice: i32,
+    /// Bytes a second RocksDB's flushes and compactions may write (0: no
+    /// bound; `[store] background_write_bytes_per_sec`).
+    pub background_write_bytes_per_sec: u64,
 }
 
 impl Store {

@@ -341,6 +341,16 @@ impl Rocks {
         // Fences are tiny and read once at start; keep RocksDB's own
         // memory and background work small on a 2-core machine.
         opts.set_max_background_jobs(2);
+        // Flushes and compactions write at most this many bytes a second
+        // (the log is not limited): a mass expiry's compaction then writes,
+        // and syncs, its tables in a steady trickle instead of bursts that
+        // the grants' and fences' fsyncs queue behind. Measured on the
+        // mass-expiry harness (benches/compare/RESULTS.md, issue 18).
+        if let Ok(rate) = i64::try_from(writer.background_write_bytes_per_sec) {
+            if rate > 0 {
+                opts.set_ratelimiter(rate, 100_000, 10);
+            }
+        }
         // Compactions run at the lowest CPU priority (nice 19): they are
         // nobody's wait, and at a mass expiry (500,000 released records)
         // RocksDB compacting them at normal priority on the core the
@@ -717,7 +727,12 @@ mod tests {
 
     fn open(dir: &Path) -> Store {
         let noop: SyncObserver = Arc::new(|_, _| {});
-        Store::open(dir, WriterOptions { group_commit: true, max_batch: 64, nice: 0 }, noop).unwrap()
+        Store::open(
+            dir,
+            WriterOptions { group_commit: true, max_batch: 64, nice: 0, background_write_bytes_per_sec: 0 },
+            noop,
+        )
+        .unwrap()
     }
 
     #[tokio::test]
@@ -1056,7 +1071,12 @@ mod tests {
         let own = || nice_of(&std::fs::read_to_string("/proc/thread-self/stat").unwrap()).unwrap();
         let before = own();
         let noop: SyncObserver = Arc::new(|_, _| {});
-        let s = Store::open(dir.path(), WriterOptions { group_commit: true, max_batch: 64, nice: 7 }, noop).unwrap();
+        let s = Store::open(
+            dir.path(),
+            WriterOptions { group_commit: true, max_batch: 64, nice: 7, background_write_bytes_per_sec: 0 },
+            noop,
+        )
+        .unwrap();
         s.commit(vec![Op::Fence { key: Key::from("k"), token: 1 }]).await.unwrap();
         let writers: Vec<i32> = std::fs::read_dir("/proc/self/task")
             .unwrap()
