@@ -206,9 +206,6 @@ pub struct UploadGate {
     gate: Gate,
     ctl: Option<Arc<InflightCtl>>,
     outcome: Arc<BodyOutcome>,
-    /// The body has no frame to give (an empty body): the request is
-    /// handed over whole with its head.
-    empty: AtomicBool,
 }
 
 impl UploadGate {
@@ -231,7 +228,7 @@ impl WriteCheck for UploadGate {
         }
     }
     fn finished(&self) -> bool {
-        self.empty.load(Ordering::Acquire) || self.outcome.state.load(Ordering::Acquire) == ENDED
+        self.outcome.empty.load(Ordering::Acquire) || self.outcome.state.load(Ordering::Acquire) == ENDED
     }
 }
 
@@ -324,8 +321,7 @@ impl FencedBody {
     #[must_use]
     pub fn gated(mut self, gate: Gate) -> FencedBody {
         let ctl = self.ctl.clone();
-        let empty = AtomicBool::new(false);
-        self.gate = Some(Arc::new(UploadGate { gate, ctl, outcome: self.outcome.clone(), empty }));
+        self.gate = Some(Arc::new(UploadGate { gate, ctl, outcome: self.outcome.clone() }));
         self
     }
 
@@ -337,8 +333,8 @@ impl FencedBody {
             wire.carry(None);
             return;
         };
+        // No frame to give (an empty body): the head is the whole request.
         if self.is_end_stream() {
-            gate.empty.store(true, Ordering::Release);
             self.outcome.empty.store(true, Ordering::Release);
         }
         let carried = wire.carry(Some(gate.clone() as Arc<dyn WriteCheck>));

@@ -929,25 +929,55 @@ async fn a_response_body_that_never_ends_holds_a_grant_no_longer_than_the_upstre
     assert!(waited < Duration::from_secs(5), "the upstream timeout bounds the wait ({waited:?})");
 }
 
+/// A hand-written upstream on a free port: `serve` runs on each
+/// connection, on a task of its own.
+async fn raw_upstream<F, Fut>(serve: F) -> std::net::SocketAddr
+where
+    F: Fn(TcpStream) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            tokio::spawn(serve(stream));
+        }
+    });
+    addr
+}
+
 /// An upstream that reads each request whole, sends `reply` (nothing, or
 /// an answer no request asked for) and closes the connection without a
 /// usable answer (a crash, a proxy's own timeout) — it may still apply what
 /// it read.
 async fn no_answer_upstream(reply: &'static [u8]) -> std::net::SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        while let Ok((mut stream, _)) = listener.accept().await {
-            tokio::spawn(async move {
-                if read_request(&mut stream).await {
-                    let _ = stream.write_all(reply).await;
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    drop(stream);
-                }
-            });
+    raw_upstream(move |mut stream| async move {
+        if read_request(&mut stream).await {
+            let _ = stream.write_all(reply).await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
-    });
-    addr
+    })
+    .await
+}
+
+/// An upstream that reads each request whole, sends `part` (a head and the
+/// start of a chunked body) and resets the connection `after` it.
+async fn cut_answer_upstream(part: &'static [u8], after: Duration) -> std::net::SocketAddr {
+    raw_upstream(move |mut stream| async move {
+        if read_request(&mut stream).await {
+            let _ = stream.write_all(part).await;
+            tokio::time::sleep(after).await;
+            let _ = stream.set_zero_linger();
+        }
+    })
+    .await
+}
+
+/// The next grant came no earlier than the upstream timeout of 1 s (less
+/// a margin), and not much later.
+fn assert_held_to_the_deadline(waited: Duration, case: &str) {
+    assert!(waited >= Duration::from_millis(900), "{case}: the grant came at {waited:?}");
+    assert!(waited < Duration::from_secs(5), "{case}: the upstream timeout bounds it ({waited:?})");
 }
 
 /// A gateway with one route (S3, or HTTP for every path) to `addr`, its
@@ -996,9 +1026,7 @@ async fn a_write_sent_whole_and_never_answered_holds_a_grant_until_the_upstream_
                 let answer = raw_exchange(gw.proxy, head.as_bytes(), Duration::from_secs(10)).await;
                 let case = format!("s3={s3} fast={fast} upstream {:?}", String::from_utf8_lossy(reply));
                 assert!(answer.starts_with("HTTP/1.1 502"), "{case}: {answer}");
-                let waited = regrant_after(&http, &api, &old, sent).await;
-                assert!(waited >= Duration::from_millis(900), "{case}: the grant came at {waited:?}");
-                assert!(waited < Duration::from_secs(5), "{case}: the upstream timeout bounds it ({waited:?})");
+                assert_held_to_the_deadline(regrant_after(&http, &api, &old, sent).await, &case);
             }
         }
     }
@@ -1010,19 +1038,14 @@ async fn a_write_sent_whole_and_never_answered_holds_a_grant_until_the_upstream_
 /// grant, past it.
 #[tokio::test(flavor = "multi_thread")]
 async fn an_upstream_flooding_interim_answers_is_timed_out_at_the_upstream_timeout() {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        while let Ok((mut stream, _)) = listener.accept().await {
-            tokio::spawn(async move {
-                if read_request(&mut stream).await {
-                    let flood = b"HTTP/1.1 102 Processing\r\n\r\n".repeat(64);
-                    let until = std::time::Instant::now() + Duration::from_secs(4);
-                    while std::time::Instant::now() < until && stream.write_all(&flood).await.is_ok() {}
-                }
-            });
+    let addr = raw_upstream(|mut stream| async move {
+        if read_request(&mut stream).await {
+            let flood = b"HTTP/1.1 102 Processing\r\n\r\n".repeat(64);
+            let until = std::time::Instant::now() + Duration::from_secs(4);
+            while std::time::Instant::now() < until && stream.write_all(&flood).await.is_ok() {}
         }
-    });
+    })
+    .await;
     for fast in [false, true] {
         let dir = tempfile::tempdir().unwrap();
         let gw = one_route_gateway(dir.path(), addr, false, fast);
@@ -1049,20 +1072,8 @@ async fn an_upstream_flooding_interim_answers_is_timed_out_at_the_upstream_timeo
 /// routes, both paths.
 #[tokio::test(flavor = "multi_thread")]
 async fn an_answer_cut_part_way_ends_an_http_1_0_client_s_connection_with_a_reset() {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        while let Ok((mut stream, _)) = listener.accept().await {
-            tokio::spawn(async move {
-                if read_request(&mut stream).await {
-                    let _ =
-                        stream.write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n4\r\npart\r\n").await;
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                    let _ = stream.set_zero_linger();
-                }
-            });
-        }
-    });
+    let part = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n4\r\npart\r\n";
+    let addr = cut_answer_upstream(part, Duration::from_millis(200)).await;
     for s3 in [true, false] {
         for fast in [false, true] {
             let dir = tempfile::tempdir().unwrap();
@@ -1123,8 +1134,7 @@ async fn an_h2_upload_ended_by_trailers_and_never_answered_holds_a_grant_until_t
         let frames = h2.answer(Duration::from_secs(5)).await;
         assert!(!crate::hostile::answered_200(&frames), "s3={s3}: {frames:?}");
         let waited = regrant_after(&http, &api, &old, sent).await;
-        assert!(waited >= Duration::from_millis(900), "s3={s3}: the grant came at {waited:?}");
-        assert!(waited < Duration::from_secs(5), "s3={s3}: the upstream timeout bounds it ({waited:?})");
+        assert_held_to_the_deadline(waited, &format!("s3={s3}"));
     }
 }
 
@@ -1149,8 +1159,7 @@ async fn a_chunked_upload_ended_by_trailers_and_never_answered_holds_a_grant_unt
             let answer = raw_exchange(gw.proxy, request.as_bytes(), Duration::from_secs(10)).await;
             assert!(answer.starts_with("HTTP/1.1 502"), "s3={s3} fast={fast}: {answer}");
             let waited = regrant_after(&http, &api, &old, sent).await;
-            assert!(waited >= Duration::from_millis(900), "s3={s3} fast={fast}: the grant came at {waited:?}");
-            assert!(waited < Duration::from_secs(5), "s3={s3} fast={fast}: bounded ({waited:?})");
+            assert_held_to_the_deadline(waited, &format!("s3={s3} fast={fast}"));
         }
     }
 }
@@ -1203,15 +1212,13 @@ async fn an_upload_ended_by_trailers_and_answered_does_not_hold_a_grant() {
 /// gateway, and nothing reaches the upstream.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_transfer_coding_besides_chunked_is_refused_and_never_forwarded() {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
     let reached = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let count = reached.clone();
-    tokio::spawn(async move {
-        while let Ok((_stream, _)) = listener.accept().await {
-            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        }
-    });
+    let addr = raw_upstream(move |_stream| {
+        count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        async {}
+    })
+    .await;
     for s3 in [true, false] {
         for fast in [false, true] {
             let dir = tempfile::tempdir().unwrap();
@@ -1239,16 +1246,12 @@ async fn a_transfer_coding_besides_chunked_is_refused_and_never_forwarded() {
 #[tokio::test(flavor = "multi_thread")]
 async fn an_upload_the_upstream_resets_mid_body_does_not_hold_a_grant() {
     for s3 in [true, false] {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move {
-            while let Ok((mut stream, _)) = listener.accept().await {
-                let mut chunk = [0u8; 8192];
-                let _ = stream.read(&mut chunk).await;
-                let _ = stream.set_zero_linger();
-                drop(stream);
-            }
-        });
+        let addr = raw_upstream(|mut stream| async move {
+            let mut chunk = [0u8; 8192];
+            let _ = stream.read(&mut chunk).await;
+            let _ = stream.set_zero_linger();
+        })
+        .await;
         let dir = tempfile::tempdir().unwrap();
         let gw = one_route_gateway(dir.path(), addr, s3, false);
         let (http, api) = (Http::default(), gw.api_url(""));
@@ -1278,20 +1281,8 @@ async fn an_upload_the_upstream_resets_mid_body_does_not_hold_a_grant() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_client_gone_mid_answer_and_an_answer_cut_by_the_upstream_hold_a_grant_to_the_deadline() {
     for fast in [false, true] {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move {
-            while let Ok((mut stream, _)) = listener.accept().await {
-                tokio::spawn(async move {
-                    if read_request(&mut stream).await {
-                        let _ =
-                            stream.write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\n \r\n").await;
-                        tokio::time::sleep(Duration::from_millis(300)).await;
-                        let _ = stream.set_zero_linger();
-                    }
-                });
-            }
-        });
+        let part = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\n \r\n";
+        let addr = cut_answer_upstream(part, Duration::from_millis(300)).await;
         let dir = tempfile::tempdir().unwrap();
         let gw = one_route_gateway(dir.path(), addr, true, fast);
         let (http, api) = (Http::default(), gw.api_url(""));
@@ -1307,8 +1298,7 @@ async fn a_client_gone_mid_answer_and_an_answer_cut_by_the_upstream_hold_a_grant
         client.read_exact(&mut first).await.unwrap();
         drop(client);
         let waited = regrant_after(&http, &api, &old, sent).await;
-        assert!(waited >= Duration::from_millis(900), "fast={fast}: the grant came at {waited:?}");
-        assert!(waited < Duration::from_secs(5), "fast={fast}: the upstream timeout bounds it ({waited:?})");
+        assert_held_to_the_deadline(waited, &format!("fast={fast}"));
     }
 }
 
