@@ -494,6 +494,7 @@ impl Cluster {
                 return;
             }
             self.feed_ok.store(true, Ordering::Release);
+            let watched = tokio::time::Instant::now();
             let why = tokio::select! {
                 why = self.watch_from(from) => why,
                 () = self.stop.wait() => return,
@@ -503,15 +504,27 @@ impl Cluster {
             self.metrics.cluster_current.set(0);
             self.metrics.cluster_resyncs.inc();
             tracing::warn!(gateway = %self.gateway_id, reason = %why, "etcd watch broken; reloading");
+            // A watch that lasted is reloaded at once (the gateway refuses
+            // mutations until then: an etcd member lost costs its watchers
+            // one consistent read); one that broke soon after it started,
+            // and every failed reload, waits a growing pause.
+            let mut pause = watched.elapsed() < Duration::from_secs(1);
             loop {
-                tokio::select! {
-                    () = tokio::time::sleep(backoff) => {}
-                    () = self.stop.wait() => return,
+                if pause {
+                    tokio::select! {
+                        () = tokio::time::sleep(backoff) => {}
+                        () = self.stop.wait() => return,
+                    }
                 }
+                pause = true;
                 match self.load().await {
                     Ok(next) => {
                         from = next;
                         backoff = Duration::from_millis(100);
+                        // Current again after the next membership round
+                        // (its proof comes back on the new watch): now,
+                        // not a third of the member TTL later.
+                        self.round_kick.notify_one();
                         break;
                     }
                     Err(e) => {
@@ -525,13 +538,20 @@ impl Cluster {
 
     /// Watches from `from` until the watch breaks; returns why.
     async fn watch_from(&self, from: i64) -> String {
-        let mut client = self.client.watch_client();
+        // A start refused by a dead member (the client's balancer keeps
+        // handing out its endpoint) is tried again on another within the
+        // timeout: no event was received, so starting at `from` later is
+        // the same watch, and the gateway stays as current as it is in the
+        // moment between a reload and its watch.
         let opts = WatchOptions::new().with_prefix().with_start_revision(from);
-        let watch = client.watch(self.keys.prefix.as_str(), Some(opts));
-        let mut stream = match tokio::time::timeout(self.timeout, watch).await {
-            Ok(Ok(s)) => s,
-            Ok(Err(e)) => return format!("starting the watch: {e}"),
-            Err(_) => return "starting the watch: timed out".into(),
+        let start = call(self.timeout, "starting the watch", || {
+            let mut client = self.client.watch_client();
+            let opts = opts.clone();
+            async move { client.watch(self.keys.prefix.as_str(), Some(opts)).await }
+        });
+        let mut stream = match start.await {
+            Ok(s) => s,
+            Err(e) => return e.to_string(),
         };
         loop {
             let msg = match stream.message().await {

@@ -111,6 +111,7 @@ impl Cluster {
             tokio::select! {
                 () = tokio::time::sleep_until(wake) => {}
                 () = self.member_lost_kick.notified() => {}
+                () = self.round_kick.notified() => {}
             }
             if self.member_lost.load(std::sync::atomic::Ordering::Acquire) == lease {
                 return "this gateway's membership key was deleted from etcd";

@@ -321,6 +321,9 @@ pub struct Cluster {
     /// hand): that membership is over; wakes the membership loop.
     member_lost: std::sync::atomic::AtomicI64,
     member_lost_kick: tokio::sync::Notify,
+    /// Wakes the membership loop for a round now: the watch was reloaded,
+    /// and the gateway is current again only once a round proves it.
+    round_kick: tokio::sync::Notify,
     /// Grants, renewals, releases and expiries waiting for the next shared
     /// transaction.
     batches: batch::Queue,
@@ -388,6 +391,7 @@ impl Cluster {
             floor,
             member_lost: std::sync::atomic::AtomicI64::new(0),
             member_lost_kick: tokio::sync::Notify::new(),
+            round_kick: tokio::sync::Notify::new(),
             batches,
             probe: tokio::sync::Mutex::default(),
             cfg: s.cfg.clone(),
