@@ -494,19 +494,32 @@ async fn read_request_head(
 }
 
 /// Phase 3: reads the rest of a small body (`need` bytes of head and body
-/// in all) within the route's timeout. A slow body goes to the general
-/// path, which reads the rest and decides.
+/// in all) within [`SMALL_BODY_WAIT`] and the route's timeout. A slow body
+/// goes to the general path, which reads the rest and decides.
 async fn read_small_body(stream: &mut TcpStream, c: &mut Conn, need: usize) -> Option<Next> {
+    if c.buf.len() >= need {
+        return None;
+    }
+    let give_up = Instant::now() + SMALL_BODY_WAIT;
     while c.buf.len() < need {
         reserve(&mut c.buf);
-        match c.upstream_deadline.within(stream.read_buf(&mut c.buf)).await {
-            Some(Ok(n)) if n > 0 => {}
-            Some(_) => return Some(Next::Gone),
-            None => return Some(Next::General),
+        match tokio::time::timeout_at(give_up, c.upstream_deadline.within(stream.read_buf(&mut c.buf))).await {
+            Ok(Some(Ok(n))) if n > 0 => {}
+            Ok(Some(_)) => return Some(Next::Gone),
+            Ok(None) | Err(_) => return Some(Next::General),
         }
     }
     None
 }
+
+/// How long the fast path waits for the rest of a small body after its
+/// head before it hands the request to the general path. That path admits
+/// on the head and streams the body under the upload's gate, so a newer
+/// grant cuts a slow upload (409 at once) where the fast path, which
+/// admits only a whole request, would have waited for the body or the
+/// route's upstream timeout. A small body on a live connection comes in
+/// well under this.
+const SMALL_BODY_WAIT: Duration = Duration::from_millis(250);
 
 /// Phase 5: the upstream request into `out` — the request line with the
 /// route's prefix, the forwarded headers, this hop's `Host` (the

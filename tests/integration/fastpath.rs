@@ -698,3 +698,48 @@ async fn reordered_and_retried_sequenced_writes_are_refused_on_both_paths() {
         assert!(m.contains("outcome=\"stale_sequence\""), "fast={fast}: {m}");
     }
 }
+
+/// Review finding (LOW): on the fast path, a small upload whose body came
+/// slowly was judged only once it was whole, so when a newer grant came
+/// meanwhile its client learned it was stale only at the route's upstream
+/// timeout (30 s here). The fast path now hands a body not whole within a
+/// moment to the general path, which admits on the head and cuts the
+/// upload at once when the fence moves. Nothing of it reaches the upstream.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slow_small_upload_cut_by_a_newer_grant_is_answered_at_once_on_both_paths() {
+    for fast in [true, false] {
+        let rec = Recorder::start().await;
+        let (_d, gw) = gateway(&rec.url(), fast).await;
+        let http = Http::default();
+        let api = gw.api_url("");
+        let old = acquire(&http, &api, "slow/small", 60_000, 0).await.unwrap();
+        let mut c = Client::connect(gw.proxy).await;
+        c.send(
+            format!(
+                "PUT /slow/small HTTP/1.1\r\nHost: front\r\nX-Fencing-Token: {}\r\nContent-Length: 100\r\n\r\nfirst",
+                old.token
+            )
+            .as_bytes(),
+        )
+        .await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        c.send(b"more").await;
+        release(&http, &api, &old).await;
+        let started = Instant::now();
+        let new = acquire(&http, &api, "slow/small", 60_000, 0).await.unwrap();
+        assert!(new.token > old.token);
+        let granted = started.elapsed();
+        assert!(granted < Duration::from_secs(2), "fast={fast}: the slow upload held the grant for {granted:?}");
+        let r = tokio::time::timeout(Duration::from_secs(5), c.read(false))
+            .await
+            .unwrap_or_else(|_| panic!("fast={fast}: no answer within 5 s of the newer grant"));
+        assert_eq!(r.status, 409, "fast={fast}: {:?}", String::from_utf8_lossy(&r.body));
+        // The general path may have sent the head and the first bytes on;
+        // the upstream never got the request whole.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(
+            rec.requests().iter().all(|seen| !seen.complete),
+            "fast={fast}: the cut upload reached the upstream whole"
+        );
+    }
+}
