@@ -29,12 +29,27 @@ if n then
   end
 end
 
+-- With WRK_QUANTILES set, the line also carries "q": the latency at the
+-- percentiles 1, 2, ..., 89, then 90.0, 90.1, ..., 100 (us), so that the
+-- distributions of several runs can be pooled (leases500k.py).
+local function quantiles(latency)
+  local q = {}
+  for p = 1, 89 do
+    q[#q + 1] = string.format("[%g,%d]", p, latency:percentile(p))
+  end
+  for i = 900, 1000 do
+    q[#q + 1] = string.format("[%g,%d]", i / 10, latency:percentile(i / 10))
+  end
+  return ',"q":[' .. table.concat(q, ",") .. "]"
+end
+
 done = function(summary, latency, requests)
   local e = summary.errors
+  local q = os.getenv("WRK_QUANTILES") and quantiles(latency) or ""
   io.write(string.format(
     'WRKJSON {"requests":%d,"duration_us":%d,"rps":%.1f,"p50_us":%d,"p99_us":%d,' ..
-    '"max_us":%d,"err_connect":%d,"err_read":%d,"err_write":%d,"err_status":%d,"err_timeout":%d}\n',
+    '"max_us":%d,"err_connect":%d,"err_read":%d,"err_write":%d,"err_status":%d,"err_timeout":%d%s}\n',
     summary.requests, summary.duration, summary.requests / (summary.duration / 1e6),
     latency:percentile(50), latency:percentile(99), latency.max,
-    e.connect, e.read, e.write, e.status, e.timeout))
+    e.connect, e.read, e.write, e.status, e.timeout, q))
 end
