@@ -37,9 +37,11 @@ local function quantiles(latency)
   for p = 1, 89 do
     q[#q + 1] = string.format("[%g,%d]", p, latency:percentile(p))
   end
-  for i = 900, 1000 do
+  for i = 900, 999 do
     q[#q + 1] = string.format("[%g,%d]", i / 10, latency:percentile(i / 10))
   end
+  -- wrk answers percentile(100) with 0: the maximum instead.
+  q[#q + 1] = string.format("[100,%d]", latency.max)
   return ',"q":[' .. table.concat(q, ",") .. "]"
 end
 
