@@ -158,14 +158,20 @@ impl Setup {
 
     /// Waits until gateway `i` answers mutations with something other
     /// than `not_current` (a made-up token: 403 once it is current).
+    /// One probe mutation: `Some(true)` when gateway `i` refused it as not
+    /// current (503), `None` when the send failed.
+    async fn refuses(&self, i: usize) -> Option<bool> {
+        let probe = self.gws[i].proxy_url("/probe/current");
+        let sent = self.http.try_send(Method::PUT, &probe, &[("x-fencing-token", &u64::MAX.to_string())], "").await;
+        sent.ok().map(|r| r.status == StatusCode::SERVICE_UNAVAILABLE)
+    }
+
     async fn wait_current(&self, i: usize, limit: Duration) -> Duration {
         let started = Instant::now();
         loop {
             // A pooled connection the gateway closed meanwhile (it was
             // paused past its idle timeout) fails the send: asked again.
-            let probe = self.gws[i].proxy_url("/probe/current");
-            let sent = self.http.try_send(Method::PUT, &probe, &[("x-fencing-token", &u64::MAX.to_string())], "").await;
-            if sent.is_ok_and(|r| r.status != StatusCode::SERVICE_UNAVAILABLE) {
+            if self.refuses(i).await == Some(false) {
                 return started.elapsed();
             }
             assert!(started.elapsed() < limit, "gateway {i} not current after {limit:?}: {}", self.gws[i].log_text());
@@ -1276,9 +1282,7 @@ async fn with_one_etcd_member_down_every_request_succeeds() {
     let mut refusing_since: [Option<Instant>; 3] = [None; 3];
     while killed.elapsed() < Duration::from_millis(1500) {
         for (i, since) in refusing_since.iter_mut().enumerate() {
-            let probe = s.gws[i].proxy_url("/probe/current");
-            let sent = s.http.try_send(Method::PUT, &probe, &[("x-fencing-token", &u64::MAX.to_string())], "").await;
-            let refused = sent.is_ok_and(|r| r.status == StatusCode::SERVICE_UNAVAILABLE);
+            let refused = s.refuses(i).await == Some(true);
             match (refused, *since) {
                 (true, None) => *since = Some(Instant::now()),
                 (false, Some(t)) => {
