@@ -359,6 +359,16 @@ struct Listener {
     limits: Limits,
 }
 
+/// The largest read hyper makes of a request body on an HTTP/1.1
+/// connection it serves (its read buffer grows to this only while reads
+/// fill it, so small requests keep an 8 KiB buffer). 64 MiB PUTs streamed
+/// to an upstream at 4 connections, fencegate on one core: 1,390–1,440
+/// MiB/s with 128 KiB reads (the limit before, twice `max_header_bytes`),
+/// 1,950–2,330 with 512 KiB, interleaved on the same machine; peak RSS 43
+/// vs 53 MiB (1 MiB reads: 2,500 MiB/s but 68 MiB, above the 64 MiB the
+/// harness allows). benches/compare/RESULTS.md, section 2.
+const BODY_READ_MAX: usize = 512 * 1024;
+
 /// hyper's HTTP/1.1 and HTTP/2 settings from the listener limits.
 fn hyper_builder(limits: Limits) -> auto::Builder<TokioExecutor> {
     let mut builder = auto::Builder::new(TokioExecutor::new());
@@ -371,8 +381,9 @@ fn hyper_builder(limits: Limits) -> auto::Builder<TokioExecutor> {
         // drop the request's future (an abandoned acquire leaves the
         // queue). A half-closed request is treated as a hang-up here.
         // hyper's own hard limit sits above ours, so that most oversized
-        // headers get our JSON 431 rather than hyper's bare one.
-        .max_buf_size(limits.max_header_bytes.saturating_mul(2).max(64 * 1024));
+        // headers get our JSON 431 rather than hyper's bare one. It is
+        // also the largest read of a body, see [`BODY_READ_MAX`].
+        .max_buf_size(limits.max_header_bytes.saturating_mul(2).max(BODY_READ_MAX));
     builder
         .http2()
         .timer(TokioTimer::new())
