@@ -333,14 +333,22 @@ impl Cluster {
     /// mutations of `key` on this gateway finish (or are aborted) before
     /// `rev` is acknowledged.
     fn start_activation(&self, key: &str, token: u64, rev: i64) {
+        // `rev` is pending before `last_fence` reaches it: `ack_target`
+        // (other tasks) reads both, and in the other order could see the
+        // new `last_fence` with nothing pending yet and acknowledge `rev`
+        // while an older mutation of `key` is still on its way upstream
+        // (an outside review found the window by reading; never reproduced).
+        let waits = self.fences.inflight(key) != 0;
+        if waits {
+            self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(rev);
+        }
         {
             let mut last = self.last_fence.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             *last = (*last).max(rev);
         }
-        if self.fences.inflight(key) == 0 {
+        if !waits {
             return;
         }
-        self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(rev);
         let fences = self.fences.clone();
         let key = key.to_string();
         let timeout = Duration::from_millis(self.limits.activation_timeout_ms);
