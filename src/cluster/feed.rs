@@ -336,8 +336,7 @@ impl Cluster {
         // `rev` is pending before `last_fence` reaches it: `ack_target`
         // (other tasks) reads both, and in the other order could see the
         // new `last_fence` with nothing pending yet and acknowledge `rev`
-        // while an older mutation of `key` is still on its way upstream
-        // (an outside review found the window by reading; never reproduced).
+        // while an older mutation of `key` is still on its way upstream.
         let waits = self.fences.inflight(key) != 0;
         if waits {
             self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(rev);
