@@ -12,6 +12,10 @@ gateways. Faults, one at a time:
   etcd-leader-stop    SIGSTOP the etcd leader 2-4 s (> the 1 s election
                       timeout), then SIGCONT
   etcd-follower-kill  kill -9 one etcd follower, restart it 2-5 s later
+  etcd-follower-stop  SIGSTOP one etcd follower 8-12 s (a hung member: its
+                      connections stay open, nothing is answered), one a
+                      gateway sends its etcd requests to when there is one;
+                      the probe's grant should come while it is stopped
   gateway-stop        SIGSTOP a gateway with a holder's write in flight (the
                       upstream holds it), longer than its member TTL: the
                       holder's next write waits in the stopped gateway, the
@@ -73,8 +77,8 @@ import harness as hz  # noqa: E402
 import itertools  # noqa: E402
 from harness import CutProxy, Proc, free_port, http, log, mono, setns  # noqa: E402
 
-FAULTS = ["etcd-leader-kill", "etcd-leader-stop", "etcd-follower-kill", "gateway-stop", "gateway-kill",
-          "gateway-partition", "etcd-compact", "pause"]
+FAULTS = ["etcd-leader-kill", "etcd-leader-stop", "etcd-follower-kill", "etcd-follower-stop", "gateway-stop",
+          "gateway-kill", "gateway-partition", "etcd-compact", "pause"]
 UPSTREAM_TIMEOUT_MS = hz.UPSTREAM_TIMEOUT_MS
 # A gateway that vanished without draining holds grants back this long after
 # its membership ended (docs/cluster.md): the longest upstream timeout + 0.5 s.
@@ -579,6 +583,43 @@ connect_timeout_ms = 1000
         self.record_fault(kind=kind, start=start, end=end, member=m.name, stopped_s=round(d, 3),
                           leader_after=None if new_leader is None else self.members[new_leader].name,
                           probe=f"{a.name}->{b.name}", **res)
+
+    def members_in_use(self):
+        """The etcd client URLs the gateways send their requests to now
+        (`fencegate_cluster_etcd_member`)."""
+        used = set()
+        for g in self.gws:
+            st, body = http("GET", f"{g.api}/metrics", timeout=2)
+            if st != 200 or not isinstance(body, str):
+                continue
+            for line in body.splitlines():
+                if line.startswith('fencegate_cluster_etcd_member{endpoint="') and line.endswith("} 1"):
+                    used.add(line.split('"')[1])
+        return used
+
+    def fault_etcd_follower_stop(self):
+        kind = "etcd-follower-stop"
+        li = self.leader()
+        if li is None:
+            self.record_fault(kind=kind, start=mono(), end=mono(), skipped="no etcd leader")
+            return
+        followers = [j for j in range(3) if j != li]
+        used = self.members_in_use()
+        in_use = [j for j in followers if self.members[j].url in used]
+        m = self.members[self.rng.choice(in_use or followers)]
+        a, b = self.rng.sample(self.gws, 2)
+        d = self.rng.uniform(8.0, 12.0)
+        start = mono()
+        if m.proc.pause() is None:
+            raise RuntimeError(f"etcd member {m.name} did not stop within 5 s of SIGSTOP")
+        t, res = self.start_probe(start, a, b)
+        time.sleep(d)
+        m.proc.signal(signal.SIGCONT)
+        end = mono()
+        t.join(45)
+        self.record_fault(kind=kind, start=start, end=end, member=m.name, stopped_s=round(d, 3),
+                          in_use=bool(in_use), probe=f"{a.name}->{b.name}",
+                          granted_while_stopped=res.get("next_grant_s", d + 1) < d, **res)
 
     def fault_etcd_compact(self):
         kind = "etcd-compact"

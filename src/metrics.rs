@@ -7,7 +7,8 @@
 //! bounded by the configuration.
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    TextEncoder,
 };
 
 /// Buckets from 10 µs to 2 min: resolve a fence check or an fsync as well
@@ -67,6 +68,8 @@ pub struct Metrics {
     pub cluster_current: IntGauge,
     /// Cluster mode: reloads of the fences after a broken watch.
     pub cluster_resyncs: IntCounter,
+    pub cluster_etcd_member: IntGaugeVec,
+    pub cluster_etcd_moves: IntCounter,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -110,6 +113,17 @@ impl Metrics {
             cluster_resyncs: IntCounter::new(
                 "fencegate_cluster_resyncs_total",
                 "Cluster mode: full reloads of the fences after the etcd watch broke.",
+            )?,
+            cluster_etcd_member: IntGaugeVec::new(
+                Opts::new(
+                    "fencegate_cluster_etcd_member",
+                    "Cluster mode: 1 for the configured etcd endpoint this gateway's requests go to, 0 for the others.",
+                ),
+                &["endpoint"],
+            )?,
+            cluster_etcd_moves: IntCounter::new(
+                "fencegate_cluster_etcd_moves_total",
+                "Cluster mode: moves to the next etcd member after one refused, had no leader or did not answer.",
             )?,
             lease_expirations: IntCounter::new(
                 "fencegate_lease_expirations_total",
@@ -240,6 +254,8 @@ impl Metrics {
         self.registry.register(Box::new(self.cluster_members.clone()))?;
         self.registry.register(Box::new(self.cluster_current.clone()))?;
         self.registry.register(Box::new(self.cluster_resyncs.clone()))?;
+        self.registry.register(Box::new(self.cluster_etcd_member.clone()))?;
+        self.registry.register(Box::new(self.cluster_etcd_moves.clone()))?;
         Ok(())
     }
 

@@ -357,11 +357,13 @@ impl Cluster {
             return;
         }
         let txn = Txn::new().and_then(subs);
-        let done = match super::call(self.timeout, "a shared transaction", || {
-            let (mut kv, txn) = (self.client.kv_client(), txn.clone());
-            async move { kv.txn(txn).await }
-        })
-        .await
+        let done = match self
+            .etcd
+            .call(self.timeout, "a shared transaction", || {
+                let (mut kv, txn) = (self.etcd.kv_client(), txn.clone());
+                async move { kv.txn(txn).await }
+            })
+            .await
         {
             Ok(d) => d,
             Err(e) => {

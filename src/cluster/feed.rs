@@ -13,7 +13,7 @@ use std::time::Duration;
 use etcd_client::{EventType, GetOptions, KeyValue, PutOptions, WatchOptions};
 
 use super::mirror::{GrantEntry, GrantValue, MemberEntry};
-use super::{call, token_of, Cluster, Kind};
+use super::{token_of, Cluster, Kind};
 use crate::error::Error;
 
 /// The token a fence `f/KEY` names: `offset/slot` (a batched grant) or
@@ -50,11 +50,13 @@ impl Cluster {
             if revision > 0 {
                 opts = opts.with_revision(revision);
             }
-            let mut resp = call(self.timeout * 4, "loading the fences", || {
-                let (mut kv, start, opts) = (self.client.kv_client(), start.clone(), opts.clone());
-                async move { kv.get(start, Some(opts)).await }
-            })
-            .await?;
+            let mut resp = self
+                .etcd
+                .call_repeatable(self.timeout * 4, "loading the fences", || {
+                    let (mut kv, start, opts) = (self.etcd.kv_client(), start.clone(), opts.clone());
+                    async move { kv.get(start, Some(opts)).await }
+                })
+                .await?;
             if revision == 0 {
                 let header = resp.header().ok_or_else(|| Error::Unavailable("etcd: no response header".into()))?;
                 (revision, cluster_id) = (header.revision(), header.cluster_id());
@@ -551,17 +553,35 @@ impl Cluster {
         // the same watch, and the gateway stays as current as it is in the
         // moment between a reload and its watch.
         let opts = WatchOptions::new().with_prefix().with_start_revision(from);
-        let start = call(self.timeout, "starting the watch", || {
-            let mut client = self.client.watch_client();
+        let start = self.etcd.call_repeatable_on(self.timeout, "starting the watch", || {
+            let mut client = self.etcd.watch_client();
             let opts = opts.clone();
             async move { client.watch(self.keys.prefix.as_str(), Some(opts)).await }
         });
-        let mut stream = match start.await {
+        let (mut stream, turn) = match start.await {
             Ok(s) => s,
             Err(e) => return e.to_string(),
         };
+        let this = self.watch_count.fetch_add(1, Ordering::AcqRel) + 1;
         loop {
-            let msg = match stream.message().await {
+            let next = tokio::select! {
+                next = stream.message() => next,
+                () = self.watch_stall_kick.notified() => {
+                    if self.watch_stalled.load(Ordering::Acquire) != this {
+                        continue;
+                    }
+                    // Its member may hang with the connection open: the
+                    // reload and the next watch go to the next member.
+                    self.etcd.move_on(turn).await;
+                    return "the watch did not deliver a write etcd had acknowledged (its member may hang)".into();
+                }
+                // Another request found the member this watch is on
+                // refusing or hanging: the watch follows it to the next.
+                () = self.etcd.moved_from(turn) => {
+                    return "the gateway's requests moved to the next etcd member".into();
+                }
+            };
+            let msg = match next {
                 Ok(Some(m)) => m,
                 Ok(None) => return "the watch stream ended".into(),
                 Err(e) => return format!("watch error: {e}"),
@@ -657,11 +677,13 @@ impl Cluster {
         // (`check_against_floor`): one written in an old numbering before
         // a restore would otherwise cover it.
         let target = if self.first_held_back().is_some() { self.ack_target() } else { self.ack_target().max(*last) };
-        let resp = call(self.timeout, "acknowledging", || {
-            let (mut kv, key) = (self.client.kv_client(), self.keys.ack(&self.gateway_id));
-            async move { kv.put(key, target.to_string(), Some(PutOptions::new().with_lease(lease))).await }
-        })
-        .await?;
+        let resp = self
+            .etcd
+            .call_repeatable(self.timeout, "acknowledging", || {
+                let (mut kv, key) = (self.etcd.kv_client(), self.keys.ack(&self.gateway_id));
+                async move { kv.put(key, target.to_string(), Some(PutOptions::new().with_lease(lease))).await }
+            })
+            .await?;
         *last = target;
         Ok(resp.header().map_or(0, |h| h.revision()))
     }

@@ -28,7 +28,7 @@ use tokio::time::Instant;
 
 use super::batch::{Attempt, Orphan};
 use super::mirror::GrantValue;
-use super::{call, token_of, Cluster};
+use super::{token_of, Cluster};
 use crate::authority::types::{new_lease_id, secret_eq, validate_ttl};
 use crate::authority::{validate_key, AcquireRequest, GrantView, ReleaseRequest, RenewRequest, RenewView, StatusView};
 use crate::error::Error;
@@ -78,11 +78,13 @@ impl Drop for Cleanup {
             let give_up = Instant::now() + CLEANUP_FOR;
             let mut pause = Duration::from_millis(100);
             while c.member_lease() == Some(member) && !c.stop.is_triggered() && Instant::now() < give_up {
-                let deleted = call(c.timeout, "leaving the queue", || {
-                    let (mut kv, q) = (c.client.kv_client(), q.clone());
-                    async move { kv.delete(q, None).await }
-                })
-                .await;
+                let deleted = c
+                    .etcd
+                    .call_repeatable(c.timeout, "leaving the queue", || {
+                        let (mut kv, q) = (c.etcd.kv_client(), q.clone());
+                        async move { kv.delete(q, None).await }
+                    })
+                    .await;
                 if deleted.is_ok() {
                     return;
                 }
@@ -317,11 +319,13 @@ impl Cluster {
     /// Puts the waiter entry `qkey` on the membership lease `member`;
     /// returns its create revision (its place in the queue).
     async fn enqueue(&self, qkey: &str, member: i64) -> Result<i64, Error> {
-        let resp = call(self.timeout, "queueing", || {
-            let (mut kv, qkey) = (self.client.kv_client(), qkey.to_string());
-            async move { kv.put(qkey, "", Some(PutOptions::new().with_lease(member))).await }
-        })
-        .await?;
+        let resp = self
+            .etcd
+            .call(self.timeout, "queueing", || {
+                let (mut kv, qkey) = (self.etcd.kv_client(), qkey.to_string());
+                async move { kv.put(qkey, "", Some(PutOptions::new().with_lease(member))).await }
+            })
+            .await?;
         Ok(resp.header().map_or(0, |h| h.revision()))
     }
 }
@@ -348,11 +352,13 @@ impl Cluster {
     /// The grant of `key` as etcd has it now (a consistent read), if its
     /// lease id hashes to the stored one.
     async fn own_grant(&self, key: &str, lease_id: &str) -> Result<Option<(GrantValue, i64, u64)>, Error> {
-        let resp = call(self.timeout, "reading a grant", || {
-            let (mut kv, gkey) = (self.client.kv_client(), self.keys.grant(key));
-            async move { kv.get(gkey, None).await }
-        })
-        .await?;
+        let resp = self
+            .etcd
+            .call_repeatable(self.timeout, "reading a grant", || {
+                let (mut kv, gkey) = (self.etcd.kv_client(), self.keys.grant(key));
+                async move { kv.get(gkey, None).await }
+            })
+            .await?;
         let Some(found) = resp.kvs().first() else { return Ok(None) };
         let Ok(value) = serde_json::from_slice::<GrantValue>(found.value()) else { return Ok(None) };
         if !secret_eq(&value.s, &sha256_hex(lease_id)) {

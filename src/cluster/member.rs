@@ -19,7 +19,7 @@ use std::time::Duration;
 use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp};
 use tokio::time::Instant;
 
-use super::{call, Cluster};
+use super::Cluster;
 use crate::error::Error;
 
 /// ε: the share of the TTL given up to clock-rate differences.
@@ -50,7 +50,7 @@ impl Cluster {
             if let Some(old) = self.member_lease() {
                 self.set_member_lease(None, 0);
                 // Best effort: peers then stop waiting for this incarnation.
-                let mut leases = self.client.lease_client();
+                let mut leases = self.etcd.lease_client();
                 let timeout = self.timeout;
                 tokio::spawn(async move {
                     let _ = tokio::time::timeout(timeout, leases.revoke(old)).await;
@@ -77,8 +77,9 @@ impl Cluster {
         };
         let interval = granted / 3;
         let mut deadline = Self::deadline_after(sent, granted);
-        let mut leases = self.client.lease_client();
+        // The keepalive stream, and the turn of the member it is open on.
         let mut keeper = None;
+        let mut keeper_turn = self.etcd.turn();
         // The join itself is the first round: prove the watch current.
         let mut next_deadline = Some(deadline);
         loop {
@@ -126,10 +127,18 @@ impl Cluster {
             // that hangs (its member paused) is given up after half a
             // period and sent again on another connection.
             let budget = deadline.saturating_duration_since(sent).min(self.timeout).min(interval / 2);
+            // A stream open on a member that other requests left (it
+            // refused or hung) is opened again on the current one.
+            if keeper_turn != self.etcd.turn() {
+                keeper = None;
+            }
+            if keeper.is_none() {
+                keeper_turn = self.etcd.turn();
+            }
             let round = async {
                 match keeper.as_mut() {
                     None => {
-                        let (k, stream) = leases.keep_alive(lease).await?;
+                        let (k, stream) = self.etcd.lease_client().keep_alive(lease).await?;
                         keeper = Some((k, stream));
                         Ok(Some(granted))
                     }
@@ -147,7 +156,13 @@ impl Cluster {
                 Ok(Err(etcd_client::Error::LeaseKeepAliveError(m))) if m.contains("not found") => {
                     return "the gateway's membership lease expired in etcd";
                 }
-                _ => keeper = None,
+                _ => {
+                    // Unanswered in time, refused, or the stream broke: the
+                    // next round opens a stream on the next member (the one
+                    // it was on may hang with its connection open).
+                    keeper = None;
+                    self.etcd.move_on(keeper_turn).await;
+                }
             }
         }
     }
@@ -157,11 +172,13 @@ impl Cluster {
     /// restarted before its lease expired) must be seen to leave by every
     /// peer, which then quarantines it, before this one joins.
     async fn join(&self, ttl_s: i64) -> Result<(i64, Duration), Error> {
-        let grant = call(self.timeout, "granting the membership lease", || {
-            let mut leases = self.client.lease_client();
-            async move { leases.grant(ttl_s, None).await }
-        })
-        .await?;
+        let grant = self
+            .etcd
+            .call_repeatable(self.timeout, "granting the membership lease", || {
+                let mut leases = self.etcd.lease_client();
+                async move { leases.grant(ttl_s, None).await }
+            })
+            .await?;
         let lease = grant.id();
         let granted = Duration::from_secs(u64::try_from(grant.ttl()).unwrap_or(0));
         let key = self.keys.member(&self.gateway_id);
@@ -173,11 +190,13 @@ impl Cluster {
         let txn = Txn::new()
             .when(vec![Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
             .and_then(vec![TxnOp::put(key, value, Some(PutOptions::new().with_lease(lease)))]);
-        let created = call(self.timeout, "joining", || {
-            let (mut kv, txn) = (self.client.kv_client(), txn.clone());
-            async move { kv.txn(txn).await }
-        })
-        .await;
+        let created = self
+            .etcd
+            .call(self.timeout, "joining", || {
+                let (mut kv, txn) = (self.etcd.kv_client(), txn.clone());
+                async move { kv.txn(txn).await }
+            })
+            .await;
         let (created, since) = match created {
             Ok(r) => (r.succeeded(), r.header().map_or(0, |h| h.revision())),
             Err(e) => {
@@ -205,11 +224,13 @@ impl Cluster {
         let limit = Instant::now() + self.member_ttl * 2 + self.timeout;
         let mut logged = false;
         loop {
-            let resp = call(self.timeout, "reading the member key", || {
-                let (mut kv, key) = (self.client.kv_client(), self.keys.member(&self.gateway_id));
-                async move { kv.get(key, Some(GetOptions::new().with_keys_only())).await }
-            })
-            .await?;
+            let resp = self
+                .etcd
+                .call_repeatable(self.timeout, "reading the member key", || {
+                    let (mut kv, key) = (self.etcd.kv_client(), self.keys.member(&self.gateway_id));
+                    async move { kv.get(key, Some(GetOptions::new().with_keys_only())).await }
+                })
+                .await?;
             if resp.kvs().is_empty() {
                 return Ok(());
             }
@@ -235,10 +256,30 @@ impl Cluster {
         if !self.feed_is_ok() || self.floor.restored().is_some() {
             return false;
         }
+        let watch = self.watch_count.load(std::sync::atomic::Ordering::Acquire);
         let Ok(rev) = self.write_ack().await else { return false };
         let mut rx = self.applied.subscribe();
-        let seen = tokio::time::timeout_at(deadline, rx.wait_for(|applied| *applied >= rev)).await;
-        matches!(seen, Ok(Ok(_))) && self.feed_is_ok()
+        // A watch delivers a write etcd acknowledged within milliseconds;
+        // one that has not within half the etcd timeout sits on a member
+        // that hangs (or lags far behind): the feed starts again on the
+        // next member, and the next round proves the new watch.
+        let stall = (Instant::now() + self.timeout / 2).min(deadline);
+        let seen = tokio::time::timeout_at(stall, rx.wait_for(|applied| *applied >= rev)).await;
+        if matches!(seen, Ok(Ok(_))) {
+            return self.feed_is_ok();
+        }
+        if self.feed_is_ok() && self.watch_count.load(std::sync::atomic::Ordering::Acquire) == watch {
+            self.watch_missed(watch);
+        }
+        false
+    }
+
+    /// The feed's watch number `watch` missed a write: it is ended (the
+    /// feed reloads and watches again on the next member).
+    fn watch_missed(&self, watch: u64) {
+        tracing::warn!(gateway = %self.gateway_id, "the etcd watch missed this gateway's acknowledgement; watching again");
+        self.watch_stalled.store(watch, std::sync::atomic::Ordering::Release);
+        self.watch_stall_kick.notify_one();
     }
 }
 
@@ -263,16 +304,17 @@ impl Cluster {
         let key = self.keys.member(&self.gateway_id);
         let replay = async {
             let opts = etcd_client::WatchOptions::new().with_prefix().with_start_revision(from + 1).with_prev_key();
-            // Asked again while the client hands out a dead member's
-            // connection (as `call` does; the whole replay has a deadline).
-            let mut stream = loop {
-                let mut client = self.client.watch_client();
-                match client.watch(prefix.as_str(), Some(opts.clone())).await {
-                    Ok(s) => break s,
-                    Err(e) if super::never_applied(&e) => tokio::time::sleep(Duration::from_millis(20)).await,
-                    Err(e) => return Err(format!("watching: {e}")),
-                }
-            };
+            // Asked again on the next member while one refuses or hangs
+            // (the whole replay has a deadline).
+            let (mut stream, _) = self
+                .etcd
+                .call_repeatable_on(self.timeout, "replaying the members", || {
+                    let (mut client, opts) = (self.etcd.watch_client(), opts.clone());
+                    let prefix = prefix.clone();
+                    async move { client.watch(prefix, Some(opts)).await }
+                })
+                .await
+                .map_err(|e| format!("watching: {e}"))?;
             let value = self.member_value();
             let txn = Txn::new()
                 .when([
@@ -280,12 +322,14 @@ impl Cluster {
                     Compare::value(key.clone(), CompareOp::Equal, value.clone()),
                 ])
                 .and_then([TxnOp::put(key.clone(), value, Some(PutOptions::new().with_lease(lease)))]);
-            let marked = call(self.timeout, "marking the replay", || {
-                let (mut kv, txn) = (self.client.kv_client(), txn.clone());
-                async move { kv.txn(txn).await }
-            })
-            .await
-            .map_err(|e| format!("marking: {e}"))?;
+            let marked = self
+                .etcd
+                .call(self.timeout, "marking the replay", || {
+                    let (mut kv, txn) = (self.etcd.kv_client(), txn.clone());
+                    async move { kv.txn(txn).await }
+                })
+                .await
+                .map_err(|e| format!("marking: {e}"))?;
             if !marked.succeeded() {
                 return Err("this gateway's member key is no longer its own".to_string());
             }

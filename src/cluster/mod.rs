@@ -37,6 +37,7 @@
 //!   acknowledged in time and its watch is proved current ([`member`]).
 
 mod batch;
+mod etcd;
 mod expiry;
 mod feed;
 mod floor;
@@ -151,34 +152,6 @@ fn never_applied(e: &etcd_client::Error) -> bool {
     m.contains("tcp connect error") || m.contains("error trying to connect") || m.contains("etcdserver: no leader")
 }
 
-/// One etcd request, within `timeout` in all: `attempt` makes it (with a
-/// client handle of its own, cheap to clone), and is called again while
-/// the answer proves that the request was never applied — another member
-/// of the quorum may well answer. Any other error, and the deadline, are
-/// answered as 503 (fail closed).
-pub(crate) async fn call<T, Fut>(timeout: Duration, what: &str, mut attempt: impl FnMut() -> Fut) -> Result<T, Error>
-where
-    Fut: std::future::Future<Output = Result<T, etcd_client::Error>>,
-{
-    let deadline = tokio::time::Instant::now() + timeout;
-    let no_answer = || Error::Unavailable(format!("etcd: {what}: no answer within {} ms", timeout.as_millis()));
-    let mut pause = Duration::from_millis(10);
-    loop {
-        match tokio::time::timeout_at(deadline, attempt()).await {
-            Ok(Ok(r)) => return Ok(r),
-            Ok(Err(e)) if never_applied(&e) => {
-                if tokio::time::Instant::now() + pause >= deadline {
-                    return Err(unavailable(what, e));
-                }
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(Duration::from_millis(100));
-            }
-            Ok(Err(e)) => return Err(unavailable(what, e)),
-            Err(_) => return Err(no_answer()),
-        }
-    }
-}
-
 /// A revision as a number (revisions are positive).
 fn rev_u64(rev: i64) -> u64 {
     u64::try_from(rev).unwrap_or(0)
@@ -287,7 +260,8 @@ pub(super) struct FloorWatch {
 
 /// The cluster-mode authority of one gateway.
 pub struct Cluster {
-    client: Client,
+    /// etcd, one member at a time.
+    etcd: etcd::Etcd,
     keys: Keys,
     gateway_id: String,
     fences: Arc<FenceTable>,
@@ -315,6 +289,11 @@ pub struct Cluster {
     membership: Mutex<Membership>,
     /// The watch is running and was loaded from a consistent read.
     feed_ok: AtomicBool,
+    /// Counts the feed's watches; the membership round names the one that
+    /// missed a write etcd acknowledged ([`Cluster::watch_missed`]).
+    watch_count: std::sync::atomic::AtomicU64,
+    watch_stalled: std::sync::atomic::AtomicU64,
+    watch_stall_kick: tokio::sync::Notify,
     ack_lock: tokio::sync::Mutex<i64>,
     floor: Arc<floor::Floor>,
     /// The membership lease whose `m/GW` key was deleted under it (by
@@ -358,7 +337,7 @@ impl Cluster {
     /// watch, the membership and the acknowledgements. Mutations are
     /// refused (`not_current`) until the gateway has joined.
     pub async fn start(s: Start) -> Result<Arc<Cluster>, Error> {
-        let client = connect(&s.cfg).await?;
+        let etcd = etcd::Etcd::connect(&s.cfg, &s.gateway_id, s.metrics.clone()).await?;
         let floor = Arc::new(floor::Floor::open(&s.data_dir)?);
         crate::fault::announce();
         // The fault `no-self-fencing` (nemesis self-test only, debug builds,
@@ -370,7 +349,7 @@ impl Cluster {
         s.fences.set_not_current("the gateway has not joined its cluster yet");
         let (batches, batch_rx) = tokio::sync::mpsc::unbounded_channel();
         let cluster = Arc::new(Cluster {
-            client,
+            etcd,
             keys: Keys::new(&s.cfg.prefix),
             gateway_id: s.gateway_id,
             fences: s.fences,
@@ -387,6 +366,9 @@ impl Cluster {
             floor_watch: Mutex::default(),
             membership: Mutex::default(),
             feed_ok: AtomicBool::new(false),
+            watch_count: std::sync::atomic::AtomicU64::new(0),
+            watch_stalled: std::sync::atomic::AtomicU64::new(0),
+            watch_stall_kick: tokio::sync::Notify::new(),
             ack_lock: tokio::sync::Mutex::new(0),
             floor,
             member_lost: std::sync::atomic::AtomicI64::new(0),
@@ -460,11 +442,12 @@ impl Cluster {
 
     /// Revokes an etcd lease (ending every key on it).
     async fn revoke(&self, lease: i64) -> Result<etcd_client::LeaseRevokeResponse, Error> {
-        call(self.timeout, "revoking", || {
-            let mut leases = self.client.lease_client();
-            async move { leases.revoke(lease).await }
-        })
-        .await
+        self.etcd
+            .call_repeatable(self.timeout, "revoking", || {
+                let mut leases = self.etcd.lease_client();
+                async move { leases.revoke(lease).await }
+            })
+            .await
     }
 
     fn feed_is_ok(&self) -> bool {
@@ -476,11 +459,13 @@ impl Cluster {
     pub async fn leave(&self) {
         let Some(lease) = self.member_lease() else { return };
         let key = self.keys.member(&self.gateway_id);
-        let _ = call(self.timeout, "leaving", || {
-            let (mut kv, key) = (self.client.kv_client(), key.clone());
-            async move { kv.put(key, "drained", Some(etcd_client::PutOptions::new().with_lease(lease))).await }
-        })
-        .await;
+        let _ = self
+            .etcd
+            .call_repeatable(self.timeout, "leaving", || {
+                let (mut kv, key) = (self.etcd.kv_client(), key.clone());
+                async move { kv.put(key, "drained", Some(etcd_client::PutOptions::new().with_lease(lease))).await }
+            })
+            .await;
         let _ = self.revoke(lease).await;
         self.set_member_lease(None, 0);
         tracing::info!(gateway = %self.gateway_id, "left the cluster");

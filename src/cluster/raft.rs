@@ -28,7 +28,6 @@ use std::time::Duration;
 use etcd_client::{Client, GetOptions};
 
 use super::Cluster;
-use crate::config::ClusterConfig;
 use crate::error::Error;
 
 /// A client of one etcd member, so that the read and the status come from
@@ -70,11 +69,7 @@ impl Cluster {
                 None => {
                     let i = probe.next % endpoints.len().max(1);
                     probe.next = i + 1;
-                    let one = ClusterConfig {
-                        etcd_endpoints: endpoints.get(i).cloned().into_iter().collect(),
-                        ..self.cfg.clone()
-                    };
-                    match super::connect(&one).await {
+                    match super::etcd::Etcd::connect_member(&self.cfg, i).await {
                         Ok(c) => c,
                         Err(e) => {
                             last = e;
@@ -155,11 +150,13 @@ impl Cluster {
                     offset_rev,
                 )])
                 .and_then([etcd_client::TxnOp::put(self.keys.restored(&self.gateway_id), value, None)]);
-            let put = super::call(self.timeout, "marking the restore", || {
-                let (mut kv, txn) = (self.client.kv_client(), txn.clone());
-                async move { kv.txn(txn).await }
-            })
-            .await;
+            let put = self
+                .etcd
+                .call(self.timeout, "marking the restore", || {
+                    let (mut kv, txn) = (self.etcd.kv_client(), txn.clone());
+                    async move { kv.txn(txn).await }
+                })
+                .await;
             if let Err(e) = put {
                 tracing::warn!(error = %e, "marking the restore in etcd failed; trying again at the next check");
                 if before.is_none() {
