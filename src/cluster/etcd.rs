@@ -43,6 +43,9 @@ pub(crate) struct Etcd {
     /// The current turn, for streams open on a member (a watch, the
     /// keepalive) to follow a move made by another request.
     moved: tokio::sync::watch::Sender<u64>,
+    /// A client of each endpoint for [`Etcd::prefer_leader`]'s status
+    /// requests (made on first use).
+    probes: tokio::sync::Mutex<Vec<Option<Client>>>,
 }
 
 impl std::fmt::Debug for Etcd {
@@ -70,7 +73,8 @@ impl Etcd {
             metrics.cluster_etcd_member.with_label_values(&[e.as_str()]).set(i64::from(i == first));
         }
         let pinned = std::sync::Mutex::new(Pinned { member: first, turn: 0, client });
-        Ok(Etcd { cfg: cfg.clone(), metrics, pinned, moved: tokio::sync::watch::channel(0).0 })
+        let probes = tokio::sync::Mutex::new(vec![None; n]);
+        Ok(Etcd { cfg: cfg.clone(), metrics, pinned, moved: tokio::sync::watch::channel(0).0, probes })
     }
 
     /// A client of the configured endpoint number `member` only.
@@ -114,19 +118,28 @@ impl Etcd {
     /// The member of `turn` failed: requests go to the next member from
     /// now on (no-op when another failure moved on already).
     pub(crate) async fn move_on(&self, turn: u64) {
+        let n = self.cfg.etcd_endpoints.len();
         let next = {
             let p = self.lock();
-            if p.turn != turn {
+            // With one endpoint there is nowhere to go: requests are asked
+            // again on it, and a watch that broke is reloaded.
+            if p.turn != turn || n < 2 {
                 return;
             }
-            (p.member + 1) % self.cfg.etcd_endpoints.len().max(1)
+            (p.member + 1) % n
         };
+        self.move_to(turn, next, "etcd: moving to the next member").await;
+    }
+
+    /// Sends the requests to endpoint `next` from now on, unless the
+    /// member changed since `turn`.
+    async fn move_to(&self, turn: u64, next: usize, why: &'static str) {
         // Connecting makes no request (the first request connects), so it
         // fails only on a configuration it already accepted at start.
         let client = match Self::connect_member(&self.cfg, next).await {
             Ok(c) => c,
             Err(e) => {
-                tracing::warn!(error = %e, "etcd: cannot prepare a client of the next member");
+                tracing::warn!(error = %e, "etcd: cannot prepare a client of another member");
                 return;
             }
         };
@@ -135,7 +148,7 @@ impl Etcd {
             tracing::info!(
                 from = %self.cfg.etcd_endpoints.get(p.member).map_or("", String::as_str),
                 to = %self.cfg.etcd_endpoints.get(next).map_or("", String::as_str),
-                "etcd: moving to the next member"
+                "{why}"
             );
             for (i, e) in self.cfg.etcd_endpoints.iter().enumerate() {
                 self.metrics.cluster_etcd_member.with_label_values(&[e.as_str()]).set(i64::from(i == next));
@@ -145,6 +158,43 @@ impl Etcd {
             drop(p);
             self.moved.send_replace(turn + 1);
         }
+    }
+
+    /// Asks every endpoint's status (each within `timeout`) and sends the
+    /// requests to the leader from now on, if one answered that it leads
+    /// and it is not the member in use: a follower forwards every write to
+    /// the leader (and asks it for every linearizable read), which costs
+    /// the members CPU and a round trip per request.
+    pub(crate) async fn prefer_leader(&self, timeout: Duration) {
+        let mut probes = self.probes.lock().await;
+        let mut leader = None;
+        for (i, slot) in probes.iter_mut().enumerate() {
+            if slot.is_none() {
+                *slot = Self::connect_member(&self.cfg, i).await.ok();
+            }
+            let Some(c) = slot.as_ref() else { continue };
+            let mut m = c.maintenance_client();
+            match tokio::time::timeout(timeout, m.status()).await {
+                Ok(Ok(st)) => {
+                    let me = st.header().map_or(0, |h| h.member_id());
+                    if me != 0 && st.leader() == me {
+                        leader = Some(i);
+                    }
+                }
+                // A fresh connection next time (one given up may be stuck).
+                Ok(Err(_)) | Err(_) => *slot = None,
+            }
+        }
+        drop(probes);
+        let Some(next) = leader else { return };
+        let turn = {
+            let p = self.lock();
+            if p.member == next {
+                return;
+            }
+            p.turn
+        };
+        self.move_to(turn, next, "etcd: moving to the leader").await;
     }
 
     /// One etcd request, within `timeout` in all: `attempt` makes it (with

@@ -495,7 +495,8 @@ impl Cluster {
         self.ack_kick.notify_one();
     }
 
-    /// Feeds the mirror from the watch; reloads after any break.
+    /// Feeds the mirror from the watch; reloads after any break (a move
+    /// to another etcd member only starts the watch again there).
     pub(super) async fn run_feed(self: Arc<Self>, mut from: i64) {
         let mut backoff = Duration::from_millis(100);
         loop {
@@ -504,9 +505,22 @@ impl Cluster {
             }
             self.feed_ok.store(true, Ordering::Release);
             let watched = tokio::time::Instant::now();
-            let why = tokio::select! {
-                why = self.watch_from(from) => why,
+            let end = tokio::select! {
+                end = self.watch_from(from) => end,
                 () = self.stop.wait() => return,
+            };
+            let why = match end {
+                // The same watch again, on the member the requests go to
+                // now, from the revision after the last one applied: each
+                // message (every event of a revision) is applied whole
+                // before the next is read, so nothing is skipped or
+                // applied twice, and the gateway stays as current as it
+                // was (its next proof of currency runs on the new watch).
+                WatchEnd::Moved => {
+                    from = *self.applied.borrow() + 1;
+                    continue;
+                }
+                WatchEnd::Broken(why) => why,
             };
             self.feed_ok.store(false, Ordering::Release);
             self.fences.set_not_current("the gateway's etcd watch may be behind; resynchronising");
@@ -545,8 +559,9 @@ impl Cluster {
         }
     }
 
-    /// Watches from `from` until the watch breaks; returns why.
-    async fn watch_from(&self, from: i64) -> String {
+    /// Watches from `from` until the watch breaks (why) or the gateway's
+    /// etcd requests moved to another member.
+    async fn watch_from(&self, from: i64) -> WatchEnd {
         // A start refused by a dead member (the client's balancer keeps
         // handing out its endpoint) is tried again on another within the
         // timeout: no event was received, so starting at `from` later is
@@ -560,7 +575,7 @@ impl Cluster {
         });
         let (mut stream, turn) = match start.await {
             Ok(s) => s,
-            Err(e) => return e.to_string(),
+            Err(e) => return WatchEnd::Broken(e.to_string()),
         };
         let this = self.watch_count.fetch_add(1, Ordering::AcqRel) + 1;
         loop {
@@ -573,24 +588,25 @@ impl Cluster {
                     // Its member may hang with the connection open: the
                     // reload and the next watch go to the next member.
                     self.etcd.move_on(turn).await;
-                    return "the watch did not deliver a write etcd had acknowledged (its member may hang)".into();
+                    return WatchEnd::Broken(
+                        "the watch did not deliver a write etcd had acknowledged (its member may hang)".into(),
+                    );
                 }
-                // Another request found the member this watch is on
-                // refusing or hanging: the watch follows it to the next.
-                () = self.etcd.moved_from(turn) => {
-                    return "the gateway's requests moved to the next etcd member".into();
-                }
+                // The gateway's requests went to another member (this one
+                // refused or hung, or the leader is elsewhere): the watch
+                // follows them.
+                () = self.etcd.moved_from(turn) => return WatchEnd::Moved,
             };
             let msg = match next {
                 Ok(Some(m)) => m,
-                Ok(None) => return "the watch stream ended".into(),
-                Err(e) => return format!("watch error: {e}"),
+                Ok(None) => return WatchEnd::Broken("the watch stream ended".into()),
+                Err(e) => return WatchEnd::Broken(format!("watch error: {e}")),
             };
             if msg.canceled() {
                 if msg.compact_revision() > 0 {
-                    return format!("compacted at revision {}", msg.compact_revision());
+                    return WatchEnd::Broken(format!("compacted at revision {}", msg.compact_revision()));
                 }
-                return format!("watch cancelled: {}", msg.cancel_reason());
+                return WatchEnd::Broken(format!("watch cancelled: {}", msg.cancel_reason()));
             }
             let mut last = 0;
             for ev in msg.events() {
@@ -687,4 +703,13 @@ impl Cluster {
         *last = target;
         Ok(resp.header().map_or(0, |h| h.revision()))
     }
+}
+
+/// How a watch ended.
+enum WatchEnd {
+    /// It broke: the gateway reloads everything.
+    Broken(String),
+    /// The gateway's etcd requests moved to another member: the watch goes
+    /// on there.
+    Moved,
 }

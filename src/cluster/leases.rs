@@ -552,7 +552,13 @@ impl Cluster {
                              outlasts activation_timeout_ms; retry".into(),
                         ));
                     }
-                    tokio::time::sleep_until(u).await;
+                    if u > Instant::now() {
+                        // Looked at again every 100 ms: a quarantine can
+                        // be lifted meanwhile (the first load's, once the
+                        // member history is known whole).
+                        tokio::time::sleep_until(u.min(Instant::now() + Duration::from_millis(100))).await;
+                        continue;
+                    }
                 }
                 return Ok(());
             }

@@ -288,6 +288,45 @@ impl Cluster {
 pub(super) type Left = std::collections::HashMap<String, (i64, bool, Duration)>;
 
 impl Cluster {
+    /// The first load quarantines everyone (it cannot know who left before
+    /// it). Once this gateway is a member, the member keys' history is
+    /// replayed from etcd's first revision up to that load's `loaded`
+    /// revision: when it is there whole (a cluster never compacted, e.g. a
+    /// new one), only the members that left in it without draining are
+    /// quarantined, and the blanket quarantine is lifted. Otherwise it
+    /// stays (one quarantine from the first load).
+    pub(super) async fn narrow_first_quarantine(self: std::sync::Arc<Self>, loaded: i64) {
+        let Some(first) = self.lock_mirror().loaded_at else { return };
+        let give_up = Instant::now() + self.member_ttl * 2 + self.timeout * 4;
+        while self.member_lease().is_none() {
+            if Instant::now() >= give_up || self.stop.is_triggered() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let left = match self.members_left_between(0, loaded).await {
+            Ok(left) => left,
+            Err(why) => {
+                tracing::info!(reason = %why, "the member history is not whole: the first load's quarantine stays");
+                return;
+            }
+        };
+        let mut m = self.lock_mirror();
+        // A later full read without a replay set a quarantine of its own.
+        if m.loaded_at != Some(first) {
+            return;
+        }
+        for (gw, (lease, drained, ttl)) in left {
+            if m.departed.get(&gw).is_none_or(|d| d.lease != lease) {
+                m.departed.insert(gw, super::mirror::Departure { lease, at: first + ttl, drained });
+            }
+        }
+        m.loaded_at = None;
+        tracing::info!(
+            "the member history since etcd's first revision is known: the first load's blanket quarantine is lifted"
+        );
+    }
+
     /// Every member key deleted after revision `from` (the last this
     /// gateway's broken watch applied) up to at least `to` (its reload's
     /// read): a reload that knows them needs no blanket quarantine for

@@ -385,17 +385,32 @@ impl Cluster {
         cluster.fences.derive_liveness_from(liveness);
         // The first load is part of the start: an unreachable etcd fails it
         // loudly instead of serving nothing.
+        cluster.etcd.prefer_leader(cluster.timeout / 4).await;
         cluster.wait_for_id_free().await?;
         let watch_from = cluster.load().await?;
         tokio::spawn(cluster.clone().run_feed(watch_from));
+        tokio::spawn(cluster.clone().narrow_first_quarantine(watch_from - 1));
         tokio::spawn(cluster.clone().run_member());
         tokio::spawn(cluster.clone().run_acks());
         tokio::spawn(cluster.clone().run_batches(batch_rx));
         tokio::spawn(cluster.clone().run_expiry());
         tokio::spawn(cluster.clone().run_raft_check((cluster.member_ttl / 2).max(Duration::from_secs(1))));
+        tokio::spawn(cluster.clone().run_leader_preference((cluster.member_ttl / 2).max(Duration::from_secs(1))));
         tokio::spawn(cluster.floor.clone().run(cluster.stop.clone()));
         tracing::info!(gateway = %cluster.gateway_id, revision = watch_from - 1, "cluster mode: fences loaded from etcd");
         Ok(cluster)
+    }
+
+    /// Keeps the gateway's etcd requests on the leader (`etcd.rs`,
+    /// `prefer_leader`), checked every `every`.
+    async fn run_leader_preference(self: Arc<Self>, every: Duration) {
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep(every) => {}
+                () = self.stop.wait() => return,
+            }
+            self.etcd.prefer_leader(self.timeout / 4).await;
+        }
     }
 
     /// The fence table this gateway admits mutations with.
