@@ -84,4 +84,10 @@ async fn one_gib_put_streams_with_bounded_memory() {
     let peak = peak_rss_kib(gw.child.id());
     println!("1 GiB PUT through fencegate: {:.0} MiB/s, gateway peak RSS {} MiB", 1024.0 / secs, peak / 1024);
     assert!(peak < 64 * 1024, "peak RSS {peak} KiB");
+    // The gateway runs without transparent huge pages (src/main.rs: with
+    // them, 64 MiB uploads to an S3 route peaked over 64 MiB). Kernels
+    // since 5.0 show the flag; this one must.
+    let status = std::fs::read_to_string(format!("/proc/{}/status", gw.child.id())).unwrap();
+    let thp = status.lines().find(|l| l.starts_with("THP_enabled:")).expect("the kernel shows THP_enabled");
+    assert_eq!(thp.split_whitespace().nth(1), Some("0"), "transparent huge pages still on: {thp}");
 }
