@@ -568,21 +568,29 @@ connect_timeout_ms = 1000
         if li is None:
             self.record_fault(kind=kind, start=mono(), end=mono(), skipped="no etcd leader")
             return
-        m = self.members[li]
+        self.pause_member(kind, self.members[li], (2.0, 4.0), leader_after=True)
+
+    def pause_member(self, kind, m, stop_s, leader_after=False, **extra):
+        """SIGSTOP etcd member `m` for a time drawn from `stop_s` while a probe grants and writes
+        through two random gateways, then SIGCONT; records the fault, with
+        whether the probe's grant came while the member was stopped."""
+        # Drawn in this order, as before: a seed gives the run it gave.
         a, b = self.rng.sample(self.gws, 2)
-        d = self.rng.uniform(2.0, 4.0)
+        d = self.rng.uniform(*stop_s)
         start = mono()
         if m.proc.pause() is None:
             raise RuntimeError(f"etcd member {m.name} did not stop within 5 s of SIGSTOP")
         t, res = self.start_probe(start, a, b)
         time.sleep(d)
-        new_leader = self.leader()
+        if leader_after:
+            new_leader = self.leader()
+            extra["leader_after"] = None if new_leader is None else self.members[new_leader].name
         m.proc.signal(signal.SIGCONT)
         end = mono()
         t.join(45)
         self.record_fault(kind=kind, start=start, end=end, member=m.name, stopped_s=round(d, 3),
-                          leader_after=None if new_leader is None else self.members[new_leader].name,
-                          probe=f"{a.name}->{b.name}", **res)
+                          probe=f"{a.name}->{b.name}", granted_while_stopped=res.get("next_grant_s", d + 1) < d,
+                          **extra, **res)
 
     def members_in_use(self):
         """The etcd client URLs the gateways send their requests to now
@@ -607,19 +615,7 @@ connect_timeout_ms = 1000
         used = self.members_in_use()
         in_use = [j for j in followers if self.members[j].url in used]
         m = self.members[self.rng.choice(in_use or followers)]
-        a, b = self.rng.sample(self.gws, 2)
-        d = self.rng.uniform(8.0, 12.0)
-        start = mono()
-        if m.proc.pause() is None:
-            raise RuntimeError(f"etcd member {m.name} did not stop within 5 s of SIGSTOP")
-        t, res = self.start_probe(start, a, b)
-        time.sleep(d)
-        m.proc.signal(signal.SIGCONT)
-        end = mono()
-        t.join(45)
-        self.record_fault(kind=kind, start=start, end=end, member=m.name, stopped_s=round(d, 3),
-                          in_use=bool(in_use), probe=f"{a.name}->{b.name}",
-                          granted_while_stopped=res.get("next_grant_s", d + 1) < d, **res)
+        self.pause_member(kind, m, (8.0, 12.0), in_use=bool(in_use))
 
     def fault_etcd_compact(self):
         kind = "etcd-compact"

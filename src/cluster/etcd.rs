@@ -55,6 +55,14 @@ impl std::fmt::Debug for Etcd {
     }
 }
 
+/// `fencegate_cluster_etcd_member`: 1 for endpoint number `member`, 0 for
+/// the others.
+fn show_member(metrics: &Metrics, cfg: &ClusterConfig, member: usize) {
+    for (i, e) in cfg.etcd_endpoints.iter().enumerate() {
+        metrics.cluster_etcd_member.with_label_values(&[e.as_str()]).set(i64::from(i == member));
+    }
+}
+
 /// Whether an answer to a request proves the member should be left.
 fn leave_member(e: &etcd_client::Error) -> bool {
     never_applied(e) || e.to_string().contains("transport error")
@@ -69,9 +77,7 @@ impl Etcd {
             .unwrap_or(0)
             % n;
         let client = Self::connect_member(cfg, first).await?;
-        for (i, e) in cfg.etcd_endpoints.iter().enumerate() {
-            metrics.cluster_etcd_member.with_label_values(&[e.as_str()]).set(i64::from(i == first));
-        }
+        show_member(&metrics, cfg, first);
         let pinned = std::sync::Mutex::new(Pinned { member: first, turn: 0, client });
         let probes = tokio::sync::Mutex::new(vec![None; n]);
         Ok(Etcd { cfg: cfg.clone(), metrics, pinned, moved: tokio::sync::watch::channel(0).0, probes })
@@ -150,9 +156,7 @@ impl Etcd {
                 to = %self.cfg.etcd_endpoints.get(next).map_or("", String::as_str),
                 "{why}"
             );
-            for (i, e) in self.cfg.etcd_endpoints.iter().enumerate() {
-                self.metrics.cluster_etcd_member.with_label_values(&[e.as_str()]).set(i64::from(i == next));
-            }
+            show_member(&self.metrics, &self.cfg, next);
             self.metrics.cluster_etcd_moves.inc();
             *p = Pinned { member: next, turn: turn + 1, client };
             drop(p);
@@ -216,8 +220,9 @@ impl Etcd {
     }
 
     /// Like [`Etcd::call`] for a request that changes nothing in etcd (a
-    /// read, a watch start): each attempt has a share of the deadline, and
-    /// one unanswered is asked again on the next member.
+    /// read, a watch start) or whose repetition is harmless (an
+    /// acknowledgement, a revocation): each attempt has a share of the
+    /// deadline, and one unanswered is asked again on the next member.
     pub(crate) async fn call_repeatable<T, Fut>(
         &self,
         timeout: Duration,
