@@ -70,6 +70,7 @@ pub struct Metrics {
     pub cluster_resyncs: IntCounter,
     pub cluster_etcd_member: IntGaugeVec,
     pub cluster_etcd_moves: IntCounter,
+    pub cluster_lapses: IntCounterVec,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -124,6 +125,14 @@ impl Metrics {
             cluster_etcd_moves: IntCounter::new(
                 "fencegate_cluster_etcd_moves_total",
                 "Cluster mode: moves to the next etcd member after one refused, had no leader or did not answer.",
+            )?,
+            cluster_lapses: IntCounterVec::new(
+                Opts::new(
+                    "fencegate_cluster_lapses_total",
+                    "Cluster mode: memberships this gateway ended without a clean stop, by outcome: drained (nothing \
+                     admitted before was in flight: peers wait no quarantine) or quarantined.",
+                ),
+                &["outcome"],
             )?,
             lease_expirations: IntCounter::new(
                 "fencegate_lease_expirations_total",
@@ -225,6 +234,9 @@ impl Metrics {
         for outcome in ["granted", "timeout"] {
             m.lock_wait.with_label_values(&[outcome]);
         }
+        for outcome in ["drained", "quarantined"] {
+            m.cluster_lapses.with_label_values(&[outcome]);
+        }
         for endpoint in API_ENDPOINTS {
             let series = m.request_duration.with_label_values(&["api", endpoint]);
             m.api_duration_series.push((endpoint, series));
@@ -256,6 +268,7 @@ impl Metrics {
         self.registry.register(Box::new(self.cluster_resyncs.clone()))?;
         self.registry.register(Box::new(self.cluster_etcd_member.clone()))?;
         self.registry.register(Box::new(self.cluster_etcd_moves.clone()))?;
+        self.registry.register(Box::new(self.cluster_lapses.clone()))?;
         Ok(())
     }
 

@@ -29,10 +29,18 @@ fn fence_token(kv: &KeyValue) -> u64 {
 /// Keys per page of a reload (each page well under gRPC's 4 MiB).
 const LOAD_PAGE: i64 = 500;
 
+/// Grants a gateway has seen: (key, create revision, lease-id hash).
+type KnownGrants = std::collections::HashSet<(String, i64, String)>;
+
 impl Cluster {
     /// Reloads everything under the prefix at one revision R and returns
     /// R+1, where the watch must start.
     pub(super) async fn load(&self) -> Result<i64, Error> {
+        // The grants this gateway knows before the read starts: a release
+        // answered while the read is under way takes its grant out of the
+        // mirror at once, though the read may still show it (an outside
+        // review saw such a grant flagged as made in another numbering).
+        let known_before = self.known_grants();
         // etcd's raft log first: a restore found here stops this gateway
         // before anything read below is acknowledged (`raft.rs`).
         self.check_raft().await?;
@@ -73,9 +81,9 @@ impl Cluster {
         }
         let same_cluster = self.floor.cluster_id() == cluster_id;
         self.floor.observe_cluster(cluster_id, revision);
-        // The grants this gateway knew before this read: key → (create
-        // revision, lease-id hash).
-        let known: std::collections::HashMap<String, (i64, String)>;
+        // The grants this gateway knew before or during this read: (key,
+        // create revision, lease-id hash).
+        let mut known = known_before;
         let first_load = *self.applied.borrow() == 0;
         if revision < *self.applied.borrow() {
             // etcd's revisions went back (a restore, or another cluster):
@@ -127,7 +135,7 @@ impl Cluster {
             // Grants already seen keep their expiry deadline (a put seen
             // again counts from when it was first seen).
             let seen = std::mem::take(&mut m.grants);
-            known = seen.iter().map(|(k, g)| (k.clone(), (g.created, g.value.s.clone()))).collect();
+            known.extend(seen.iter().map(|(k, g)| (k.clone(), g.created, g.value.s.clone())));
             *m = super::mirror::Mirror { departed, loaded_at, ..Default::default() };
             m.grants = seen;
             // Left unseen: possibly by hand while running (see
@@ -185,6 +193,11 @@ impl Cluster {
         self.applied.send_replace(revision);
         self.recompute_activated();
         Ok(revision + 1)
+    }
+
+    /// The grants in the mirror now: (key, create revision, lease-id hash).
+    fn known_grants(&self) -> KnownGrants {
+        self.lock_mirror().grants.iter().map(|(k, g)| (k.clone(), g.created, g.value.s.clone())).collect()
     }
 
     /// Applies one put (load or watch event) to the mirror and the table.
@@ -439,13 +452,7 @@ impl Cluster {
     /// or below it) — once etcd's revisions have passed the floor, a new
     /// process cannot tell a repeated token from an old grant it saw in its
     /// previous life.
-    fn hold_unknown_grants_below_floor(
-        &self,
-        kvs: &[KeyValue],
-        revision: i64,
-        known: &std::collections::HashMap<String, (i64, String)>,
-        first_load: bool,
-    ) {
+    fn hold_unknown_grants_below_floor(&self, kvs: &[KeyValue], revision: i64, known: &KnownGrants, first_load: bool) {
         let floor = self.floor.get();
         let offset = self.lock_mirror().offset;
         if first_load && floor < token_of(offset, revision, Some(super::TOKEN_SLOTS - 1)) {
@@ -455,7 +462,7 @@ impl Cluster {
             let Kind::Grant(key) = self.keys.kind(kv.key()) else { continue };
             let Ok(value) = serde_json::from_slice::<GrantValue>(kv.value()) else { continue };
             let token = token_of(value.o, kv.create_revision(), value.i);
-            if token > floor || known.get(key) == Some(&(kv.create_revision(), value.s.clone())) {
+            if token > floor || known.contains(&(key.to_string(), kv.create_revision(), value.s.clone())) {
                 continue;
             }
             tracing::error!(
@@ -509,17 +516,19 @@ impl Cluster {
                 end = self.watch_from(from) => end,
                 () = self.stop.wait() => return,
             };
+            // A move to another member reloads as a break does: the watch
+            // is not resumed from the revision after the last one applied,
+            // for the member moved to may serve another history — etcd
+            // restored from a snapshot while the gateway was paused: every
+            // member restarted, so the broken watch and a move come
+            // together, and a watch resumed in the old numbering skipped
+            // the new history's fences at revisions this gateway had seen
+            // (`a_gateway_whose_etcd_was_restored_under_it_reads_the_new_history_in_full`
+            // admitted a stale write that way once the lapse, 2026-12-05,
+            // sent its etcd request before the watch read its error).
+            let moved = matches!(end, WatchEnd::Moved);
             let why = match end {
-                // The same watch again, on the member the requests go to
-                // now, from the revision after the last one applied: each
-                // message (every event of a revision) is applied whole
-                // before the next is read, so nothing is skipped or
-                // applied twice, and the gateway stays as current as it
-                // was (its next proof of currency runs on the new watch).
-                WatchEnd::Moved => {
-                    from = *self.applied.borrow() + 1;
-                    continue;
-                }
+                WatchEnd::Moved => "this gateway's etcd requests moved to another member".to_string(),
                 WatchEnd::Broken(why) => why,
             };
             self.feed_ok.store(false, Ordering::Release);
@@ -531,7 +540,7 @@ impl Cluster {
             // mutations until then: an etcd member lost costs its watchers
             // one consistent read); one that broke soon after it started,
             // and every failed reload, waits a growing pause.
-            let mut pause = watched.elapsed() < Duration::from_secs(1);
+            let mut pause = !moved && watched.elapsed() < Duration::from_secs(1);
             loop {
                 if pause {
                     tokio::select! {

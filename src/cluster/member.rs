@@ -48,17 +48,90 @@ impl Cluster {
             self.metrics.cluster_current.set(0);
             tracing::warn!(gateway = %self.gateway_id, reason = why, "not current; rejoining the cluster");
             if let Some(old) = self.member_lease() {
+                let since = self.membership.lock().unwrap_or_else(std::sync::PoisonError::into_inner).since;
                 self.set_member_lease(None, 0);
-                // Best effort: peers then stop waiting for this incarnation.
-                let mut leases = self.etcd.lease_client();
-                let timeout = self.timeout;
-                tokio::spawn(async move {
-                    let _ = tokio::time::timeout(timeout, leases.revoke(old)).await;
-                });
+                tokio::select! {
+                    () = self.leave_lapsed(old, since) => {}
+                    () = self.stop.wait() => return,
+                }
             }
             tokio::select! {
                 () = tokio::time::sleep(Duration::from_millis(200)) => {}
                 () = self.stop.wait() => return,
+            }
+        }
+    }
+
+    /// Ends a membership that lapsed (the gateway already refuses
+    /// mutations and has cut off uploads still streaming). Once every
+    /// mutation admitted under it has ended, it marks its member key
+    /// drained — only while that key is still the one it created, on its
+    /// lease, so never after etcd expired the lease or someone deleted the
+    /// key — and revokes the lease: peers then see a drained departure and
+    /// their grants wait no quarantine for it, as after a clean stop. The
+    /// quarantine is for requests a gateway may still have on their way to
+    /// an upstream; this one knows it has none (`FenceTable::recheck`
+    /// keeps a request checked just before the lapse from slipping past
+    /// the count). A mutation still running after the member TTL (an
+    /// upstream that hangs) leaves it undrained: peers quarantine it as
+    /// before (by then etcd has expired the lease anyway).
+    async fn leave_lapsed(&self, lease: i64, since: i64) {
+        let idle = self.fences.wait_idle(self.member_ttl).await;
+        let drained = if !idle {
+            tracing::warn!(
+                gateway = %self.gateway_id,
+                in_flight = self.fences.inflight_total(),
+                "mutations admitted before the lapse still run after the member TTL: peers quarantine this gateway"
+            );
+            false
+        } else if since > 0 {
+            self.mark_lapse_drained(lease, since).await
+        } else {
+            false
+        };
+        self.metrics.cluster_lapses.with_label_values(&[if drained { "drained" } else { "quarantined" }]).inc();
+        // Peers then stop waiting for this incarnation (best effort: the
+        // lease expires by itself otherwise).
+        let _ = self.revoke(lease).await;
+    }
+
+    /// Puts `drained` on this gateway's member key, only while it is the
+    /// key created at `since` on `lease`; true when it did.
+    async fn mark_lapse_drained(&self, lease: i64, since: i64) -> bool {
+        let key = self.keys.member(&self.gateway_id);
+        let txn = Txn::new()
+            .when([
+                Compare::create_revision(key.clone(), CompareOp::Equal, since),
+                Compare::lease(key.clone(), CompareOp::Equal, lease),
+            ])
+            .and_then([TxnOp::put(key, "drained", Some(PutOptions::new().with_lease(lease)))]);
+        // The same compare and put again is harmless.
+        let marked = self
+            .etcd
+            .call_repeatable(self.timeout, "marking a lapsed membership drained", || {
+                let (mut kv, txn) = (self.etcd.kv_client(), txn.clone());
+                async move { kv.txn(txn).await }
+            })
+            .await;
+        match marked {
+            Ok(r) if r.succeeded() => {
+                tracing::info!(
+                    gateway = %self.gateway_id,
+                    "nothing admitted before the lapse is in flight: the lapsed membership is marked drained \
+                     (peers wait no quarantine for it)"
+                );
+                true
+            }
+            Ok(_) => {
+                tracing::warn!(
+                    gateway = %self.gateway_id,
+                    "the lapsed membership's key is gone (etcd expired its lease): peers quarantine it"
+                );
+                false
+            }
+            Err(e) => {
+                tracing::warn!(gateway = %self.gateway_id, error = %e, "marking the lapsed membership drained failed");
+                false
             }
         }
     }
@@ -338,7 +411,18 @@ impl Cluster {
     /// had whole within the etcd timeout (compacted, not a member, etcd
     /// away): the caller then quarantines everyone.
     pub(super) async fn members_left_between(&self, from: i64, to: i64) -> Result<Left, String> {
-        let lease = self.member_lease().ok_or("not a member")?;
+        // A gateway that lapsed may be rejoining while its feed reloads:
+        // its new membership is waited for a little.
+        let joined_by = Instant::now() + self.timeout;
+        let lease = loop {
+            if let Some(lease) = self.member_lease() {
+                break lease;
+            }
+            if Instant::now() >= joined_by {
+                return Err("not a member".to_string());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
         let prefix = format!("{}m/", self.keys.prefix);
         let key = self.keys.member(&self.gateway_id);
         let replay = async {

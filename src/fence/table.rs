@@ -302,7 +302,8 @@ impl Slot {
         let ctl = Arc::new(InflightCtl::default());
         let rare = self.rare.get_or_insert_with(Box::default);
         rare.entries.push(InflightEntry { token, sequence: None, id, ctl: ctl.clone() });
-        total.fetch_add(1, Ordering::AcqRel);
+        // SeqCst: see `Currency::recheck`.
+        total.fetch_add(1, Ordering::SeqCst);
         ctl
     }
 }
@@ -403,6 +404,21 @@ impl Currency {
         };
         Err(Refusal::NotCurrent { why })
     }
+
+    /// The check again, after a request was registered as in flight: a
+    /// lapse that [`FenceTable::set_not_current`] recorded meanwhile
+    /// refuses it. Both sides are `SeqCst` (the registration's add, this
+    /// load; the lapse's store, [`FenceTable::wait_idle`]'s load), so
+    /// either this load sees the lapse or the lapse's wait sees the
+    /// registration: a gateway that lapsed and then found nothing in
+    /// flight (and told its peers so, `cluster/member.rs`) never has a
+    /// request checked before the lapse still on its way.
+    fn recheck(&self) -> Result<(), Refusal> {
+        if !self.gated.load(Ordering::Relaxed) || self.until_ns.load(Ordering::SeqCst) != 0 {
+            return Ok(());
+        }
+        Err(Refusal::NotCurrent { why: *self.why.lock().unwrap_or_else(std::sync::PoisonError::into_inner) })
+    }
 }
 
 impl std::fmt::Debug for FenceTable {
@@ -462,7 +478,7 @@ impl FenceTable {
     /// on a view that may be stale.
     pub fn set_not_current(&self, why: &'static str) {
         *self.currency.why.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = why;
-        self.currency.until_ns.store(0, Ordering::Release);
+        self.currency.until_ns.store(0, Ordering::SeqCst);
         self.abort_streaming();
     }
 
@@ -737,7 +753,10 @@ impl FenceTable {
         let ctl = slot.register(token, id, &self.inflight_total);
         let key = slot.key().clone();
         drop(slot);
-        Ok(Admission::Admitted(InflightGuard { table: self.clone(), key, token, sequence: None, id, ctl }))
+        let guard = InflightGuard { table: self.clone(), key, token, sequence: None, id, ctl };
+        // Dropping the guard takes the registration back.
+        self.currency.recheck()?;
+        Ok(Admission::Admitted(guard))
     }
 
     /// All-or-nothing admission of a request that changes several keys
@@ -864,7 +883,10 @@ impl FenceTable {
             slot.set_entry_sequence(id, seq);
         }
         drop(slot);
-        Ok((InflightGuard { table: self.clone(), key: key_arc, token, sequence, id, ctl }, durable))
+        let guard = InflightGuard { table: self.clone(), key: key_arc, token, sequence, id, ctl };
+        // Dropping the guard takes the registration back.
+        self.currency.recheck()?;
+        Ok((guard, durable))
     }
 
     /// Embedded authority: issues the next token of the one sequence (above
@@ -959,7 +981,8 @@ impl FenceTable {
 
     /// Number of mutations in flight on every key.
     pub fn inflight_total(&self) -> usize {
-        self.inflight_total.load(Ordering::Acquire)
+        // SeqCst: see `Currency::recheck`.
+        self.inflight_total.load(Ordering::SeqCst)
     }
 
     /// Waits until no mutation is in flight on any key, or `timeout`
