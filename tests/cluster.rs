@@ -769,7 +769,13 @@ async fn a_member_that_left_while_a_gateway_s_watch_was_broken_is_still_quaranti
             assert!(started.elapsed() < Duration::from_secs(20), "gw{victim} is not a member");
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        let before = resync_counts(&s).await;
+        // The victim is paused until gw0's grant: it must leave by the
+        // delete below, undrained. Running, it could lapse at the etcd
+        // election and leave by itself first — drained, when nothing was
+        // in flight (a lapse costs no quarantine since 2026-12-05).
+        let victim_pid = s.gws[victim].child.id();
+        common::signal(victim_pid, "STOP");
+        let before = resyncs(&s, 0).await;
         // gw0 paused well within its member deadline (TTL 2 s).
         let pid = s.gws[0].child.id();
         common::signal(pid, "STOP");
@@ -792,7 +798,7 @@ async fn a_member_that_left_while_a_gateway_s_watch_was_broken_is_still_quaranti
         let mut broke = false;
         while Instant::now() < deadline && !broke {
             tokio::time::sleep(Duration::from_millis(100)).await;
-            broke = resync_counts(&s).await[0] > before[0];
+            broke = resyncs(&s, 0).await > before;
         }
         s.wait_current(0, Duration::from_secs(10)).await;
         let g = acquire(&s.http, &s.api(0), &format!("left/{attempt}"), 60_000, 20_000).await.unwrap();
@@ -800,6 +806,7 @@ async fn a_member_that_left_while_a_gateway_s_watch_was_broken_is_still_quaranti
         println!("FIGURE gw0's watch broke: {broke}; its grant {after:?} after gw{victim}'s key went");
         assert!(after >= quarantine, "granted {after:?} after a member left undrained (quarantine {quarantine:?})");
         assert_eq!(s.put(0, &format!("/left/{attempt}"), g.token).await.status, StatusCode::OK);
+        common::signal(victim_pid, "CONT");
         s.etcd.restart(member);
         s.etcd.wait_healthy(Duration::from_secs(30)).await;
         if broke {
