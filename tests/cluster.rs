@@ -1093,15 +1093,6 @@ async fn a_paused_gateway_s_send_queue_is_given_up_by_its_kernel() {
     assert!(got < 24 * 1024, "{got} bytes of the paused gateway's request reached the upstream after the newer grant");
 }
 
-/// The resync counter of every gateway of `s`.
-async fn resync_counts(s: &Setup) -> Vec<u64> {
-    let mut v = Vec::new();
-    for i in 0..s.gws.len() {
-        v.push(resyncs(s, i).await);
-    }
-    v
-}
-
 /// Review finding against the first version of the restore detection: the
 /// gateway that found the restore failed its currency proofs, let its
 /// membership lapse and rejoined every ~2 s, so its peers took it for a
