@@ -357,14 +357,7 @@ impl Cluster {
             return;
         }
         let txn = Txn::new().and_then(subs);
-        let done = match self
-            .etcd
-            .call(self.timeout, "a shared transaction", || {
-                let (mut kv, txn) = (self.etcd.kv_client(), txn.clone());
-                async move { kv.txn(txn).await }
-            })
-            .await
-        {
+        let done = match self.etcd.txn(self.timeout, "a shared transaction", txn).await {
             Ok(d) => d,
             Err(e) => {
                 let msg = match e {

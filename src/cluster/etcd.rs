@@ -18,7 +18,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use etcd_client::{Client, KvClient, LeaseClient, WatchClient};
+use etcd_client::{Client, KvClient, LeaseClient, Txn, TxnResponse, WatchClient};
 
 use super::{never_applied, unavailable};
 use crate::config::ClusterConfig;
@@ -247,6 +247,27 @@ impl Etcd {
     {
         let share = (timeout / 4).max(Duration::from_millis(250)).min(timeout);
         self.call_on(timeout, what, Some(share), attempt).await
+    }
+
+    /// One transaction through [`Etcd::call`]: never sent again after an
+    /// unanswered attempt (it may have been applied).
+    pub(crate) async fn txn(&self, timeout: Duration, what: &str, txn: Txn) -> Result<TxnResponse, Error> {
+        self.call(timeout, what, || {
+            let (mut kv, txn) = (self.kv_client(), txn.clone());
+            async move { kv.txn(txn).await }
+        })
+        .await
+    }
+
+    /// One transaction whose repetition is harmless (the same compares and
+    /// writes applied twice leave what once does), through
+    /// [`Etcd::call_repeatable`].
+    pub(crate) async fn txn_repeatable(&self, timeout: Duration, what: &str, txn: Txn) -> Result<TxnResponse, Error> {
+        self.call_repeatable(timeout, what, || {
+            let (mut kv, txn) = (self.kv_client(), txn.clone());
+            async move { kv.txn(txn).await }
+        })
+        .await
     }
 
     async fn call_on<T, Fut>(

@@ -106,13 +106,7 @@ impl Cluster {
             ])
             .and_then([TxnOp::put(key, "drained", Some(PutOptions::new().with_lease(lease)))]);
         // The same compare and put again is harmless.
-        let marked = self
-            .etcd
-            .call_repeatable(self.timeout, "marking a lapsed membership drained", || {
-                let (mut kv, txn) = (self.etcd.kv_client(), txn.clone());
-                async move { kv.txn(txn).await }
-            })
-            .await;
+        let marked = self.etcd.txn_repeatable(self.timeout, "marking a lapsed membership drained", txn).await;
         match marked {
             Ok(r) if r.succeeded() => {
                 tracing::info!(
@@ -263,13 +257,7 @@ impl Cluster {
         let txn = Txn::new()
             .when(vec![Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
             .and_then(vec![TxnOp::put(key, value, Some(PutOptions::new().with_lease(lease)))]);
-        let created = self
-            .etcd
-            .call(self.timeout, "joining", || {
-                let (mut kv, txn) = (self.etcd.kv_client(), txn.clone());
-                async move { kv.txn(txn).await }
-            })
-            .await;
+        let created = self.etcd.txn(self.timeout, "joining", txn).await;
         let (created, since) = match created {
             Ok(r) => (r.succeeded(), r.header().map_or(0, |h| h.revision())),
             Err(e) => {
@@ -361,6 +349,20 @@ impl Cluster {
 pub(super) type Left = std::collections::HashMap<String, (i64, bool, Duration)>;
 
 impl Cluster {
+    /// This gateway's membership lease, waited for until `until` (a
+    /// gateway joining or rejoining); `None` past it or at a stop.
+    async fn wait_for_membership(&self, until: Instant) -> Option<i64> {
+        loop {
+            if let Some(lease) = self.member_lease() {
+                return Some(lease);
+            }
+            if Instant::now() >= until || self.stop.is_triggered() {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// The first load quarantines everyone (it cannot know who left before
     /// it). Once this gateway is a member, the member keys' history is
     /// replayed from etcd's first revision up to that load's `loaded`
@@ -370,12 +372,8 @@ impl Cluster {
     /// stays (one quarantine from the first load).
     pub(super) async fn narrow_first_quarantine(self: std::sync::Arc<Self>, loaded: i64) {
         let Some(first) = self.lock_mirror().loaded_at else { return };
-        let give_up = Instant::now() + self.member_ttl * 2 + self.timeout * 4;
-        while self.member_lease().is_none() {
-            if Instant::now() >= give_up || self.stop.is_triggered() {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
+        if self.wait_for_membership(Instant::now() + self.member_ttl * 2 + self.timeout * 4).await.is_none() {
+            return;
         }
         let left = match self.members_left_between(0, loaded).await {
             Ok(left) => left,
@@ -413,15 +411,8 @@ impl Cluster {
     pub(super) async fn members_left_between(&self, from: i64, to: i64) -> Result<Left, String> {
         // A gateway that lapsed may be rejoining while its feed reloads:
         // its new membership is waited for a little.
-        let joined_by = Instant::now() + self.timeout;
-        let lease = loop {
-            if let Some(lease) = self.member_lease() {
-                break lease;
-            }
-            if Instant::now() >= joined_by {
-                return Err("not a member".to_string());
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
+        let Some(lease) = self.wait_for_membership(Instant::now() + self.timeout).await else {
+            return Err("not a member".to_string());
         };
         let prefix = format!("{}m/", self.keys.prefix);
         let key = self.keys.member(&self.gateway_id);
@@ -445,14 +436,8 @@ impl Cluster {
                     Compare::value(key.clone(), CompareOp::Equal, value.clone()),
                 ])
                 .and_then([TxnOp::put(key.clone(), value, Some(PutOptions::new().with_lease(lease)))]);
-            let marked = self
-                .etcd
-                .call(self.timeout, "marking the replay", || {
-                    let (mut kv, txn) = (self.etcd.kv_client(), txn.clone());
-                    async move { kv.txn(txn).await }
-                })
-                .await
-                .map_err(|e| format!("marking: {e}"))?;
+            let marked =
+                self.etcd.txn(self.timeout, "marking the replay", txn).await.map_err(|e| format!("marking: {e}"))?;
             if !marked.succeeded() {
                 return Err("this gateway's member key is no longer its own".to_string());
             }

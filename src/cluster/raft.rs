@@ -150,13 +150,7 @@ impl Cluster {
                     offset_rev,
                 )])
                 .and_then([etcd_client::TxnOp::put(self.keys.restored(&self.gateway_id), value, None)]);
-            let put = self
-                .etcd
-                .call(self.timeout, "marking the restore", || {
-                    let (mut kv, txn) = (self.etcd.kv_client(), txn.clone());
-                    async move { kv.txn(txn).await }
-                })
-                .await;
+            let put = self.etcd.txn(self.timeout, "marking the restore", txn).await;
             if let Err(e) = put {
                 tracing::warn!(error = %e, "marking the restore in etcd failed; trying again at the next check");
                 if before.is_none() {

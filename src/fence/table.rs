@@ -373,6 +373,9 @@ struct Currency {
     base: Instant,
     /// Nanoseconds after `base` until which the view is current; 0: not.
     until_ns: AtomicU64,
+    /// Lapses so far ([`FenceTable::set_not_current`]): a request whose
+    /// check saw one count and whose recheck sees another crossed a lapse.
+    lapses: AtomicU64,
     /// Why it is not current, for the refusal's message.
     why: std::sync::Mutex<&'static str>,
 }
@@ -383,18 +386,22 @@ impl Currency {
             gated: AtomicBool::new(false),
             base: Instant::now(),
             until_ns: AtomicU64::new(0),
+            lapses: AtomicU64::new(0),
             why: std::sync::Mutex::new("the gateway has not joined its cluster yet"),
         }
     }
 
-    /// `Err` with the reason when mutations must be refused.
-    fn check(&self) -> Result<(), Refusal> {
+    /// `Err` with the reason when mutations must be refused; `Ok` with the
+    /// lapse count it saw, for [`Currency::recheck`].
+    fn check(&self) -> Result<u64, Refusal> {
         if !self.gated.load(Ordering::Relaxed) {
-            return Ok(());
+            return Ok(0);
         }
+        // Read before the deadline (SeqCst: see `Currency::recheck`).
+        let lapses = self.lapses.load(Ordering::SeqCst);
         let now = u64::try_from(self.base.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        if now < self.until_ns.load(Ordering::Acquire) {
-            return Ok(());
+        if now < self.until_ns.load(Ordering::SeqCst) {
+            return Ok(lapses);
         }
         let why = *self.why.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let why = if self.until_ns.load(Ordering::Acquire) == 0 {
@@ -406,15 +413,24 @@ impl Currency {
     }
 
     /// The check again, after a request was registered as in flight: a
-    /// lapse that [`FenceTable::set_not_current`] recorded meanwhile
-    /// refuses it. Both sides are `SeqCst` (the registration's add, this
-    /// load; the lapse's store, [`FenceTable::wait_idle`]'s load), so
-    /// either this load sees the lapse or the lapse's wait sees the
-    /// registration: a gateway that lapsed and then found nothing in
-    /// flight (and told its peers so, `cluster/member.rs`) never has a
-    /// request checked before the lapse still on its way.
-    fn recheck(&self) -> Result<(), Refusal> {
-        if !self.gated.load(Ordering::Relaxed) || self.until_ns.load(Ordering::SeqCst) != 0 {
+    /// lapse that [`FenceTable::set_not_current`] recorded since the
+    /// check (`seen`, the lapse count the check read) refuses it — even
+    /// one the gateway has already drained and rejoined after, however
+    /// long this thread stalled between the check and here. Every access
+    /// is `SeqCst` (the registration's add, these loads; the lapse's
+    /// stores, [`FenceTable::wait_idle`]'s load): either this load sees
+    /// the lapse, or the lapse's wait sees the registration. And the
+    /// lapse zeroes the deadline before it counts, and the check reads
+    /// the count before the deadline, so a check that already counted a
+    /// lapse also saw its deadline zeroed (or a later rejoin's). A gateway
+    /// that lapsed and then found nothing in flight (and told its peers
+    /// so, `cluster/member.rs`) never has a request checked before the
+    /// lapse still on its way.
+    fn recheck(&self, seen: u64) -> Result<(), Refusal> {
+        if !self.gated.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        if self.lapses.load(Ordering::SeqCst) == seen && self.until_ns.load(Ordering::SeqCst) != 0 {
             return Ok(());
         }
         Err(Refusal::NotCurrent { why: *self.why.lock().unwrap_or_else(std::sync::PoisonError::into_inner) })
@@ -479,6 +495,8 @@ impl FenceTable {
     pub fn set_not_current(&self, why: &'static str) {
         *self.currency.why.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = why;
         self.currency.until_ns.store(0, Ordering::SeqCst);
+        // After the deadline is zeroed (see `Currency::recheck`).
+        self.currency.lapses.fetch_add(1, Ordering::SeqCst);
         self.abort_streaming();
     }
 
@@ -705,7 +723,7 @@ impl FenceTable {
     /// The fence check of docs/proxy.md and, when it passes, the registration of
     /// the request as in flight — one atomic step per key.
     pub fn admit(self: &Arc<Self>, key: &str, token: u64, policy: CheckPolicy) -> Result<Admission, Refusal> {
-        self.currency.check()?;
+        let lapses = self.currency.check()?;
         // Asked before the slot is locked: the authority takes its own lock
         // and, when it grants, takes this table's (never the other way
         // round). A grant that ends between this answer and the admission
@@ -755,7 +773,7 @@ impl FenceTable {
         drop(slot);
         let guard = InflightGuard { table: self.clone(), key, token, sequence: None, id, ctl };
         // Dropping the guard takes the registration back.
-        self.currency.recheck()?;
+        self.currency.recheck(lapses)?;
         Ok(Admission::Admitted(guard))
     }
 
@@ -850,7 +868,7 @@ impl FenceTable {
         policy: CheckPolicy,
         store: &Store,
     ) -> Result<(InflightGuard, Option<oneshot::Receiver<Result<(), Error>>>), Refusal> {
-        self.currency.check()?;
+        let lapses = self.currency.check()?;
         let mut slot = self.slot_or_new(key).map_err(|limit| Refusal::NoRoom { limit })?;
         if token < slot.fence {
             let superseded_for = slot.superseded_for();
@@ -885,7 +903,7 @@ impl FenceTable {
         drop(slot);
         let guard = InflightGuard { table: self.clone(), key: key_arc, token, sequence, id, ctl };
         // Dropping the guard takes the registration back.
-        self.currency.recheck()?;
+        self.currency.recheck(lapses)?;
         Ok((guard, durable))
     }
 
@@ -1290,6 +1308,40 @@ mod tests {
         // A deadline in the past is not current either.
         t.set_current_until(Instant::now());
         assert!(matches!(t.admit("k", 5, STRICT), Err(Refusal::NotCurrent { .. })));
+    }
+
+    /// The authority's answer, asked between an admission's check and its
+    /// registration, stands in for a thread stalled there while the
+    /// gateway lapsed, found nothing in flight, drained and rejoined.
+    struct LapsesWhileAsked(std::sync::Mutex<Weak<FenceTable>>);
+
+    impl GrantLiveness for LapsesWhileAsked {
+        fn liveness(&self, _key: &str, _token: u64) -> Liveness {
+            if let Some(t) = self.0.lock().unwrap().upgrade() {
+                t.set_not_current("lapsed");
+                assert_eq!(t.inflight_total(), 0, "the lapse finds nothing in flight");
+                t.set_current_until(Instant::now() + Duration::from_secs(60));
+            }
+            Liveness::Live
+        }
+    }
+
+    #[test]
+    fn a_request_checked_before_a_lapse_the_gateway_drained_and_rejoined_after_is_refused() {
+        let t = FenceTable::new();
+        t.load("k", 5);
+        let source = Arc::new(LapsesWhileAsked(std::sync::Mutex::new(Arc::downgrade(&t))));
+        t.derive_liveness_from(Arc::downgrade(&source) as Weak<dyn GrantLiveness>);
+        t.gate_on_currency();
+        t.set_current_until(Instant::now() + Duration::from_secs(60));
+        assert!(
+            matches!(t.admit("k", 5, STRICT), Err(Refusal::NotCurrent { .. })),
+            "checked under the old membership, registered under the new one"
+        );
+        assert_eq!(t.inflight_total(), 0, "the refused registration is taken back");
+        // The next request is checked under the new membership.
+        *source.0.lock().unwrap() = Weak::new();
+        assert!(matches!(t.admit("k", 5, STRICT), Ok(Admission::Admitted(_))));
     }
 
     #[test]
