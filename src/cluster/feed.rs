@@ -131,19 +131,20 @@ impl Cluster {
             // Departures already seen keep their quarantine, as does an
             // earlier load's.
             let departed = std::mem::take(&mut m.departed);
+            let drained_records = std::mem::take(&mut m.drained_records);
             let loaded_at = if left.is_some() { m.loaded_at } else { Some(now) };
             // Grants already seen keep their expiry deadline (a put seen
             // again counts from when it was first seen).
             let seen = std::mem::take(&mut m.grants);
             known.extend(seen.iter().map(|(k, g)| (k.clone(), g.created, g.value.s.clone())));
-            *m = super::mirror::Mirror { departed, loaded_at, ..Default::default() };
+            *m = super::mirror::Mirror { departed, drained_records, loaded_at, ..Default::default() };
             m.grants = seen;
             // Left unseen: possibly by hand while running (see
             // `Mirror::remove_member`), its last proof unknown: a whole TTL
             // from now.
             for (gw, (lease, drained, ttl)) in left.unwrap_or_default() {
                 if m.departed.get(&gw).is_none_or(|d| d.lease != lease) {
-                    m.departed.insert(gw, super::mirror::Departure { lease, at: now + ttl, drained });
+                    m.depart(&gw, super::mirror::Departure { lease, at: now + ttl, drained });
                 }
             }
         }
@@ -271,6 +272,11 @@ impl Cluster {
             Kind::Restored(gw) => {
                 self.lock_mirror().restored.insert(gw.to_string());
             }
+            Kind::Drained(gw) => {
+                if let Some(lease) = kv.value_str().ok().and_then(|v| v.trim().parse::<i64>().ok()) {
+                    self.lock_mirror().drained_record(gw, lease);
+                }
+            }
             Kind::Other => {}
         }
     }
@@ -340,7 +346,8 @@ impl Cluster {
             Kind::Restored(gw) => {
                 self.lock_mirror().restored.remove(gw);
             }
-            Kind::Fence(_) | Kind::Offset | Kind::Other => {}
+            // A drained record stays known (fencegate never deletes one).
+            Kind::Fence(_) | Kind::Offset | Kind::Drained(_) | Kind::Other => {}
         }
     }
 

@@ -116,15 +116,49 @@ impl Cluster {
                 );
                 true
             }
-            Ok(_) => {
-                tracing::warn!(
-                    gateway = %self.gateway_id,
-                    "the lapsed membership's key is gone (etcd expired its lease): peers quarantine it"
-                );
-                false
-            }
+            // The key went first (etcd expired or revoked the lease — an
+            // etcd leader that was paused revokes leases it thinks expired
+            // when it runs again — or it was deleted by hand): peers
+            // counted a departure that is not drained. Nothing admitted
+            // under it is in flight, so the same word goes in `d/GW`.
+            Ok(_) => self.record_drained(lease).await,
             Err(e) => {
                 tracing::warn!(gateway = %self.gateway_id, error = %e, "marking the lapsed membership drained failed");
+                false
+            }
+        }
+    }
+
+    /// Puts `d/GW` = `lease`: the incarnation on `lease`, whose member key
+    /// is gone, has nothing in flight (called only once every mutation
+    /// admitted under it has ended, and with the gateway not current).
+    /// Peers then count its departure drained. True when written.
+    async fn record_drained(&self, lease: i64) -> bool {
+        let key = self.keys.drained(&self.gateway_id);
+        // The same put again is harmless.
+        let put = self
+            .etcd
+            .call_repeatable(self.timeout, "recording a lapsed membership drained", || {
+                let (mut kv, key) = (self.etcd.kv_client(), key.clone());
+                async move { kv.put(key, lease.to_string(), None).await }
+            })
+            .await;
+        match put {
+            Ok(_) => {
+                tracing::info!(
+                    gateway = %self.gateway_id,
+                    lease,
+                    "the lapsed membership's key was already gone; nothing admitted under it is in flight: \
+                     recorded drained (peers wait no quarantine for it)"
+                );
+                true
+            }
+            Err(e) => {
+                tracing::warn!(
+                    gateway = %self.gateway_id,
+                    error = %e,
+                    "the lapsed membership's key is gone and recording it drained failed: peers quarantine it"
+                );
                 false
             }
         }
@@ -389,7 +423,7 @@ impl Cluster {
         }
         for (gw, (lease, drained, ttl)) in left {
             if m.departed.get(&gw).is_none_or(|d| d.lease != lease) {
-                m.departed.insert(gw, super::mirror::Departure { lease, at: first + ttl, drained });
+                m.depart(&gw, super::mirror::Departure { lease, at: first + ttl, drained });
             }
         }
         m.loaded_at = None;

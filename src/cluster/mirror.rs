@@ -100,6 +100,9 @@ pub(crate) struct Mirror {
     pub queue_index: HashMap<Vec<u8>, (String, i64)>,
     pub members: HashMap<String, MemberEntry>,
     pub departed: HashMap<String, Departure>,
+    /// The `d/GW` records: the last incarnation (lease) of each gateway
+    /// that said it left drained after its member key went.
+    pub drained_records: HashMap<String, i64>,
     pub acks: HashMap<String, i64>,
     /// When this gateway's feed last saw each member put its
     /// acknowledgement key or its member key. A member extends its own
@@ -163,11 +166,27 @@ impl Mirror {
         let seen = self.seen_at.remove(gw);
         let lease = self.members.remove(gw).map(|m| {
             let stopped_by = seen.map_or(now + m.ttl, |s| s + m.ttl).max(now);
-            self.departed.insert(gw.to_string(), Departure { lease: m.lease, at: stopped_by, drained: m.drained });
+            self.depart(gw, Departure { lease: m.lease, at: stopped_by, drained: m.drained });
             m.lease
         });
         self.acks.remove(gw);
         lease
+    }
+
+    /// Records a departure; drained also when the gateway's `d/GW` record
+    /// names that incarnation.
+    pub fn depart(&mut self, gw: &str, mut d: Departure) {
+        d.drained |= self.drained_records.get(gw) == Some(&d.lease);
+        self.departed.insert(gw.to_string(), d);
+    }
+
+    /// A `d/GW` record: the incarnation on `lease` left drained (its
+    /// departure, seen before or after, waits no quarantine).
+    pub fn drained_record(&mut self, gw: &str, lease: i64) {
+        self.drained_records.insert(gw.to_string(), lease);
+        if let Some(d) = self.departed.get_mut(gw).filter(|d| d.lease == lease) {
+            d.drained = true;
+        }
     }
 }
 

@@ -12,6 +12,7 @@
 //! | `P m/GW` | `up` or `drained` | GW's membership | gateway GW is a live member |
 //! | `P a/GW` | revision | GW's membership | GW installed every fence up to it and finished older in-flight mutations |
 //! | `P r/GW` | where GW found it | none | GW found etcd restored: no grant anywhere until `raise-floor` deletes it |
+//! | `P d/GW` | a lease id | none | GW's incarnation on that lease, whose member key went before GW could mark it `drained`, had nothing in flight |
 //! | `P meta/offset` | u64 | none | added to revisions (raised by `fencegate cluster raise-floor`) |
 //!
 //! Guarantees:
@@ -79,6 +80,10 @@ pub(crate) enum Kind<'a> {
     /// A gateway found etcd restored (`raft.rs`): no grant anywhere until
     /// `raise-floor` deletes it.
     Restored(&'a str),
+    /// A gateway's word that an incarnation of it whose member key went
+    /// before it could mark it (value: that incarnation's lease) has
+    /// nothing in flight (`member.rs`, `leave_lapsed`).
+    Drained(&'a str),
     Offset,
     Other,
 }
@@ -102,6 +107,9 @@ impl Keys {
     }
     fn ack(&self, gw: &str) -> String {
         format!("{}a/{gw}", self.prefix)
+    }
+    fn drained(&self, gw: &str) -> String {
+        format!("{}d/{gw}", self.prefix)
     }
     fn restored(&self, gw: &str) -> String {
         format!("{}r/{gw}", self.prefix)
@@ -129,6 +137,8 @@ impl Keys {
             Kind::Ack(g)
         } else if let Some(g) = rest.strip_prefix("r/") {
             Kind::Restored(g)
+        } else if let Some(g) = rest.strip_prefix("d/") {
+            Kind::Drained(g)
         } else if rest == "meta/offset" {
             Kind::Offset
         } else {
