@@ -30,7 +30,8 @@
 //!   compare is there (src/cluster/expiry.rs).
 //! - `no-restore-detection`: in cluster mode the gateway never proves
 //!   etcd's raft index, so it never finds a restore by its raft log going
-//!   back (src/cluster/raft.rs). Unsafe after a restore: the tests of the
+//!   back (src/cluster/raft.rs), nor records one when a new process's
+//!   first read finds etcd's numbering behind its token floor (feed.rs). Unsafe after a restore: the tests of the
 //!   line of defence behind it (the token floor's holds) see that one alone.
 
 /// The environment variable that names the faults to inject (debug builds).

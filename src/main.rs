@@ -242,8 +242,16 @@ fn cluster_command(c: ClusterCommand) -> ExitCode {
     let mut cfg = fencegate::config::ClusterConfig::with_endpoints(etcd);
     cfg.prefix = prefix;
     match runtime.block_on(fencegate::cluster::raise_floor(&cfg, to)) {
-        Ok(offset) => {
-            println!("{}", serde_json::json!({ "offset": offset, "floor": to }));
+        Ok(r) => {
+            println!(
+                "{}",
+                serde_json::json!({
+                    "offset": r.offset,
+                    "floor": to,
+                    "grants_ended": r.grants_ended,
+                    "fences_raised": r.fences_raised,
+                })
+            );
             ExitCode::SUCCESS
         }
         Err(e) => {

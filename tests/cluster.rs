@@ -439,6 +439,108 @@ async fn a_gateway_whose_etcd_was_restored_under_it_reads_the_new_history_in_ful
     assert!(resyncs_before >= 1, "the running gateway resumed its watch across the restore");
 }
 
+/// Outside review (HIGH): a snapshot brings back the grants and fences of
+/// its time. Holder A's grant was live in the snapshot; A released, B got
+/// the key and wrote; etcd restored; every gateway stopped and started
+/// again (nothing in memory). Returns A's grant and the highest token
+/// issued before the restore; `raise_first`: the documented procedure
+/// (`raise-floor` before the gateways start).
+async fn a_snapshot_s_grant_brought_back(s: &mut Setup, raise_first: bool) -> (common::Grant, u64) {
+    let a = acquire(&s.http, &s.api(0), "revived/k", 60_000, 0).await.unwrap();
+    assert_eq!(s.put(1, "/revived/k", a.token).await.status, StatusCode::OK);
+    let snapshot = s.dir().join("snapshot.db");
+    s.etcd.snapshot(&snapshot);
+    assert!(release(&s.http, &s.api(0), &a).await.status.is_success());
+    let b = acquire(&s.http, &s.api(1), "revived/k", 60_000, 0).await.unwrap();
+    assert_eq!(s.put(0, "/revived/k", b.token).await.status, StatusCode::OK);
+    let mut highest = b.token;
+    for i in 0..5 {
+        highest =
+            highest.max(acquire(&s.http, &s.api(0), &format!("revived/more/{i}"), 60_000, 0).await.unwrap().token);
+    }
+    let gws: Vec<Gateway> = s.gws.drain(..).collect();
+    for gw in gws {
+        assert_eq!(gw.terminate().code(), Some(0));
+    }
+    s.etcd.restore_all(&snapshot);
+    s.etcd.wait_healthy(Duration::from_secs(30)).await;
+    if raise_first {
+        raise_floor(&s.etcd, highest);
+    }
+    for i in 0..2 {
+        let config = Some(gateway_config(&s.etcd, &format!("gw{i}"), &s.rec.url()));
+        s.gws.push(Gateway::start(&s.dir().join(format!("gw{i}")), Opts { config, ..Opts::default() }));
+    }
+    (a, highest)
+}
+
+/// A's renewal answered, or A's write admitted, after the restore: the
+/// review saw both (200 to the renewal; the write landed after B's).
+async fn assert_a_is_over(s: &Setup, a: &common::Grant, code: &str) {
+    let renewed = s
+        .http
+        .post_json(
+            &format!("{}/v1/locks/renew", s.api(0)),
+            serde_json::json!({"key": a.key, "lease_id": a.lease_id, "ttl_ms": 60_000}),
+        )
+        .await;
+    assert!(!renewed.status.is_success(), "the snapshot's grant was renewed: {:?}", renewed.body);
+    for gw in 0..2 {
+        let r = s.put(gw, "/revived/k", a.token).await;
+        assert_eq!(r.error_code(), code, "A's write after the restore: {} {:?}", r.status, r.body);
+    }
+    let writes = s.rec.requests().iter().filter(|r| r.path == "/revived/k").count();
+    assert_eq!(writes, 2, "a write landed after the restore");
+}
+
+/// The documented procedure: `raise-floor` now ends every grant not above
+/// its floor and raises every fence not above it, so the old holders'
+/// tokens are stale everywhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_restore_and_raise_floor_a_grant_the_snapshot_brought_back_is_over() {
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
+    let mut s = setup(2).await;
+    let (a, highest) = a_snapshot_s_grant_brought_back(&mut s, true).await;
+    s.wait_current(0, Duration::from_secs(30)).await;
+    s.wait_current(1, Duration::from_secs(30)).await;
+    raise_floor(&s.etcd, highest);
+    assert_a_is_over(&s, &a, "stale_fencing_token").await;
+    let c = granted(&s.http, &s.api(1), "revived/k", 60_000, Duration::from_secs(40), |_| {}, String::new).await;
+    assert!(c.token > highest, "token {} after the floor {highest}", c.token);
+    assert_eq!(s.put(0, "/revived/k", c.token).await.status, StatusCode::OK);
+}
+
+/// Nobody runs `raise-floor`: each new process finds etcd's numbering
+/// behind its token floor at its first read — a restore, though its raft
+/// check saw none (a short history) — and admits nothing until
+/// `raise-floor`; then as above.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_restore_nobody_raised_the_floor_for_a_new_process_admits_nothing() {
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
+    let mut s = setup(2).await;
+    let (a, highest) = a_snapshot_s_grant_brought_back(&mut s, false).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_a_is_over(&s, &a, "not_current").await;
+    let c = granted(
+        &s.http,
+        &s.api(1),
+        "revived/k",
+        60_000,
+        Duration::from_secs(60),
+        |r| {
+            if String::from_utf8_lossy(&r.body).contains("raise-floor") {
+                raise_floor(&s.etcd, highest);
+            }
+        },
+        String::new,
+    )
+    .await;
+    assert!(c.token > highest, "token {} after the floor {highest}", c.token);
+    s.wait_current(0, Duration::from_secs(30)).await;
+    assert_eq!(s.put(0, "/revived/k", a.token).await.error_code(), "stale_fencing_token");
+    assert_eq!(s.put(0, "/revived/k", c.token).await.status, StatusCode::OK);
+}
+
 /// `fencegate cluster raise-floor --to TO` against `etcd`, as an operator runs it.
 fn raise_floor(etcd: &EtcdCluster, to: u64) {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_fencegate"))

@@ -18,7 +18,7 @@ use crate::error::Error;
 
 /// The token a fence `f/KEY` names: `offset/slot` (a batched grant) or
 /// `offset` (one grant per transaction), at the put's revision.
-fn fence_token(kv: &KeyValue) -> u64 {
+pub(super) fn fence_token(kv: &KeyValue) -> u64 {
     let v = kv.value_str().unwrap_or("").trim();
     let (o, slot) = v.split_once('/').map_or((v, None), |(o, i)| (o, Some(i)));
     let offset = o.parse::<u64>().unwrap_or(0);
@@ -462,8 +462,21 @@ impl Cluster {
     fn hold_unknown_grants_below_floor(&self, kvs: &[KeyValue], revision: i64, known: &KnownGrants, first_load: bool) {
         let floor = self.floor.get();
         let offset = self.lock_mirror().offset;
-        if first_load && floor < token_of(offset, revision, Some(super::TOKEN_SLOTS - 1)) {
-            return;
+        if first_load {
+            if floor < token_of(offset, revision, Some(super::TOKEN_SLOTS - 1)) {
+                return;
+            }
+            // In one history etcd's numbering is never behind a token this
+            // gateway saw: etcd was restored or replaced. The grants and
+            // fences read are of the snapshot's time — a grant released
+            // since, whose holder was superseded, reads live, and its
+            // key's fence is back at that holder's token — and a new
+            // process remembers no later fence. So, as when the raft log
+            // is found behind (`raft.rs`), it admits nothing until
+            // `raise-floor` (which ends those grants and raises those
+            // fences) — an outside review landed writes under such a grant
+            // with nobody running `raise-floor`.
+            self.restore_found(revision);
         }
         for kv in kvs {
             let Kind::Grant(key) = self.keys.kind(kv.key()) else { continue };

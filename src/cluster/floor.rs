@@ -280,6 +280,20 @@ impl Floor {
         found
     }
 
+    /// A restore found another way (`feed.rs`: a new process's first read
+    /// found etcd's numbering behind its floor) at `revision`: recorded as
+    /// [`Floor::observe_raft`] records one. True when newly recorded.
+    pub(super) fn note_restore(&self, revision: i64) -> bool {
+        let mut r = self.lock_raft();
+        if r.restored.is_some() {
+            return false;
+        }
+        r.restored = Some(revision);
+        drop(r);
+        self.highest.send_modify(|_| {});
+        true
+    }
+
     /// The token offset was written at revision `rev` (an operator's
     /// `raise-floor`): after a recorded restore, the operator has raised
     /// the floor since, so the restore is over and the mark starts again
@@ -383,13 +397,26 @@ impl Floor {
     }
 }
 
-/// The operator's command after an etcd restore: raises the token offset
-/// so that every token issued from now on is above `to`. Returns the new
-/// offset. Never lowers it; always writes it (see below).
-pub async fn raise_floor(cfg: &ClusterConfig, to: u64) -> Result<u64, Error> {
+/// What `raise-floor` did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Raised {
+    /// The token offset now in etcd.
+    pub offset: u64,
+    /// Grants not above the floor that it ended ([`end_restored_history`]).
+    pub grants_ended: usize,
+    /// Fences not above the floor that it raised.
+    pub fences_raised: usize,
+}
+
+/// The operator's command after an etcd restore: ends the grants and
+/// raises the fences a snapshot brought back ([`end_restored_history`]),
+/// then raises the token offset so that every token issued from now on is
+/// above `to`. Never lowers the offset; always writes it (see below).
+pub async fn raise_floor(cfg: &ClusterConfig, to: u64) -> Result<Raised, Error> {
     let client = super::connect(cfg).await?;
     let keys = super::Keys::new(&cfg.prefix);
     let mut kv = client.kv_client();
+    let (mut grants_ended, mut fences_raised) = (0, 0);
     for _ in 0..16 {
         let resp = kv
             .get(keys.offset(), Some(GetOptions::new()))
@@ -409,6 +436,11 @@ pub async fn raise_floor(cfg: &ClusterConfig, to: u64) -> Result<u64, Error> {
         // The next transaction's revision is above `revision`, and its
         // tokens are at least `offset + (revision + 1) · TOKEN_SLOTS`.
         let needed = to.saturating_sub(super::rev_u64(revision).saturating_mul(super::TOKEN_SLOTS)).max(old);
+        // Before the offset (whose write ends the restore marks' hold):
+        // what a snapshot brought back of the history before `to`.
+        let (grants, fences) = end_restored_history(&mut kv, &keys, to, needed).await?;
+        grants_ended += grants;
+        fences_raised += fences;
         // Written even when it is high enough already: gateways that found
         // etcd's log behind them (a restore, `raft.rs`) take a write of the
         // offset after that as the operator's word that the floor was
@@ -420,10 +452,101 @@ pub async fn raise_floor(cfg: &ClusterConfig, to: u64) -> Result<u64, Error> {
         ]);
         let done = kv.txn(txn).await.map_err(|e| super::unavailable("raising the offset", e))?;
         if done.succeeded() {
-            return Ok(needed);
+            return Ok(Raised { offset: needed, grants_ended, fences_raised });
         }
     }
     Err(Error::Unavailable("the token offset kept changing; try again".into()))
+}
+
+/// Sub-transactions per transaction of [`end_restored_history`] (one
+/// compare and one write each; etcd's `--max-txn-ops` is 128).
+const CLEANUP_BATCH: usize = 50;
+
+/// A snapshot restore brings back the grants and fences of its time: a
+/// grant released (or expired) since, whose holder was superseded, is live
+/// again, and its key's fence is back at that grant's token — a gateway
+/// that loads this view (started after the restore) would renew it and
+/// admit the old holder's writes (an outside review landed such writes
+/// after the newer holder's, with the documented procedure followed). So
+/// `raise-floor` ends every grant whose token is not above `to` (issued
+/// before the floor: in the history the restore lost, it may have been
+/// superseded) and puts every fence not above `to` again with the new
+/// offset `needed`, which moves it above `to` (a fence's token is its
+/// value's offset + its revision · 64 + slot, and every revision from now
+/// on is above the one `needed` was computed at). The old holders' tokens
+/// are then stale everywhere; they acquire again. Grants and fences above
+/// `to` (made after an earlier `raise-floor`) are left alone, so running
+/// it twice changes nothing the second time. Each change compares the
+/// revision it read, so a key written meanwhile is left as it is.
+/// Returns how many grants it ended and fences it raised.
+async fn end_restored_history(
+    kv: &mut etcd_client::KvClient,
+    keys: &super::Keys,
+    to: u64,
+    needed: u64,
+) -> Result<(usize, usize), Error> {
+    let mut subs: Vec<TxnOp> = Vec::new();
+    let (mut grants, mut fences) = (0_usize, 0_usize);
+    let mut start = keys.prefix.clone().into_bytes();
+    let mut end = start.clone();
+    if let Some(last) = end.last_mut() {
+        *last = last.saturating_add(1);
+    }
+    let mut revision = 0;
+    loop {
+        let mut opts = GetOptions::new().with_range(end.clone()).with_limit(500);
+        if revision > 0 {
+            opts = opts.with_revision(revision);
+        }
+        let mut resp =
+            kv.get(start.clone(), Some(opts)).await.map_err(|e| super::unavailable("reading the keys", e))?;
+        if revision == 0 {
+            revision = resp.header().map_or(0, |h| h.revision());
+        }
+        let more = resp.more();
+        let page = resp.take_kvs();
+        let Some(last) = page.last() else { break };
+        start = last.key().to_vec();
+        start.push(0);
+        for item in &page {
+            match keys.kind(item.key()) {
+                super::Kind::Grant(_) => {
+                    let token = serde_json::from_slice::<super::mirror::GrantValue>(item.value())
+                        .map_or(0, |v| super::token_of(v.o, item.create_revision(), v.i));
+                    if token <= to {
+                        subs.push(TxnOp::txn(
+                            Txn::new()
+                                .when([Compare::create_revision(item.key(), CompareOp::Equal, item.create_revision())])
+                                .and_then([TxnOp::delete(item.key(), None)]),
+                        ));
+                        grants += 1;
+                    }
+                }
+                super::Kind::Fence(_) if super::feed::fence_token(item) <= to => {
+                    subs.push(TxnOp::txn(
+                        Txn::new()
+                            .when([Compare::mod_revision(item.key(), CompareOp::Equal, item.mod_revision())])
+                            .and_then([TxnOp::put(item.key(), format!("{needed}/0"), None)]),
+                    ));
+                    fences += 1;
+                }
+                _ => {}
+            }
+            if subs.len() >= CLEANUP_BATCH {
+                let batch = Txn::new().and_then(std::mem::take(&mut subs));
+                kv.txn(batch).await.map_err(|e| super::unavailable("ending restored grants and fences", e))?;
+            }
+        }
+        if !more {
+            break;
+        }
+    }
+    if !subs.is_empty() {
+        kv.txn(Txn::new().and_then(subs))
+            .await
+            .map_err(|e| super::unavailable("ending restored grants and fences", e))?;
+    }
+    Ok((grants, fences))
 }
 
 #[cfg(test)]

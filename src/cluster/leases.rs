@@ -392,6 +392,13 @@ impl Cluster {
             validate_ttl(ttl_ms, &self.limits)?;
         }
         let lost = || Error::LeaseLost { key: req.key.clone() };
+        // While a restore stands (found here or by a peer), every grant in
+        // etcd is of before it — brought back by the snapshot, perhaps
+        // superseded in the history it lost — and `raise-floor` will end
+        // it: none is renewed.
+        if let Some(why) = self.restore_blocks_grants() {
+            return Err(Error::Unavailable(why));
+        }
         let Some((value, created, token)) = self.find_grant(&req.key, &req.lease_id).await? else {
             return Err(lost());
         };

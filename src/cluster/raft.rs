@@ -198,6 +198,19 @@ impl Cluster {
         }
     }
 
+    /// A restore found by the token floor at a new process's first read
+    /// (`feed.rs`): recorded and acted on as one found by the raft log.
+    pub(super) fn restore_found(&self, revision: i64) {
+        if crate::fault::enabled(crate::fault::Fault::NoRestoreDetection) || !self.floor.note_restore(revision) {
+            return;
+        }
+        self.fences.set_not_current(
+            "etcd was restored (its numbering is behind this gateway's token floor); waiting for raise-floor",
+        );
+        self.metrics.cluster_current.set(0);
+        tracing::error!(revision, floor = self.floor.get(), "{}", restored_refusal(self.floor.get()));
+    }
+
     /// Why this gateway refuses while a restore is recorded.
     pub(super) fn restored_refusal(&self) -> Option<String> {
         self.floor.restored().map(|_| restored_refusal(self.floor.get()))
