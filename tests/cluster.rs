@@ -512,14 +512,20 @@ async fn after_a_restore_and_raise_floor_a_grant_the_snapshot_brought_back_is_ov
 
 /// Nobody runs `raise-floor`: each new process finds etcd's numbering
 /// behind its token floor at its first read — a restore, though its raft
-/// check saw none (a short history) — and admits nothing until
-/// `raise-floor`; then as above.
+/// check saw none (a short history) — and admits nothing until a
+/// `raise-floor` past its own floor; then as above.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_restore_nobody_raised_the_floor_for_a_new_process_admits_nothing() {
     let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
     let mut s = setup(2).await;
     let (a, highest) = a_snapshot_s_grant_brought_back(&mut s, false).await;
     tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_a_is_over(&s, &a, "not_current").await;
+    // A floor below the gateways' own (copied from the wrong gateway, or
+    // mistyped) leaves A's grant and fence in etcd: it must not end the
+    // gateways' hold (outside review: A renewed and wrote again).
+    raise_floor(&s.etcd, a.token - 1);
+    tokio::time::sleep(Duration::from_secs(1)).await;
     assert_a_is_over(&s, &a, "not_current").await;
     let c = granted(
         &s.http,

@@ -646,7 +646,7 @@ impl Cluster {
                             Kind::Fence(key) => {
                                 self.check_against_floor(key, kv.mod_revision(), fence_token(kv), msg.events())
                             }
-                            Kind::Offset => self.offset_written(kv.mod_revision()),
+                            Kind::Offset => self.offset_written(kv),
                             _ => {}
                         }
                         self.apply_put(kv);

@@ -486,6 +486,8 @@ async fn end_restored_history(
     needed: u64,
 ) -> Result<(usize, usize), Error> {
     let mut subs: Vec<TxnOp> = Vec::new();
+    // Whether each sub-transaction of `subs` ends a grant (else raises a fence).
+    let mut is_grant: Vec<bool> = Vec::new();
     let (mut grants, mut fences) = (0_usize, 0_usize);
     let mut start = keys.prefix.clone().into_bytes();
     let mut end = start.clone();
@@ -519,7 +521,7 @@ async fn end_restored_history(
                                 .when([Compare::create_revision(item.key(), CompareOp::Equal, item.create_revision())])
                                 .and_then([TxnOp::delete(item.key(), None)]),
                         ));
-                        grants += 1;
+                        is_grant.push(true);
                     }
                 }
                 super::Kind::Fence(_) if super::feed::fence_token(item) <= to => {
@@ -528,13 +530,16 @@ async fn end_restored_history(
                             .when([Compare::mod_revision(item.key(), CompareOp::Equal, item.mod_revision())])
                             .and_then([TxnOp::put(item.key(), format!("{needed}/0"), None)]),
                     ));
-                    fences += 1;
+                    is_grant.push(false);
                 }
                 _ => {}
             }
             if subs.len() >= CLEANUP_BATCH {
                 let batch = Txn::new().and_then(std::mem::take(&mut subs));
-                kv.txn(batch).await.map_err(|e| super::unavailable("ending restored grants and fences", e))?;
+                let done =
+                    kv.txn(batch).await.map_err(|e| super::unavailable("ending restored grants and fences", e))?;
+                let (g, f) = applied(&done, &std::mem::take(&mut is_grant));
+                (grants, fences) = (grants + g, fences + f);
             }
         }
         if !more {
@@ -542,11 +547,33 @@ async fn end_restored_history(
         }
     }
     if !subs.is_empty() {
-        kv.txn(Txn::new().and_then(subs))
+        let done = kv
+            .txn(Txn::new().and_then(subs))
             .await
             .map_err(|e| super::unavailable("ending restored grants and fences", e))?;
+        let (g, f) = applied(&done, &is_grant);
+        (grants, fences) = (grants + g, fences + f);
     }
     Ok((grants, fences))
+}
+
+/// The grants ended and fences raised by one transaction of
+/// [`end_restored_history`]: its sub-transactions whose compare held
+/// (a key written meanwhile is left alone, and not counted).
+fn applied(done: &etcd_client::TxnResponse, is_grant: &[bool]) -> (usize, usize) {
+    let mut counts = (0, 0);
+    for (op, grant) in done.op_responses().iter().zip(is_grant) {
+        if let etcd_client::TxnOpResponse::Txn(t) = op {
+            if t.succeeded() {
+                if *grant {
+                    counts.0 += 1;
+                } else {
+                    counts.1 += 1;
+                }
+            }
+        }
+    }
+    counts
 }
 
 #[cfg(test)]

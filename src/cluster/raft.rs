@@ -186,7 +186,31 @@ impl Cluster {
     /// one read in a full load may be an old one that a later snapshot
     /// brought back (review finding: a second restore from a newer snapshot
     /// holding an earlier `raise-floor` ended the first restore's refusal).
-    pub(super) fn offset_written(&self, rev: i64) {
+    pub(super) fn offset_written(&self, kv: &etcd_client::KeyValue) {
+        let rev = kv.mod_revision();
+        if self.floor.restored().is_none() {
+            return;
+        }
+        // Only a floor raised past this gateway's own ends its hold: a
+        // `raise-floor --to` below it (a floor copied from a gateway that
+        // saw fewer tokens) leaves grants and fences between the two in
+        // etcd, which this gateway knows were issued before the restore
+        // (outside review: such a run let a superseded holder renew and
+        // write again). Tokens from now on are at least offset + (rev + 1)·64.
+        let offset = kv.value_str().ok().and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(0);
+        let next = super::token_of(offset, rev.saturating_add(1), Some(0));
+        let floor = self.floor.get();
+        if next <= floor {
+            tracing::error!(
+                revision = rev,
+                offset,
+                floor,
+                "raise-floor ran with --to below this gateway's token floor: the restore's hold stays; run \
+                 `fencegate cluster raise-floor --to {floor}` (or higher)",
+                floor = floor
+            );
+            return;
+        }
         if self.floor.offset_written(rev) {
             tracing::warn!(
                 revision = rev,
