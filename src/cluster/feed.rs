@@ -46,10 +46,7 @@ impl Cluster {
         self.check_raft().await?;
         // Pages of keys, all read at the revision of the first page (one
         // consistent view however many fences there are).
-        let mut end = self.keys.prefix.clone().into_bytes();
-        if let Some(last) = end.last_mut() {
-            *last = last.saturating_add(1);
-        }
+        let end = self.keys.prefix_end();
         let mut start = self.keys.prefix.clone().into_bytes();
         let (mut revision, mut cluster_id) = (0, 0);
         let mut kvs = Vec::new();

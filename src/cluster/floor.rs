@@ -490,10 +490,7 @@ async fn end_restored_history(
     let mut is_grant: Vec<bool> = Vec::new();
     let (mut grants, mut fences) = (0_usize, 0_usize);
     let mut start = keys.prefix.clone().into_bytes();
-    let mut end = start.clone();
-    if let Some(last) = end.last_mut() {
-        *last = last.saturating_add(1);
-    }
+    let end = keys.prefix_end();
     let mut revision = 0;
     loop {
         let mut opts = GetOptions::new().with_range(end.clone()).with_limit(500);

@@ -117,6 +117,14 @@ impl Keys {
     pub(crate) fn restored_prefix(&self) -> String {
         format!("{}r/", self.prefix)
     }
+    /// The end of the range of every key under the prefix (exclusive).
+    fn prefix_end(&self) -> Vec<u8> {
+        let mut end = self.prefix.clone().into_bytes();
+        if let Some(last) = end.last_mut() {
+            *last = last.saturating_add(1);
+        }
+        end
+    }
     pub(crate) fn offset(&self) -> String {
         format!("{}meta/offset", self.prefix)
     }

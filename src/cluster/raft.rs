@@ -120,16 +120,10 @@ impl Cluster {
         let mark = self.floor.raft().mark;
         let before = self.floor.restored();
         if self.floor.observe_raft(applied, revision) {
-            self.fences
-                .set_not_current("etcd was restored (its raft log is behind this gateway's); waiting for raise-floor");
-            self.metrics.cluster_current.set(0);
-            tracing::error!(
-                applied,
-                mark,
+            tracing::error!(applied, mark, "etcd's raft log went back");
+            self.stop_for_restore(
                 revision,
-                floor = self.floor.get(),
-                "{}",
-                restored_refusal(self.floor.get())
+                "etcd was restored (its raft log is behind this gateway's); waiting for raise-floor",
             );
         }
         if let Some(at) = self.floor.restored() {
@@ -228,9 +222,16 @@ impl Cluster {
         if crate::fault::enabled(crate::fault::Fault::NoRestoreDetection) || !self.floor.note_restore(revision) {
             return;
         }
-        self.fences.set_not_current(
+        self.stop_for_restore(
+            revision,
             "etcd was restored (its numbering is behind this gateway's token floor); waiting for raise-floor",
         );
+    }
+
+    /// A restore just recorded (at `revision`): no mutation admitted from
+    /// now on, until `raise-floor` (`offset_written`).
+    fn stop_for_restore(&self, revision: i64, why: &'static str) {
+        self.fences.set_not_current(why);
         self.metrics.cluster_current.set(0);
         tracing::error!(revision, floor = self.floor.get(), "{}", restored_refusal(self.floor.get()));
     }
