@@ -444,8 +444,9 @@ async fn a_gateway_whose_etcd_was_restored_under_it_reads_the_new_history_in_ful
 /// the key and wrote; etcd restored; every gateway stopped and started
 /// again (nothing in memory). Returns A's grant and the highest token
 /// issued before the restore; `raise_first`: the documented procedure
-/// (`raise-floor` before the gateways start).
-async fn a_snapshot_s_grant_brought_back(s: &mut Setup, raise_first: bool) -> (common::Grant, u64) {
+/// (`raise-floor` before the gateways start); `empty_dirs`: the gateways
+/// start again on new, empty data dirs (no floor, no raft mark).
+async fn a_snapshot_s_grant_brought_back(s: &mut Setup, raise_first: bool, empty_dirs: bool) -> (common::Grant, u64) {
     let a = acquire(&s.http, &s.api(0), "revived/k", 60_000, 0).await.unwrap();
     assert_eq!(s.put(1, "/revived/k", a.token).await.status, StatusCode::OK);
     let snapshot = s.dir().join("snapshot.db");
@@ -469,7 +470,8 @@ async fn a_snapshot_s_grant_brought_back(s: &mut Setup, raise_first: bool) -> (c
     }
     for i in 0..2 {
         let config = Some(gateway_config(&s.etcd, &format!("gw{i}"), &s.rec.url()));
-        s.gws.push(Gateway::start(&s.dir().join(format!("gw{i}")), Opts { config, ..Opts::default() }));
+        let dir = if empty_dirs { format!("gw{i}-empty") } else { format!("gw{i}") };
+        s.gws.push(Gateway::start(&s.dir().join(dir), Opts { config, ..Opts::default() }));
     }
     (a, highest)
 }
@@ -500,7 +502,7 @@ async fn assert_a_is_over(s: &Setup, a: &common::Grant, code: &str) {
 async fn after_a_restore_and_raise_floor_a_grant_the_snapshot_brought_back_is_over() {
     let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
     let mut s = setup(2).await;
-    let (a, highest) = a_snapshot_s_grant_brought_back(&mut s, true).await;
+    let (a, highest) = a_snapshot_s_grant_brought_back(&mut s, true, false).await;
     s.wait_current(0, Duration::from_secs(30)).await;
     s.wait_current(1, Duration::from_secs(30)).await;
     raise_floor(&s.etcd, highest);
@@ -518,7 +520,7 @@ async fn after_a_restore_and_raise_floor_a_grant_the_snapshot_brought_back_is_ov
 async fn after_a_restore_nobody_raised_the_floor_for_a_new_process_admits_nothing() {
     let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
     let mut s = setup(2).await;
-    let (a, highest) = a_snapshot_s_grant_brought_back(&mut s, false).await;
+    let (a, highest) = a_snapshot_s_grant_brought_back(&mut s, false, false).await;
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_a_is_over(&s, &a, "not_current").await;
     // A floor below the gateways' own (copied from the wrong gateway, or
@@ -545,6 +547,37 @@ async fn after_a_restore_nobody_raised_the_floor_for_a_new_process_admits_nothin
     s.wait_current(0, Duration::from_secs(30)).await;
     assert_eq!(s.put(0, "/revived/k", a.token).await.error_code(), "stale_fencing_token");
     assert_eq!(s.put(0, "/revived/k", c.token).await.status, StatusCode::OK);
+}
+
+/// As above, but the gateways start again on empty data dirs (a machine
+/// replaced, a data dir lost): no token floor, no raft mark — nothing of
+/// their own tells them etcd was restored (outside review: such a gateway
+/// renewed A's grant, admitted A's write and issued tokens again). etcd
+/// itself does: its raft index is below its revision, which no history
+/// has without a restore; they admit nothing until `raise-floor`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_restore_gateways_on_empty_data_dirs_admit_nothing_until_raise_floor() {
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
+    let mut s = setup(2).await;
+    let (a, highest) = a_snapshot_s_grant_brought_back(&mut s, false, true).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_a_is_over(&s, &a, "not_current").await;
+    let refused = acquire(&s.http, &s.api(1), "revived/other", 60_000, 0).await;
+    let r = refused.err().unwrap_or_else(|| panic!("granted before raise-floor"));
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{:?}", r.body);
+    assert!(String::from_utf8_lossy(&r.body).contains("raise-floor"), "{:?}", r.body);
+    raise_floor(&s.etcd, highest);
+    let c = granted(&s.http, &s.api(1), "revived/k", 60_000, Duration::from_secs(60), |_| {}, String::new).await;
+    assert!(c.token > highest, "token {} after the floor {highest}", c.token);
+    s.wait_current(0, Duration::from_secs(30)).await;
+    assert_eq!(s.put(0, "/revived/k", a.token).await.error_code(), "stale_fencing_token");
+    assert_eq!(s.put(0, "/revived/k", c.token).await.status, StatusCode::OK);
+    // The history after raise-floor is not taken for a restore again (its
+    // record): a gateway started on an empty data dir now is current.
+    let config = Some(gateway_config(&s.etcd, "gw2", &s.rec.url()));
+    s.gws.push(Gateway::start(&s.dir().join("gw2-empty"), Opts { config, ..Opts::default() }));
+    s.wait_current(2, Duration::from_secs(30)).await;
+    assert_eq!(s.put(2, "/revived/k", c.token).await.status, StatusCode::OK);
 }
 
 /// `fencegate cluster raise-floor --to TO` against `etcd`, as an operator runs it.

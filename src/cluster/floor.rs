@@ -213,6 +213,11 @@ pub(super) struct Floor {
 pub(super) struct Raft {
     pub(super) mark: u64,
     pub(super) restored: Option<i64>,
+    /// The revision of the offset write that last ended a restore here
+    /// (not kept on disk: a process started later reads past it). A
+    /// measurement read before it may have missed that `raise-floor`'s
+    /// record, so its rolled-back verdict is not taken.
+    pub(super) ended_at: i64,
 }
 
 impl Floor {
@@ -229,6 +234,7 @@ impl Floor {
             raft: Mutex::new(Raft {
                 mark: record.raft_mark,
                 restored: (record.restored != 0).then_some(record.restored),
+                ended_at: 0,
             }),
         })
     }
@@ -249,12 +255,14 @@ impl Floor {
     }
 
     /// etcd's applied raft index `applied`, proved by a linearizable read
-    /// at `revision` on the member that reported it. Returns true when
-    /// this finds etcd's log behind the mark (a restore) for the first
-    /// time; otherwise raises the mark. While a restore is recorded the
-    /// mark stays as it is (the old log's), and the recorded revision
+    /// at `revision` on the member that reported it; `rolled_back`: that
+    /// read found etcd's history rolled back by a restore whatever this
+    /// gateway saw before ([`super::raft::rolled_back`]). Returns true when this finds
+    /// etcd's log behind the mark, or rolled back, (a restore) for the
+    /// first time; otherwise raises the mark. While a restore is recorded
+    /// the mark stays as it is (the old log's), and the recorded revision
     /// only goes down (a second restore).
-    pub(super) fn observe_raft(&self, applied: u64, revision: i64) -> bool {
+    pub(super) fn observe_raft(&self, applied: u64, revision: i64, rolled_back: bool) -> bool {
         let mut r = self.lock_raft();
         let before = *r;
         let found = match r.restored {
@@ -262,7 +270,7 @@ impl Floor {
                 r.restored = Some(at.min(revision));
                 false
             }
-            None if applied < r.mark => {
+            None if applied < r.mark || (rolled_back && revision >= r.ended_at) => {
                 r.restored = Some(revision);
                 true
             }
@@ -302,7 +310,7 @@ impl Floor {
         let mut r = self.lock_raft();
         match r.restored {
             Some(at) if rev > at => {
-                *r = Raft::default();
+                *r = Raft { ended_at: rev, ..Raft::default() };
                 drop(r);
                 self.highest.send_modify(|_| {});
                 true
@@ -417,7 +425,17 @@ pub async fn raise_floor(cfg: &ClusterConfig, to: u64) -> Result<Raised, Error> 
     let keys = super::Keys::new(&cfg.prefix);
     let mut kv = client.kv_client();
     let (mut grants_ended, mut fences_raised) = (0, 0);
+    let mut maintenance = client.maintenance_client();
     for _ in 0..16 {
+        // etcd's raft index, then (a linearizable read, later) the
+        // revision: their difference is at most the history's here, so
+        // the gateways never take the history after this for a restore
+        // (`raft.rs`, `rolled_back`).
+        let applied = maintenance
+            .status()
+            .await
+            .map_err(|e| super::unavailable("reading the raft index", e))?
+            .raft_applied_index();
         let resp = kv
             .get(keys.offset(), Some(GetOptions::new()))
             .await
@@ -447,6 +465,7 @@ pub async fn raise_floor(cfg: &ClusterConfig, to: u64) -> Result<Raised, Error> 
         // raised past every token issued before it.
         let txn = Txn::new().when([Compare::mod_revision(keys.offset(), CompareOp::Equal, old_rev)]).and_then([
             TxnOp::put(keys.offset(), needed.to_string(), None),
+            TxnOp::put(keys.raft_record(), super::raft::raft_record(applied, revision), None),
             // The marks of gateways that found a restore (`raft.rs`).
             TxnOp::delete(keys.restored_prefix(), Some(etcd_client::DeleteOptions::new().with_prefix())),
         ]);
@@ -676,19 +695,36 @@ mod tests {
     fn a_log_behind_the_mark_is_a_restore_until_the_offset_is_written_after_it() {
         let dir = tempfile::tempdir().expect("tempdir");
         let f = Floor::open(dir.path()).expect("open");
-        assert!(!f.observe_raft(500, 40));
-        assert!(!f.observe_raft(400 + 100, 41), "the same index again is not behind");
+        assert!(!f.observe_raft(500, 40, false));
+        assert!(!f.observe_raft(400 + 100, 41, false), "the same index again is not behind");
         assert_eq!(f.raft().mark, 500);
-        assert!(f.observe_raft(7, 30), "a log behind the mark is a restore");
+        assert!(f.observe_raft(7, 30, false), "a log behind the mark is a restore");
         assert_eq!(f.restored(), Some(30));
-        assert!(!f.observe_raft(9_000, 35), "found once; the mark stays");
+        assert!(!f.observe_raft(9_000, 35, false), "found once; the mark stays");
         assert_eq!(f.raft().mark, 500);
-        assert!(!f.observe_raft(8, 20));
+        assert!(!f.observe_raft(8, 20, false));
         assert_eq!(f.restored(), Some(20), "a second restore lowers the revision found at");
         assert!(!f.offset_written(20), "an offset written before it does not end it");
         assert!(f.offset_written(21));
         assert_eq!(f.restored(), None);
-        assert!(!f.observe_raft(8, 22), "the mark starts again from the new log");
+        assert!(!f.observe_raft(8, 22, false), "the mark starts again from the new log");
         assert_eq!(f.raft().mark, 8);
+    }
+
+    #[test]
+    fn a_rolled_back_history_is_a_restore_without_a_mark_but_not_when_read_before_the_raise_floor_that_ended_one() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let f = Floor::open(dir.path()).expect("open");
+        assert_eq!(f.raft().mark, 0, "an empty data dir has no mark");
+        assert!(f.observe_raft(7, 5_000, true), "found by etcd alone");
+        assert_eq!(f.restored(), Some(5_000));
+        assert!(f.offset_written(5_010));
+        // A measurement read before that raise-floor (it could not see its
+        // record) does not find the same restore again; one read at or
+        // after it does (its record was in the read).
+        assert!(!f.observe_raft(9, 5_009, true));
+        assert_eq!(f.restored(), None);
+        assert!(f.observe_raft(12, 5_010, true));
+        assert_eq!(f.restored(), Some(5_010));
     }
 }

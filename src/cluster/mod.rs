@@ -14,6 +14,7 @@
 //! | `P r/GW` | where GW found it | none | GW found etcd restored: no grant anywhere until `raise-floor` deletes it |
 //! | `P d/GW` | a lease id | none | GW's incarnation on that lease, whose member key went before GW could mark it `drained`, had nothing in flight |
 //! | `P meta/offset` | u64 | none | added to revisions (raised by `fencegate cluster raise-floor`) |
+//! | `P meta/raft` | `applied/revision` | none | etcd's raft index and revision as the last `raise-floor` saw them (`raft.rs`) |
 //!
 //! Guarantees:
 //! - A grant is one (sub-)transaction: create-if-absent of `g/KEY`, only
@@ -127,6 +128,9 @@ impl Keys {
     }
     pub(crate) fn offset(&self) -> String {
         format!("{}meta/offset", self.prefix)
+    }
+    fn raft_record(&self) -> String {
+        format!("{}meta/raft", self.prefix)
     }
     /// Classifies an etcd key (bytes from a peer: anything not UTF-8 or
     /// outside the layout is `Other` and ignored).

@@ -18,14 +18,25 @@
 //! mutation, until an operator runs `fencegate cluster raise-floor`, whose
 //! write of the token offset after the restore ends it.
 //!
-//! What this cannot see: a gateway whose mark is below the restored log's
-//! index when it looks (it last saw etcd when its log was shorter than the
-//! restored one has grown since) — the operator's procedure (docs) covers
-//! that.
+//! A gateway with no mark (an empty data dir) or a low one (it last saw
+//! etcd when its log was shorter than the restored one has grown since)
+//! cannot tell by the mark. It tells by etcd alone ([`rolled_back`]): in
+//! one history every raft entry raises the revision by at most one, and a
+//! new cluster starts with its index above its revision, so `applied index
+//! − revision` never goes below 0 and never goes down; a restore starts
+//! the index again from a handful while the revision goes on from the
+//! snapshot's, far below 0. `raise-floor` records that difference as it
+//! saw it (`P meta/raft` = `applied/revision`, with the offset), so the
+//! history after it is not taken for a restore again, while a later
+//! restore — from a snapshot holding that record or not — drops below it.
+//! What neither sees: a restored history whose entries that did not
+//! raise the revision (failed transactions, compactions, lease grants)
+//! have since made up the revisions the restore rolled back — long after
+//! the restore, when `raise-floor` should have run.
 
 use std::time::Duration;
 
-use etcd_client::{Client, GetOptions};
+use etcd_client::Client;
 
 use super::Cluster;
 use crate::error::Error;
@@ -56,10 +67,33 @@ pub(super) fn restored_refusal(floor: u64) -> String {
     )
 }
 
+/// `raise-floor`'s record of `applied index − revision` (`P meta/raft`):
+/// `applied/revision`. Anything else reads as no record.
+pub(super) fn raft_record(applied: u64, revision: i64) -> String {
+    format!("{applied}/{revision}")
+}
+
+/// Whether etcd's history was rolled back by a restore (module doc): the
+/// applied index `applied` proved after a linearizable read at `revision`
+/// (so at least the index of the entry that made that revision, and the
+/// difference is at least the history's there) is below the revision by
+/// more than `record` (`raise-floor`'s, measured so that it is at most the
+/// history's difference when it ran) allows, or below it at all when there
+/// is no record or the record is one a history never has (above 0).
+pub(super) fn rolled_back(applied: u64, revision: i64, record: Option<&[u8]>) -> bool {
+    let gap = |a: u64, r: i64| i128::from(a) - i128::from(r);
+    let recorded = record.and_then(|v| {
+        let (a, r) = std::str::from_utf8(v).ok()?.trim().split_once('/')?;
+        Some(gap(a.parse().ok()?, r.parse().ok()?))
+    });
+    gap(applied, revision) < recorded.unwrap_or(0).min(0)
+}
+
 impl Cluster {
-    /// The applied raft index of one member and the revision of a
-    /// linearizable read on it just before: `(applied, revision)`.
-    async fn measure_raft(&self) -> Result<(u64, i64), Error> {
+    /// The applied raft index of one member, the revision of a
+    /// linearizable read on it just before, and `raise-floor`'s record read
+    /// by it: `(applied, revision, record)`.
+    async fn measure_raft(&self) -> Result<(u64, i64, Option<Vec<u8>>), Error> {
         let mut probe = self.probe.lock().await;
         let endpoints = &self.cfg.etcd_endpoints;
         let mut last = Error::Unavailable("etcd: no endpoint configured".into());
@@ -89,23 +123,21 @@ impl Cluster {
         Err(last)
     }
 
-    async fn measure_on(&self, client: &Client) -> Result<(u64, i64), Error> {
+    async fn measure_on(&self, client: &Client) -> Result<(u64, i64, Option<Vec<u8>>), Error> {
         let timeout = |what: &'static str| move |_| Error::Unavailable(format!("etcd: {what}: no answer in time"));
-        let read = tokio::time::timeout(
-            self.timeout,
-            client.kv_client().get(self.keys.offset(), Some(GetOptions::new().with_count_only())),
-        )
-        .await
-        .map_err(timeout("reading for the raft index"))?
-        .map_err(|e| super::unavailable("reading for the raft index", e))?;
+        let read = tokio::time::timeout(self.timeout, client.kv_client().get(self.keys.raft_record(), None))
+            .await
+            .map_err(timeout("reading for the raft index"))?
+            .map_err(|e| super::unavailable("reading for the raft index", e))?;
         let header = read.header().ok_or_else(|| Error::Unavailable("etcd: no response header".into()))?;
         let (member, revision) = (header.member_id(), header.revision());
+        let record = read.kvs().first().map(|kv| kv.value().to_vec());
         let status = tokio::time::timeout(self.timeout, client.maintenance_client().status())
             .await
             .map_err(timeout("reading the raft index"))?
             .map_err(|e| super::unavailable("reading the raft index", e))?;
         match status.header() {
-            Some(h) if h.member_id() == member => Ok((status.raft_applied_index(), revision)),
+            Some(h) if h.member_id() == member => Ok((status.raft_applied_index(), revision, record)),
             _ => Err(Error::Unavailable("etcd: the raft index came from another member".into())),
         }
     }
@@ -116,11 +148,12 @@ impl Cluster {
         if crate::fault::enabled(crate::fault::Fault::NoRestoreDetection) {
             return Ok(());
         }
-        let (applied, revision) = self.measure_raft().await?;
+        let (applied, revision, record) = self.measure_raft().await?;
         let mark = self.floor.raft().mark;
         let before = self.floor.restored();
-        if self.floor.observe_raft(applied, revision) {
-            tracing::error!(applied, mark, "etcd's raft log went back");
+        let rolled_back = rolled_back(applied, revision, record.as_deref());
+        if self.floor.observe_raft(applied, revision, rolled_back) {
+            tracing::error!(applied, mark, revision, rolled_back, "etcd's raft log went back");
             self.stop_for_restore(
                 revision,
                 "etcd was restored (its raft log is behind this gateway's); waiting for raise-floor",
@@ -252,5 +285,33 @@ impl Cluster {
                 tracing::debug!(error = %e, "proving etcd's raft index failed; trying again later");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{raft_record, rolled_back};
+
+    #[test]
+    fn a_history_is_rolled_back_when_its_index_falls_below_its_revision_or_below_raise_floor_s_record() {
+        // One history: the index is above the revision (a new cluster
+        // starts so, and no entry raises the revision by more than one).
+        assert!(!rolled_back(204, 201, None));
+        assert!(!rolled_back(201, 201, None));
+        // A restore: the index starts again from a handful.
+        assert!(rolled_back(4, 201, None));
+        // After `raise-floor` recorded that: the history goes on; entries
+        // that raise no revision (failed transactions) only raise it.
+        let record = raft_record(4, 201);
+        assert!(!rolled_back(4, 201, Some(record.as_bytes())));
+        assert!(!rolled_back(60, 240, Some(record.as_bytes())));
+        // A later restore, from a snapshot holding that record: below it.
+        assert!(rolled_back(5, 230, Some(record.as_bytes())));
+        // A record above 0 (raise-floor on a history never restored) does
+        // not lift the bar above 0, and one that does not parse is none.
+        assert!(!rolled_back(10, 10, Some(raft_record(300, 100).as_bytes())));
+        assert!(rolled_back(9, 10, Some(raft_record(300, 100).as_bytes())));
+        assert!(rolled_back(4, 201, Some(b"junk")));
+        assert!(rolled_back(4, 201, Some(b"-9999999/1")));
     }
 }
