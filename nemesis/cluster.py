@@ -14,8 +14,11 @@ gateways. Faults, one at a time:
   etcd-follower-kill  kill -9 one etcd follower, restart it 2-5 s later
   etcd-follower-stop  SIGSTOP one etcd follower 8-12 s (a hung member: its
                       connections stay open, nothing is answered), one a
-                      gateway sends its etcd requests to when there is one;
-                      the probe's grant should come while it is stopped
+                      gateway sends its etcd requests to: when they all
+                      send to the leader (they prefer it), leadership is
+                      moved away first (etcdctl move-leader) and the old
+                      leader, still in use, is stopped; the probe's grant
+                      should come while it is stopped
   gateway-stop        SIGSTOP a gateway with a holder's write in flight (the
                       upstream holds it), longer than its member TTL: the
                       holder's next write waits in the stopped gateway, the
@@ -614,8 +617,32 @@ connect_timeout_ms = 1000
         followers = [j for j in range(3) if j != li]
         used = self.members_in_use()
         in_use = [j for j in followers if self.members[j].url in used]
+        moved = None
+        if not in_use and self.members[li].url in used:
+            # The gateways send to the leader (they prefer it), so no
+            # follower is in use: move the leadership away. They stay on
+            # the old leader, now a follower, until their next status
+            # round (every half member TTL): stop it then.
+            moved = self.move_leader(li)
+            li2 = self.leader()
+            if moved and li2 is not None:
+                followers = [j for j in range(3) if j != li2]
+                used = self.members_in_use()
+                in_use = [j for j in followers if self.members[j].url in used]
         m = self.members[self.rng.choice(in_use or followers)]
-        self.pause_member(kind, m, (8.0, 12.0), in_use=bool(in_use))
+        self.pause_member(kind, m, (8.0, 12.0), in_use=bool(in_use), moved_leader=moved)
+
+    def move_leader(self, li):
+        """Moves etcd's leadership from member `li` to another (etcdctl
+        move-leader: no downtime); the new leader's name, or None."""
+        j = self.rng.choice([j for j in range(3) if j != li])
+        st = self.members[j].status()
+        if st is None:
+            return None
+        hexid = format(int(st["header"]["member_id"]), "x")
+        r = subprocess.run(["etcdctl", "--endpoints", self.members[li].url, "move-leader", hexid],
+                           capture_output=True, text=True, timeout=15, env={**os.environ, "ETCDCTL_API": "3"})
+        return self.members[j].name if r.returncode == 0 else None
 
     def fault_etcd_compact(self):
         kind = "etcd-compact"

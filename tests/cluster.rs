@@ -1796,6 +1796,38 @@ async fn a_gateway_restarted_at_once_under_its_id_does_not_skip_its_quarantine()
     s.assert_applied_before("/fast", old.token, new.token).await;
 }
 
+/// Outside review (HIGH): as above, and then the restarted gateway stops
+/// cleanly (drained). Its peers kept one departure per gateway id, and the
+/// clean one replaced the killed incarnation's: the quarantine was gone, the
+/// next holder was granted at once and the dead gateway's write landed
+/// after the new holder's. The killed incarnation's quarantine now stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clean_stop_of_a_gateway_restarted_under_its_id_keeps_the_quarantine_of_the_one_killed() {
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
+    // Quarantine 8.5 s; the write gw0 forwards just before dying lands 7 s later.
+    let mut s = setup_with(2, 8000).await;
+    let old = acquire(&s.http, &s.api(0), "again", 30_000, 0).await.unwrap();
+    s.rec.set_delay("/again", 7000);
+    s.rec.apply_even_if_abandoned("/again");
+    let (h, url, t) = (s.http.clone(), s.gws[0].proxy_url("/again"), old.token.to_string());
+    let stale = tokio::spawn(async move { h.try_send(Method::PUT, &url, &[("x-fencing-token", &t)], "stale").await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    s.gws.remove(0).kill9();
+    let _ = stale.await;
+    s.rec.set_delay("/again", 0);
+    let (data, config) = (s.dir().join("gw0"), gateway_config_with(&s.etcd, "gw0", &s.rec.url(), 8000));
+    let restarted =
+        tokio::task::spawn_blocking(move || Gateway::start(&data, Opts { config: Some(config), ..Opts::default() }));
+    s.gws.push(restarted.await.unwrap());
+    s.wait_current(1, Duration::from_secs(20)).await;
+    // The new incarnation stops cleanly: drained.
+    assert_eq!(s.gws.remove(1).terminate().code(), Some(0));
+    assert!(release(&s.http, &s.api(0), &old).await.status.is_success());
+    let new = granted(&s.http, &s.api(0), "again", 30_000, Duration::from_secs(30), |_| {}, String::new).await;
+    assert_eq!(s.put(0, "/again", new.token).await.status, StatusCode::OK);
+    s.assert_applied_before("/again", old.token, new.token).await;
+}
+
 /// Finding E: a second live gateway with an id already in use fails to
 /// start, naming the id, instead of standing in for the other's acks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

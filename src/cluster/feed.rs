@@ -141,7 +141,7 @@ impl Cluster {
             // from now.
             for (gw, (lease, drained, ttl)) in left.unwrap_or_default() {
                 if m.departed.get(&gw).is_none_or(|d| d.lease != lease) {
-                    m.depart(&gw, super::mirror::Departure { lease, at: now + ttl, drained });
+                    m.depart(&gw, super::mirror::Departure::new(lease, now + ttl, drained));
                 }
             }
         }

@@ -522,7 +522,7 @@ impl Cluster {
                 // this grant may still have requests on their way to an
                 // upstream: its quarantine counts too.
                 let mut until: Option<Instant> =
-                    m.departed.values().filter(|d| !d.drained).map(|d| d.at + self.quarantine).max();
+                    m.departed.values().filter_map(|d| d.undrained_since()).map(|at| at + self.quarantine).max();
                 // A member that left before this gateway's last full read
                 // is unknown here: one quarantine from that read.
                 until = until.max(m.loaded_at.map(|t| t + self.quarantine));

@@ -423,7 +423,7 @@ impl Cluster {
         }
         for (gw, (lease, drained, ttl)) in left {
             if m.departed.get(&gw).is_none_or(|d| d.lease != lease) {
-                m.depart(&gw, super::mirror::Departure { lease, at: first + ttl, drained });
+                m.depart(&gw, super::mirror::Departure::new(lease, first + ttl, drained));
             }
         }
         m.loaded_at = None;

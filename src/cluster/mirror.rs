@@ -84,6 +84,23 @@ pub(crate) struct Departure {
     pub lease: i64,
     pub at: Instant,
     pub drained: bool,
+    /// The latest `at` of an earlier incarnation of the same gateway that
+    /// left without draining, which this departure replaced: its
+    /// quarantine still counts.
+    pub earlier: Option<Instant>,
+}
+
+impl Departure {
+    pub fn new(lease: i64, at: Instant, drained: bool) -> Departure {
+        Departure { lease, at, drained, earlier: None }
+    }
+
+    /// From when this gateway id's departures are quarantined (`None`:
+    /// every incarnation that left drained).
+    pub fn undrained_since(&self) -> Option<Instant> {
+        let own = (!self.drained).then_some(self.at);
+        own.max(self.earlier)
+    }
 }
 
 #[derive(Debug, Default)]
@@ -166,7 +183,7 @@ impl Mirror {
         let seen = self.seen_at.remove(gw);
         let lease = self.members.remove(gw).map(|m| {
             let stopped_by = seen.map_or(now + m.ttl, |s| s + m.ttl).max(now);
-            self.depart(gw, Departure { lease: m.lease, at: stopped_by, drained: m.drained });
+            self.depart(gw, Departure::new(m.lease, stopped_by, m.drained));
             m.lease
         });
         self.acks.remove(gw);
@@ -174,9 +191,17 @@ impl Mirror {
     }
 
     /// Records a departure; drained also when the gateway's `d/GW` record
-    /// names that incarnation.
+    /// names that incarnation. An earlier incarnation of the same id that
+    /// left without draining keeps its quarantine (outside review: one
+    /// killed with a write in flight, restarted under its id and stopped
+    /// cleanly, had its quarantine replaced by the clean stop's, and the
+    /// write landed after the next holder's).
     pub fn depart(&mut self, gw: &str, mut d: Departure) {
         d.drained |= self.drained_records.get(gw) == Some(&d.lease);
+        if let Some(old) = self.departed.get(gw) {
+            let kept = if old.lease == d.lease { old.earlier } else { old.undrained_since() };
+            d.earlier = d.earlier.max(kept);
+        }
         self.departed.insert(gw.to_string(), d);
     }
 
@@ -239,5 +264,28 @@ mod tests {
         assert_eq!(m.expirer(), Some("gw1"));
         m.remove_member("gw1");
         assert_eq!(m.expirer(), Some("gw2"));
+    }
+
+    #[test]
+    fn a_clean_stop_of_a_restarted_gateway_keeps_the_quarantine_of_the_incarnation_that_died() {
+        let mut m = Mirror::default();
+        let t0 = Instant::now();
+        m.depart("gw", Departure::new(1, t0, false));
+        m.depart("gw", Departure::new(2, t0 + Duration::from_secs(1), true));
+        assert_eq!(m.departed["gw"].lease, 2);
+        assert_eq!(m.departed["gw"].undrained_since(), Some(t0), "the killed incarnation's quarantine is gone");
+        // Its `d/GW` record, and the same departure seen again, keep it too.
+        m.drained_record("gw", 2);
+        m.depart("gw", Departure::new(2, t0 + Duration::from_secs(2), true));
+        assert_eq!(m.departed["gw"].undrained_since(), Some(t0));
+        // A third incarnation that dies: the latest of the two counts.
+        let t3 = t0 + Duration::from_secs(3);
+        m.depart("gw", Departure::new(3, t3, false));
+        assert_eq!(m.departed["gw"].undrained_since(), Some(t3));
+        // Only drained incarnations: none.
+        m.departed.clear();
+        m.depart("gw", Departure::new(4, t0, true));
+        m.depart("gw", Departure::new(5, t3, true));
+        assert_eq!(m.departed["gw"].undrained_since(), None);
     }
 }
