@@ -524,8 +524,14 @@ async fn after_a_restore_nobody_raised_the_floor_for_a_new_process_admits_nothin
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_a_is_over(&s, &a, "not_current").await;
     // A floor below the gateways' own (copied from the wrong gateway, or
-    // mistyped) leaves A's grant and fence in etcd: it must not end the
-    // gateways' hold (outside review: A renewed and wrote again).
+    // mistyped) leaves A's grant and fence in etcd: raise-floor refuses it
+    // while a gateway's mark names a higher floor, and when run with the
+    // marks gone (deleted by hand) it must not end the gateways' hold
+    // (outside review: A renewed and wrote again).
+    let refused = raise_floor_output(&s.etcd, a.token - 1);
+    assert!(!refused.status.success(), "raise-floor below a mark's floor ran");
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("found etcd restored with token floor"), "{refused:?}");
+    s.etcd.client().await.delete("/fencegate/r/", Some(etcd_client::DeleteOptions::new().with_prefix())).await.unwrap();
     raise_floor(&s.etcd, a.token - 1);
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_a_is_over(&s, &a, "not_current").await;
@@ -582,11 +588,51 @@ async fn after_a_restore_gateways_on_empty_data_dirs_admit_nothing_until_raise_f
 
 /// `fencegate cluster raise-floor --to TO` against `etcd`, as an operator runs it.
 fn raise_floor(etcd: &EtcdCluster, to: u64) {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fencegate"))
+    let out = raise_floor_output(etcd, to);
+    assert!(out.status.success(), "raise-floor: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+fn raise_floor_output(etcd: &EtcdCluster, to: u64) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_fencegate"))
         .args(["cluster", "raise-floor", "--etcd", &etcd.endpoints().join(","), "--to", &to.to_string()])
         .output()
-        .unwrap();
-    assert!(out.status.success(), "raise-floor: {}", String::from_utf8_lossy(&out.stderr));
+        .unwrap()
+}
+
+/// Outside review (HIGH effect, after an operator's error): a gateway that
+/// could not tell etcd was restored admitted a superseded holder's write
+/// while another gateway's restore mark stood. A mark now stops every
+/// gateway admitting until `raise-floor` deletes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_any_gateway_s_restore_mark_stands_no_gateway_admits_a_mutation() {
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
+    let s = setup(2).await;
+    let g = acquire(&s.http, &s.api(0), "marked/k", 60_000, 0).await.unwrap();
+    assert_eq!(s.put(1, "/marked/k", g.token).await.status, StatusCode::OK);
+    let mut etcd = s.etcd.client().await;
+    etcd.put("/fencegate/r/elsewhere", "found at revision 3 (token floor 9)", None).await.unwrap();
+    let started = Instant::now();
+    for gw in 0..2 {
+        loop {
+            let r = s.put(gw, "/marked/k", g.token).await;
+            if r.status != StatusCode::OK {
+                assert_eq!(r.error_code(), "not_current", "{:?}", r.body);
+                break;
+            }
+            assert!(started.elapsed() < Duration::from_millis(500), "gateway {gw} admits with a restore mark standing");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    // Still refused a member TTL later: the membership loop keeps it so.
+    tokio::time::sleep(Duration::from_millis(MEMBER_TTL_MS)).await;
+    for gw in 0..2 {
+        assert_eq!(s.put(gw, "/marked/k", g.token).await.error_code(), "not_current");
+    }
+    raise_floor(&s.etcd, 9);
+    for gw in 0..2 {
+        s.wait_current(gw, Duration::from_secs(10)).await;
+        assert_eq!(s.put(gw, "/marked/k", g.token).await.status, StatusCode::OK);
+    }
 }
 
 /// The floor in a refusal's message ("… the token floor N …").

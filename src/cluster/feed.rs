@@ -267,7 +267,20 @@ impl Cluster {
                 }
             }
             Kind::Restored(gw) => {
-                self.lock_mirror().restored.insert(gw.to_string());
+                // Another gateway found etcd restored: what a snapshot
+                // brought back here may be superseded by history the
+                // restore lost, so nothing is admitted anywhere until
+                // `raise-floor` deletes the mark (outside review: a
+                // gateway that could not tell admitted a superseded
+                // holder's write after a `raise-floor` below the finder's
+                // floor). The membership loop keeps it not current.
+                if self.lock_mirror().restored.insert(gw.to_string()) {
+                    self.fences.set_not_current(
+                        "a gateway found etcd restored from a snapshot: no mutation is admitted until `fencegate \
+                         cluster raise-floor` runs",
+                    );
+                    self.metrics.cluster_current.set(0);
+                }
             }
             Kind::Drained(gw) => {
                 if let Some(lease) = kv.value_str().ok().and_then(|v| v.trim().parse::<i64>().ok()) {
@@ -341,7 +354,12 @@ impl Cluster {
             }
             // Fences and the offset are never deleted by fencegate.
             Kind::Restored(gw) => {
-                self.lock_mirror().restored.remove(gw);
+                let mut m = self.lock_mirror();
+                if m.restored.remove(gw) && m.restored.is_empty() {
+                    drop(m);
+                    // Current again at the next proof, not a round later.
+                    self.member_lost_kick.notify_one();
+                }
             }
             // A drained record stays known (fencegate never deletes one).
             Kind::Fence(_) | Kind::Offset | Kind::Drained(_) | Kind::Other => {}
@@ -643,7 +661,19 @@ impl Cluster {
                             Kind::Fence(key) => {
                                 self.check_against_floor(key, kv.mod_revision(), fence_token(kv), msg.events())
                             }
-                            Kind::Offset => self.offset_written(kv),
+                            Kind::Offset => {
+                                // The floor it was raised to: written in
+                                // the same transaction, so at the same
+                                // revision, in the same response.
+                                let floor_key = self.keys.raised_to();
+                                let to = msg
+                                    .events()
+                                    .iter()
+                                    .filter_map(etcd_client::Event::kv)
+                                    .find(|o| o.key() == floor_key.as_bytes() && o.mod_revision() == kv.mod_revision())
+                                    .and_then(|o| o.value_str().ok()?.trim().parse::<u64>().ok());
+                                self.offset_written(kv, to);
+                            }
                             _ => {}
                         }
                         self.apply_put(kv);

@@ -218,6 +218,10 @@ pub(super) struct Raft {
     /// measurement read before it may have missed that `raise-floor`'s
     /// record, so its rolled-back verdict is not taken.
     pub(super) ended_at: i64,
+    /// The token floor when the restore was found (after a restart: the
+    /// floor on disk): what `raise-floor --to` must cover. Tokens seen
+    /// since — `raise-floor`'s own lifted fences among them — are above it.
+    pub(super) floor_at: u64,
 }
 
 impl Floor {
@@ -235,6 +239,7 @@ impl Floor {
                 mark: record.raft_mark,
                 restored: (record.restored != 0).then_some(record.restored),
                 ended_at: 0,
+                floor_at: record.floor,
             }),
         })
     }
@@ -246,6 +251,11 @@ impl Floor {
     /// The restore detection's state.
     pub(super) fn raft(&self) -> Raft {
         *self.lock_raft()
+    }
+
+    /// The token floor when the recorded restore was found.
+    pub(super) fn floor_at_restore(&self) -> u64 {
+        self.lock_raft().floor_at
     }
 
     /// The etcd revision at which etcd's log was found behind this
@@ -272,6 +282,7 @@ impl Floor {
             }
             None if applied < r.mark || (rolled_back && revision >= r.ended_at) => {
                 r.restored = Some(revision);
+                r.floor_at = self.get();
                 true
             }
             None => {
@@ -297,6 +308,7 @@ impl Floor {
             return false;
         }
         r.restored = Some(revision);
+        r.floor_at = self.get();
         drop(r);
         self.highest.send_modify(|_| {});
         true
@@ -425,6 +437,24 @@ pub async fn raise_floor(cfg: &ClusterConfig, to: u64) -> Result<Raised, Error> 
     let keys = super::Keys::new(&cfg.prefix);
     let mut kv = client.kv_client();
     let (mut grants_ended, mut fences_raised) = (0, 0);
+    // Gateways that found the restore name their floors in their marks: a
+    // floor below one leaves grants and fences that gateway saw issued
+    // before the restore live (outside review: a superseded holder wrote
+    // again through a gateway that could not tell).
+    let marks = kv
+        .get(keys.restored_prefix(), Some(GetOptions::new().with_prefix()))
+        .await
+        .map_err(|e| super::unavailable("reading the restore marks", e))?;
+    for mark in marks.kvs() {
+        if let Some(floor) = super::raft::floor_in_mark(mark.value()).filter(|f| *f > to) {
+            let gw = String::from_utf8_lossy(mark.key()).into_owned();
+            return Err(Error::BadRequest(format!(
+                "{gw}: that gateway found etcd restored with token floor {floor}, above --to {to}: grants and fences \
+                 issued before the restore would stay live; run again with --to {floor} or higher (the highest floor of \
+                 every gateway)"
+            )));
+        }
+    }
     let mut maintenance = client.maintenance_client();
     for _ in 0..16 {
         // etcd's raft index, then (a linearizable read, later) the
@@ -464,6 +494,7 @@ pub async fn raise_floor(cfg: &ClusterConfig, to: u64) -> Result<Raised, Error> 
         // offset after that as the operator's word that the floor was
         // raised past every token issued before it.
         let txn = Txn::new().when([Compare::mod_revision(keys.offset(), CompareOp::Equal, old_rev)]).and_then([
+            TxnOp::put(keys.raised_to(), to.to_string(), None),
             TxnOp::put(keys.offset(), needed.to_string(), None),
             TxnOp::put(keys.raft_record(), super::raft::raft_record(applied, revision), None),
             // The marks of gateways that found a restore (`raft.rs`).

@@ -190,9 +190,10 @@ impl Cluster {
             // membership while the rest of the quorum answers.
             let mut failed = true;
             if let Some(d) = next_deadline.take() {
-                if self.floor.restored().is_some() {
-                    // A restore found (`raft.rs`): the membership is kept
-                    // (peers then wait for this gateway's acknowledgement,
+                if self.restore_stands() {
+                    // A restore found (`raft.rs`), here or by another
+                    // gateway (its `r/GW` mark): the membership is kept
+                    // (peers then wait for the finder's acknowledgement,
                     // which never comes, so no grant is answered anywhere),
                     // and the gateway is never current. Letting it lapse
                     // would make it a departure that peers only quarantine
@@ -206,6 +207,12 @@ impl Cluster {
                     failed = false;
                     self.fences.set_current_until(d);
                     self.metrics.cluster_current.set(1);
+                    // A restore found, or a mark seen, while it proved
+                    // (after the check above): not current after all.
+                    if self.restore_stands() {
+                        self.fences.set_not_current("etcd was found restored; waiting for raise-floor");
+                        self.metrics.cluster_current.set(0);
+                    }
                 }
             }
             let pause = if failed { RETRY.min(interval) } else { interval };

@@ -14,6 +14,7 @@
 //! | `P r/GW` | where GW found it | none | GW found etcd restored: no grant anywhere until `raise-floor` deletes it |
 //! | `P d/GW` | a lease id | none | GW's incarnation on that lease, whose member key went before GW could mark it `drained`, had nothing in flight |
 //! | `P meta/offset` | u64 | none | added to revisions (raised by `fencegate cluster raise-floor`) |
+//! | `P meta/floor` | u64 | none | the `--to` of the last `raise-floor` (a restore's hold ends only for a floor at least the gateway's own) |
 //! | `P meta/raft` | `applied/revision` | none | etcd's raft index and revision as the last `raise-floor` saw them (`raft.rs`) |
 //!
 //! Guarantees:
@@ -131,6 +132,10 @@ impl Keys {
     }
     fn raft_record(&self) -> String {
         format!("{}meta/raft", self.prefix)
+    }
+    /// The floor (`--to`) of the last `raise-floor`, written with the offset.
+    fn raised_to(&self) -> String {
+        format!("{}meta/floor", self.prefix)
     }
     /// Classifies an etcd key (bytes from a peer: anything not UTF-8 or
     /// outside the layout is `Other` and ignored).

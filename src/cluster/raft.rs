@@ -67,6 +67,18 @@ pub(super) fn restored_refusal(floor: u64) -> String {
     )
 }
 
+/// The value of a gateway's restore mark (`P r/GW`): where it found the
+/// restore, and its token floor (`raise-floor` refuses a floor below it).
+fn mark_value(at: i64, floor: u64) -> String {
+    format!("found at revision {at} (token floor {floor})")
+}
+
+/// The token floor a restore mark's value names.
+pub(super) fn floor_in_mark(value: &[u8]) -> Option<u64> {
+    let v = std::str::from_utf8(value).ok()?;
+    v.split("(token floor ").nth(1)?.strip_suffix(')')?.parse().ok()
+}
+
 /// `raise-floor`'s record of `applied index − revision` (`P meta/raft`):
 /// `applied/revision`. Anything else reads as no record.
 pub(super) fn raft_record(applied: u64, revision: i64) -> String {
@@ -168,7 +180,7 @@ impl Cluster {
             // Only while the offset is as this gateway last saw it: a mark
             // put just after a `raise-floor` this gateway has not seen yet
             // would outlive it and block every grant.
-            let value = format!("found at revision {at} (token floor {})", self.floor.get());
+            let value = mark_value(at, self.floor.get());
             let offset_rev = self.lock_mirror().offset_rev;
             let txn = etcd_client::Txn::new()
                 .when([etcd_client::Compare::mod_revision(
@@ -213,9 +225,27 @@ impl Cluster {
     /// one read in a full load may be an old one that a later snapshot
     /// brought back (review finding: a second restore from a newer snapshot
     /// holding an earlier `raise-floor` ended the first restore's refusal).
-    pub(super) fn offset_written(&self, kv: &etcd_client::KeyValue) {
+    pub(super) fn offset_written(&self, kv: &etcd_client::KeyValue, raised_to: Option<u64>) {
         let rev = kv.mod_revision();
         if self.floor.restored().is_none() {
+            return;
+        }
+        // The floor the operator gave (`--to`, `P meta/floor` in the same
+        // transaction) must cover this gateway's own: the grants and
+        // fences `raise-floor` ended and lifted are those not above it.
+        // (The tokens from now on can pass this floor by etcd's revisions
+        // alone, so that check below is not enough: found by a test that
+        // took longer between the restore and a low `raise-floor`.)
+        let floor = self.floor.floor_at_restore();
+        if raised_to.is_none_or(|to| to < floor) {
+            tracing::error!(
+                revision = rev,
+                raised_to = raised_to.unwrap_or(0),
+                floor,
+                "raise-floor ran with --to below this gateway's token floor (or by a version that does not record \
+                 it): the restore's hold stays; run `fencegate cluster raise-floor --to {floor}` (or higher)",
+                floor = floor
+            );
             return;
         }
         // Only a floor raised past this gateway's own ends its hold: a
@@ -269,6 +299,12 @@ impl Cluster {
         tracing::error!(revision, floor = self.floor.get(), "{}", restored_refusal(self.floor.get()));
     }
 
+    /// A restore stands: found by this gateway, or marked in etcd by
+    /// another (no mutation admitted, no grant answered).
+    pub(super) fn restore_stands(&self) -> bool {
+        self.floor.restored().is_some() || !self.lock_mirror().restored.is_empty()
+    }
+
     /// Why this gateway refuses while a restore is recorded.
     pub(super) fn restored_refusal(&self) -> Option<String> {
         self.floor.restored().map(|_| restored_refusal(self.floor.get()))
@@ -313,5 +349,11 @@ mod tests {
         assert!(rolled_back(9, 10, Some(raft_record(300, 100).as_bytes())));
         assert!(rolled_back(4, 201, Some(b"junk")));
         assert!(rolled_back(4, 201, Some(b"-9999999/1")));
+    }
+
+    #[test]
+    fn a_restore_mark_names_its_gateway_s_floor() {
+        assert_eq!(super::floor_in_mark(super::mark_value(120, 7_744).as_bytes()), Some(7_744));
+        assert_eq!(super::floor_in_mark(b"by hand"), None);
     }
 }
