@@ -200,6 +200,7 @@ impl Cluster {
                     // (review finding: a rejoin every ~2 s let grants through).
                     deadline = d;
                     failed = false;
+                    self.metrics.cluster_current.set(0);
                 } else if self.prove_current(d).await
                     && self.member_lost.load(std::sync::atomic::Ordering::Acquire) != lease
                 {

@@ -180,7 +180,11 @@ impl Cluster {
             // Only while the offset is as this gateway last saw it: a mark
             // put just after a `raise-floor` this gateway has not seen yet
             // would outlive it and block every grant.
-            let value = mark_value(at, self.floor.get());
+            // The floor it had when it found the restore: the one
+            // `raise-floor --to` must cover (tokens seen since, among them
+            // `raise-floor`'s own lifted fences, are above it; an outside
+            // review had a correct re-run refused on such a floor).
+            let value = mark_value(at, self.floor.floor_at_restore());
             let offset_rev = self.lock_mirror().offset_rev;
             let txn = etcd_client::Txn::new()
                 .when([etcd_client::Compare::mod_revision(
@@ -194,6 +198,25 @@ impl Cluster {
                 tracing::warn!(error = %e, "marking the restore in etcd failed; trying again at the next check");
                 if before.is_none() {
                     return Err(e);
+                }
+            }
+            // A `raise-floor` that ended the restore between the check
+            // above and the offset revision read for the compare (outside
+            // review, from the code): the mark would outlive it, and hold
+            // every gateway with nobody left to delete it. The watch ends
+            // the restore before it moves `offset_rev`, so a put that
+            // compared the new offset finds the restore ended here.
+            if self.floor.restored().is_none() {
+                let key = self.keys.restored(&self.gateway_id);
+                let deleted = self
+                    .etcd
+                    .call_repeatable(self.timeout, "deleting a late restore mark", || {
+                        let (mut kv, key) = (self.etcd.kv_client(), key.clone());
+                        async move { kv.delete(key, None).await }
+                    })
+                    .await;
+                if let Err(e) = deleted {
+                    tracing::error!(error = %e, "a restore mark put after raise-floor could not be deleted: delete it by hand");
                 }
             }
         }
@@ -296,7 +319,8 @@ impl Cluster {
     fn stop_for_restore(&self, revision: i64, why: &'static str) {
         self.fences.set_not_current(why);
         self.metrics.cluster_current.set(0);
-        tracing::error!(revision, floor = self.floor.get(), "{}", restored_refusal(self.floor.get()));
+        let floor = self.floor.floor_at_restore();
+        tracing::error!(revision, floor, "{}", restored_refusal(floor));
     }
 
     /// A restore stands: found by this gateway, or marked in etcd by
@@ -307,7 +331,7 @@ impl Cluster {
 
     /// Why this gateway refuses while a restore is recorded.
     pub(super) fn restored_refusal(&self) -> Option<String> {
-        self.floor.restored().map(|_| restored_refusal(self.floor.get()))
+        self.floor.restored().map(|_| restored_refusal(self.floor.floor_at_restore()))
     }
 
     /// Keeps the mark recent: proves the raft index every `every`.
