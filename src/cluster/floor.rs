@@ -758,4 +758,20 @@ mod tests {
         assert!(f.observe_raft(12, 5_010, true));
         assert_eq!(f.restored(), Some(5_010));
     }
+
+    #[test]
+    fn a_restore_keeps_the_floor_it_was_found_at_whatever_is_seen_after() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let f = Floor::open(dir.path()).expect("open");
+        f.raise(7_360);
+        assert!(f.observe_raft(6, 14, true));
+        // `raise-floor`'s own lifted fences, installed from the watch.
+        f.raise(7_424);
+        assert_eq!(f.get(), 7_424);
+        assert_eq!(f.floor_at_restore(), 7_360, "what `raise-floor --to` must cover");
+        assert!(!f.observe_raft(7, 20, true), "found once");
+        assert_eq!(f.floor_at_restore(), 7_360);
+        assert!(f.offset_written(30));
+        assert_eq!(f.floor_at_restore(), 0);
+    }
 }
