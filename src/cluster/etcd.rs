@@ -235,6 +235,17 @@ impl Etcd {
         self.call_repeatable_on(timeout, what, attempt).await.map(|(r, _)| r)
     }
 
+    /// Deletes `key` ([`Etcd::call_repeatable`]: a delete asked again is
+    /// harmless).
+    pub(crate) async fn delete_repeatable(&self, timeout: Duration, what: &str, key: &str) -> Result<(), Error> {
+        self.call_repeatable(timeout, what, || {
+            let (mut kv, key) = (self.kv_client(), key.to_string());
+            async move { kv.delete(key, None).await }
+        })
+        .await
+        .map(|_| ())
+    }
+
     /// [`Etcd::call_repeatable`], with the turn that answered.
     pub(crate) async fn call_repeatable_on<T, Fut>(
         &self,

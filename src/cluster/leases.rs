@@ -78,13 +78,7 @@ impl Drop for Cleanup {
             let give_up = Instant::now() + CLEANUP_FOR;
             let mut pause = Duration::from_millis(100);
             while c.member_lease() == Some(member) && !c.stop.is_triggered() && Instant::now() < give_up {
-                let deleted = c
-                    .etcd
-                    .call_repeatable(c.timeout, "leaving the queue", || {
-                        let (mut kv, q) = (c.etcd.kv_client(), q.clone());
-                        async move { kv.delete(q, None).await }
-                    })
-                    .await;
+                let deleted = c.etcd.delete_repeatable(c.timeout, "leaving the queue", &q).await;
                 if deleted.is_ok() {
                     return;
                 }

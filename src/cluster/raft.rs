@@ -208,13 +208,7 @@ impl Cluster {
             // compared the new offset finds the restore ended here.
             if self.floor.restored().is_none() {
                 let key = self.keys.restored(&self.gateway_id);
-                let deleted = self
-                    .etcd
-                    .call_repeatable(self.timeout, "deleting a late restore mark", || {
-                        let (mut kv, key) = (self.etcd.kv_client(), key.clone());
-                        async move { kv.delete(key, None).await }
-                    })
-                    .await;
+                let deleted = self.etcd.delete_repeatable(self.timeout, "deleting a late restore mark", &key).await;
                 if let Err(e) = deleted {
                     tracing::error!(error = %e, "a restore mark put after raise-floor could not be deleted: delete it by hand");
                 }
