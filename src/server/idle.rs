@@ -48,6 +48,10 @@ pub struct Activity {
     /// got for the whole answer (a close-delimited one would look
     /// complete).
     cut: AtomicBool,
+    /// An HTTP/1 request was answered before its body had been read to its
+    /// end: if the connection closes after that answer, it closes with a
+    /// lingering close (`Rewind::poll_shutdown` in the server).
+    unread: AtomicBool,
 }
 
 impl Activity {
@@ -58,7 +62,20 @@ impl Activity {
             last_ms: AtomicU64::new(0),
             bodies: Mutex::new(Vec::new()),
             cut: AtomicBool::new(false),
+            unread: AtomicBool::new(false),
         })
+    }
+
+    /// Marks the request being answered as one whose body was not read to
+    /// its end ([`EndSeen`]).
+    pub fn left_body_unread(&self) {
+        self.unread.store(true, Ordering::Release);
+    }
+
+    /// True if the connection's last HTTP/1 answer left its request's body
+    /// unread: closing it must read and drop what the client still sends.
+    pub fn body_left_unread(&self) -> bool {
+        self.unread.load(Ordering::Acquire)
     }
 
     /// True once an HTTP/1 response body of the connection failed
@@ -93,6 +110,7 @@ impl Activity {
     /// with the [`Tracked`] body of its response, or with the request's
     /// future if it never answered (a stream the client reset).
     pub fn begin(self: &Arc<Self>) -> InFlight {
+        self.unread.store(false, Ordering::Release);
         self.in_flight.fetch_add(1, Ordering::AcqRel);
         self.touch();
         InFlight(self.clone())
@@ -308,6 +326,43 @@ impl Body for Tracked {
         }
         hint.set_lower(inner.lower().saturating_add(rest));
         hint
+    }
+}
+
+/// A request body that records whether it was read to its end.
+pub struct EndSeen {
+    inner: BoxBody,
+    ended: Arc<AtomicBool>,
+}
+
+impl EndSeen {
+    /// `inner`, and the flag it sets once its end has been read.
+    pub fn new(inner: BoxBody) -> (EndSeen, Arc<AtomicBool>) {
+        let ended = Arc::new(AtomicBool::new(false));
+        (EndSeen { inner, ended: ended.clone() }, ended)
+    }
+}
+
+impl Body for EndSeen {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if matches!(polled, Poll::Ready(None))
+            || (matches!(polled, Poll::Ready(Some(Ok(_)))) && self.inner.is_end_stream())
+        {
+            self.ended.store(true, Ordering::Release);
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
     }
 }
 

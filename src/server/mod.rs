@@ -10,12 +10,13 @@ mod idle;
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use http::{Request, Response};
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
+use hyper::body::{Body as _, Incoming};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
@@ -106,15 +107,41 @@ async fn serve_conn<I>(
         let exchange = tracker.begin();
         let h1 = req.version() < hyper::Version::HTTP_2;
         let header_bytes: usize = req.headers().iter().map(|(k, v)| k.as_str().len() + v.len() + 4).sum();
+        // An HTTP/1 request body still coming: whether it is read to its end.
+        let mut ended = None;
         let fut = if header_bytes > limits.max_header_bytes {
             let limit_bytes = limits.max_header_bytes as u64;
+            ended = (h1 && !req.body().is_end_stream()).then(|| Arc::new(AtomicBool::new(false)));
             Box::pin(async move { Error::HeadersTooLarge { limit_bytes }.into_response() })
         } else {
-            let req = req.map(|b| b.map_err(Into::into).boxed_unsync());
+            let req = req.map(|b| {
+                let b = b.map_err(Into::into).boxed_unsync();
+                if h1 && !b.is_end_stream() {
+                    let (watched, end) = idle::EndSeen::new(b);
+                    ended = Some(end);
+                    watched.boxed_unsync()
+                } else {
+                    b
+                }
+            });
             handler(req, client.clone())
         };
+        let activity = tracker.clone();
         async move {
-            Ok::<_, Infallible>(fut.await.map(|b| {
+            let response = fut.await;
+            if ended.is_some_and(|e| !e.load(Ordering::Acquire)) {
+                // Answered before its body was read to its end (a refusal on
+                // the head, an upstream that answered early): the body was
+                // dropped with the request. One turn of the connection task
+                // lets hyper see that first: it takes what has already come
+                // (a small body sent whole keeps its connection) or stops
+                // reading, and then writes this answer with `Connection:
+                // close` — the client learns the connection ends, and the
+                // close lingers (`Rewind::poll_shutdown`).
+                activity.left_body_unread();
+                tokio::task::yield_now().await;
+            }
+            Ok::<_, Infallible>(response.map(|b| {
                 let body = idle::Tracked::new(b, exchange);
                 if h1 {
                     body.resets_on_error()
@@ -176,7 +203,27 @@ struct Rewind<S: Resettable> {
     /// The connection's activity: a response cut part-way ends it with a
     /// reset ([`idle::Activity::answer_cut`]).
     activity: Arc<idle::Activity>,
+    /// The lingering close's deadline, once it has begun.
+    linger: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// The write side has been shut.
+    shut: bool,
 }
+
+impl<S: Resettable> Rewind<S> {
+    fn new(prefix: bytes::BytesMut, inner: S, activity: Arc<idle::Activity>) -> Rewind<S> {
+        Rewind { prefix, inner, activity, linger: None, shut: false }
+    }
+}
+
+/// How long a connection closed after an answer that left its request's
+/// body unread goes on reading (and dropping) what the client still sends
+/// (nginx's `lingering_time`, 30 s there). A server that closes with
+/// unread bytes makes its kernel answer them with a reset, and a reset can
+/// destroy the answer before the client has read it; a client that writes
+/// its whole body before it reads (most do) then sees a broken pipe
+/// instead of the refusal. Bounded: a client that neither stops sending
+/// nor closes holds its slot for this long at most.
+const LINGER: Duration = Duration::from_secs(5);
 
 /// A client connection that can be made to end with a TCP reset.
 trait Resettable {
@@ -252,7 +299,7 @@ impl<S: tokio::io::AsyncRead + Unpin + Resettable> tokio::io::AsyncRead for Rewi
     }
 }
 
-impl<S: tokio::io::AsyncWrite + Unpin + Resettable> tokio::io::AsyncWrite for Rewind<S> {
+impl<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Resettable> tokio::io::AsyncWrite for Rewind<S> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
@@ -273,11 +320,35 @@ impl<S: tokio::io::AsyncWrite + Unpin + Resettable> tokio::io::AsyncWrite for Re
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<std::io::Result<()>> {
         Pin::new(&mut self.inner).poll_flush(cx)
     }
+    /// A FIN after the last answer; then, if that answer left its
+    /// request's body unread, a lingering close: what the client still
+    /// sends is read and dropped until it closes too, or for [`LINGER`].
     fn poll_shutdown(
         mut self: Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<std::io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
+        use std::task::Poll;
+        if !self.shut {
+            std::task::ready!(Pin::new(&mut self.inner).poll_shutdown(cx))?;
+            self.shut = true;
+        }
+        if !self.activity.body_left_unread() {
+            return Poll::Ready(Ok(()));
+        }
+        let mut scratch = [0u8; 16 * 1024];
+        loop {
+            let linger = self.linger.get_or_insert_with(|| Box::pin(tokio::time::sleep(LINGER)));
+            if linger.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(Ok(()));
+            }
+            let mut buf = tokio::io::ReadBuf::new(&mut scratch);
+            match tokio::io::AsyncRead::poll_read(self.as_mut(), cx, &mut buf) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Ok(())) if !buf.filled().is_empty() => {}
+                // The client closed too (or broke off): done.
+                Poll::Ready(_) => return Poll::Ready(Ok(())),
+            }
+        }
     }
 }
 
@@ -428,7 +499,7 @@ async fn serve_accepted(
             return;
         }
         let activity = idle::Activity::new();
-        let io = Rewind { prefix: h.buffered, inner: h.stream, activity: activity.clone() };
+        let io = Rewind::new(h.buffered, h.stream, activity.clone());
         serve_conn(ctx, watcher, TokioIo::new(io), client, activity).await;
         return;
     };
@@ -448,7 +519,7 @@ async fn serve_accepted(
                 .map(Arc::from);
             let client = Peer::new(addr, true, cert_cn);
             let activity = idle::Activity::new();
-            let io = TokioIo::new(Rewind { prefix: buffered, inner: tls_stream, activity: activity.clone() });
+            let io = TokioIo::new(Rewind::new(buffered, tls_stream, activity.clone()));
             serve_conn(ctx, watcher, io, client, activity).await;
         }
         Ok(Err(e)) => tracing::debug!(listener = name, client = %addr, error = %e, "TLS handshake failed"),

@@ -1502,3 +1502,111 @@ async fn in_shadow_mode_an_upload_answered_early_does_not_hold_the_next_grant() 
     assert!(took < Duration::from_secs(2), "the new grant waited {took:?} for a shadow-mode upload");
     drop(s);
 }
+
+/// Reads one response (head, then a `Content-Length` body) off `s`.
+async fn read_response(s: &mut tokio::net::TcpStream) -> String {
+    let mut buf = Vec::new();
+    let whole = tokio::time::timeout(Duration::from_secs(5), async {
+        if !read_until(s, &mut buf, b"\r\n\r\n").await {
+            return;
+        }
+        let text = String::from_utf8_lossy(&buf).to_ascii_lowercase();
+        let head_len = text.find("\r\n\r\n").unwrap() + 4;
+        let length = text
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length:"))
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .unwrap_or(0);
+        let mut chunk = [0u8; 4096];
+        while buf.len() < head_len + length {
+            match s.read(&mut chunk).await {
+                Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+                _ => return,
+            }
+        }
+    })
+    .await;
+    assert!(whole.is_ok(), "no whole response within 5 s: {:?}", String::from_utf8_lossy(&buf));
+    String::from_utf8_lossy(&buf).into_owned()
+}
+
+/// How a connection ended after the gateway's last answer: a FIN (what a
+/// client that reads on after writing must see) or a reset.
+async fn ends_with_fin(s: &mut tokio::net::TcpStream) -> Result<(), String> {
+    let mut rest = Vec::new();
+    match tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut rest)).await {
+        Ok(Ok(_)) if rest.is_empty() => Ok(()),
+        Ok(Ok(_)) => Err(format!("more bytes after the answer: {:?}", String::from_utf8_lossy(&rest))),
+        Ok(Err(e)) => Err(format!("the connection ended with {e}")),
+        Err(_) => Err("the connection was not closed within 10 s".into()),
+    }
+}
+
+/// A mutation refused on its head while its body is still coming (here a
+/// missing token, 1 MiB): the answer says `Connection: close` (RFC 9112
+/// §9.6), and the gateway reads and drops what the client goes on sending
+/// before it closes (a lingering close, as nginx's), so a client that
+/// writes its whole body before reading gets the answer and a FIN — not a
+/// broken pipe, and not a reset that can destroy the answer unread. A body
+/// that came whole with its head keeps the connection.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_mutation_refused_before_its_body_is_read_closes_its_connection_cleanly() {
+    let r = rig().await;
+    const BODY: usize = 1024 * 1024;
+    let head = format!("PUT /held/key HTTP/1.1\r\nHost: x\r\nContent-Length: {BODY}\r\n\r\n");
+
+    // 1. Head and body written whole before reading.
+    let s = tokio::net::TcpStream::connect(r.gw.proxy).await.unwrap();
+    let (mut rd, mut wr) = s.into_split();
+    let head1 = head.clone();
+    let writer = tokio::spawn(async move {
+        wr.write_all(head1.as_bytes()).await?;
+        wr.write_all(&vec![b'x'; BODY]).await?;
+        wr.flush().await?;
+        Ok::<_, std::io::Error>(wr)
+    });
+    let mut got = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(10), rd.read_to_end(&mut got)).await;
+    let written = writer.await.unwrap();
+    let out = String::from_utf8_lossy(&got).to_ascii_lowercase();
+    assert!(out.starts_with("http/1.1 428"), "a mutation with no token got {out:?}");
+    assert!(out.contains("\r\nconnection: close\r\n"), "closing without saying so: {out:?}");
+    assert!(written.is_ok(), "the client could not send its whole body: {:?}", written.err());
+    assert!(matches!(read, Ok(Ok(_))), "the connection did not end with a FIN: {read:?}");
+
+    // 2. The head alone: the answer comes before any body byte is sent;
+    //    the body sent after it is taken and dropped, then a FIN.
+    for expect in ["", "Expect: 100-continue\r\n"] {
+        let mut s = tokio::net::TcpStream::connect(r.gw.proxy).await.unwrap();
+        let head2 = head.replace("\r\n\r\n", &format!("\r\n{expect}\r\n"));
+        s.write_all(head2.as_bytes()).await.unwrap();
+        let out = read_response(&mut s).await.to_ascii_lowercase();
+        assert!(out.starts_with("http/1.1 428"), "{expect:?}: {out:?}");
+        assert!(!out.contains("100 continue"), "{expect:?}: a refused upload was told to go on: {out:?}");
+        assert!(out.contains("\r\nconnection: close\r\n"), "{expect:?}: closing without saying so: {out:?}");
+        // In pieces, as a client on a slower network would: a reset from a
+        // gateway that stopped reading comes back while it writes.
+        let piece = vec![b'x'; 64 * 1024];
+        let sent = tokio::time::timeout(Duration::from_secs(5), async {
+            for _ in 0..BODY / piece.len() {
+                s.write_all(&piece).await?;
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            Ok::<_, std::io::Error>(())
+        })
+        .await;
+        assert!(matches!(sent, Ok(Ok(()))), "{expect:?}: the body after the answer: {sent:?}");
+        ends_with_fin(&mut s).await.unwrap_or_else(|e| panic!("{expect:?}: {e}"));
+    }
+
+    // 3. A small body that came whole with its head: the connection stays.
+    let mut s = tokio::net::TcpStream::connect(r.gw.proxy).await.unwrap();
+    s.write_all(b"PUT /held/key HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n0123456789").await.unwrap();
+    let out = read_response(&mut s).await.to_ascii_lowercase();
+    assert!(out.starts_with("http/1.1 428"), "{out:?}");
+    assert!(!out.contains("connection: close"), "a small refused body cost its connection: {out:?}");
+    s.write_all(b"GET /healthz-through HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
+    let out = read_response(&mut s).await;
+    assert!(out.starts_with("HTTP/1.1 200"), "the next request on the kept connection got {out:?}");
+    r.still_fine(1).await;
+}
