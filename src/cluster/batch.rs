@@ -19,7 +19,13 @@
 //!   `If(create_revision(g/KEY) = R) Then delete g/KEY`, or, when the
 //!   grant's revision is unknown (its transaction's outcome was), `If(value
 //!   = the grant's value, which holds its random lease-id hash) Then delete`;
-//! - an expiry: `If(mod_revision(g/KEY) = M) Then delete g/KEY`.
+//! - an expiry: `If(mod_revision(g/KEY) = M) Then delete g/KEY`;
+//! - this gateway's acknowledgement (`feed.rs`): `If(lease(m/GW) = its
+//!   member lease) Then put a/GW` — written here, with the grants,
+//!   renewals and releases that go out at the same moment, rather than in
+//!   a transaction of its own (the compare keeps an ended membership from
+//!   failing the whole transaction: a put on a lease etcd no longer has
+//!   would).
 //!
 //! A transaction never holds two operations of the same key (the second
 //! waits for the next one), so sub-transactions never write the same key.
@@ -39,7 +45,7 @@
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
-use etcd_client::{Compare, CompareOp, Txn, TxnOp, TxnOpResponse};
+use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp, TxnOpResponse};
 use tokio::sync::{mpsc, oneshot};
 
 use super::mirror::GrantValue;
@@ -108,13 +114,23 @@ pub(super) enum Op {
         modified: i64,
         reply: oneshot::Sender<Result<bool, Error>>,
     },
+    /// Puts this gateway's acknowledgement `a/GW` (its value computed when
+    /// the transaction is built); answers whether it was written.
+    Ack {
+        reply: oneshot::Sender<Result<bool, Error>>,
+    },
 }
+
+/// What stands for the acknowledgement among a batch's keys (no lock key
+/// is empty, `validate_key`): one per transaction.
+const ACK_SLOT: &str = "";
 
 impl Op {
     fn key(&self) -> &str {
         match self {
             Op::Grant(a) => &a.key,
             Op::Renew { key, .. } | Op::End { key, .. } | Op::EndByValue { key, .. } | Op::Expire { key, .. } => key,
+            Op::Ack { .. } => ACK_SLOT,
         }
     }
 }
@@ -180,6 +196,8 @@ enum Pending {
         reply: oneshot::Sender<Result<Option<Committed>, Error>>,
     },
     Answer(oneshot::Sender<Result<bool, Error>>),
+    /// The acknowledgement, and the value it puts.
+    Ack(i64, oneshot::Sender<Result<bool, Error>>),
     Silent,
 }
 
@@ -222,6 +240,14 @@ impl Cluster {
     pub(super) async fn end_grant(&self, key: &str, created: i64) -> Result<bool, Error> {
         let (reply, rx) = oneshot::channel();
         self.in_batch(Op::End { key: key.to_string(), created, reply: Some(reply) }, rx).await
+    }
+
+    /// Writes this gateway's acknowledgement in the next shared
+    /// transaction: `Ok(true)` when it is written (or nothing was left to
+    /// write).
+    pub(super) async fn ack_in_batch(&self) -> Result<bool, Error> {
+        let (reply, rx) = oneshot::channel();
+        self.in_batch(Op::Ack { reply }, rx).await
     }
 
     /// Ends the grant of `key` whose value is `value` (its lease-id hash
@@ -271,7 +297,9 @@ impl Cluster {
                 take(op, &mut batch);
             }
             carried = next;
+            self.batching.store(true, std::sync::atomic::Ordering::Release);
             self.commit(batch).await;
+            self.batching.store(false, std::sync::atomic::Ordering::Release);
         }
     }
 
@@ -314,8 +342,34 @@ impl Cluster {
         let mut pending = Vec::with_capacity(batch.len());
         let mut slot = 0u64;
         let mut renewals = 0usize;
+        // Held until the transaction's outcome is known: acknowledgements
+        // only go up, one write at a time (`write_ack`).
+        let mut acked = None;
         for op in batch {
             match op {
+                Op::Ack { reply } => {
+                    let last = self.ack_lock.lock().await;
+                    match self.ack_to_write(*last) {
+                        Ok((target, _)) if target == *last => {
+                            let _ = reply.send(Ok(true));
+                        }
+                        Ok((target, lease)) => {
+                            let m = self.keys.member(&self.gateway_id);
+                            let put = TxnOp::put(
+                                self.keys.ack(&self.gateway_id),
+                                target.to_string(),
+                                Some(PutOptions::new().with_lease(lease)),
+                            );
+                            let when = vec![Compare::lease(m, CompareOp::Equal, lease)];
+                            subs.push(TxnOp::txn(Txn::new().when(when).and_then(vec![put])));
+                            pending.push(Pending::Ack(target, reply));
+                            acked = Some(last);
+                        }
+                        Err(e) => {
+                            let _ = reply.send(Err(e));
+                        }
+                    }
+                }
                 Op::Grant(a) => match self.grant_op(&a, offset, offset_rev, slot) {
                     Ok((sub, value)) => {
                         subs.push(sub);
@@ -372,7 +426,7 @@ impl Cluster {
                             let _ = self.batches.send(Op::EndByValue { key, value, reply: None });
                             let _ = reply.send(Err(Error::Unavailable(msg.clone())));
                         }
-                        Pending::Answer(reply) => {
+                        Pending::Answer(reply) | Pending::Ack(_, reply) => {
                             let _ = reply.send(Err(Error::Unavailable(msg.clone())));
                         }
                         Pending::Silent => {}
@@ -416,6 +470,12 @@ impl Cluster {
                     }
                 }
                 Pending::Answer(reply) => {
+                    let _ = reply.send(Ok(ok));
+                }
+                Pending::Ack(target, reply) => {
+                    if let Some(last) = acked.as_mut().filter(|_| ok) {
+                        **last = target;
+                    }
                     let _ = reply.send(Ok(ok));
                 }
                 Pending::Silent => {}

@@ -322,6 +322,9 @@ pub struct Cluster {
     watch_stalled: std::sync::atomic::AtomicU64,
     watch_stall_kick: tokio::sync::Notify,
     ack_lock: tokio::sync::Mutex<i64>,
+    /// A shared transaction is in flight (`batch.rs`): an acknowledgement
+    /// goes with the next one rather than in a request of its own.
+    batching: AtomicBool,
     floor: Arc<floor::Floor>,
     /// The membership lease whose `m/GW` key was deleted under it (by
     /// hand): that membership is over; wakes the membership loop.
@@ -397,6 +400,7 @@ impl Cluster {
             watch_stalled: std::sync::atomic::AtomicU64::new(0),
             watch_stall_kick: tokio::sync::Notify::new(),
             ack_lock: tokio::sync::Mutex::new(0),
+            batching: AtomicBool::new(false),
             floor,
             member_lost: std::sync::atomic::AtomicI64::new(0),
             member_lost_kick: tokio::sync::Notify::new(),
