@@ -708,10 +708,11 @@ impl Cluster {
                 // grants, renewals and releases that go out with it: one
                 // etcd proposal for all. Otherwise at once, in a request of
                 // its own: a grant that comes meanwhile does not wait
-                // behind it (one client cycling: acquire p50 4.9 ms with
-                // every acknowledgement in the shared transaction, 3.2 ms
-                // without). A failure is retried by the next kick or
-                // heartbeat.
+                // behind it (one client cycling, 3 gateways: acquire p50
+                // 4.9 ms in a run with every acknowledgement in the shared
+                // transaction, 3.2-3.7 ms in runs without, the same day;
+                // docs/cluster.md). A failure is retried by the next kick
+                // or heartbeat.
                 let _ = if self.batching.load(Ordering::Acquire) {
                     self.ack_in_batch().await
                 } else {
