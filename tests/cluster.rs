@@ -2852,3 +2852,63 @@ async fn a_gateway_that_lapsed_with_a_write_in_flight_marks_itself_drained_only_
         .count();
     assert_eq!(lapses, 1, "{text}");
 }
+
+/// A gateway busy granting and releasing sends its acknowledgements in its
+/// shared transactions (`batch.rs`): a grant made on another gateway is
+/// still answered only once the busy gateway's in-flight write of the old
+/// holder has been applied — the old write lands before the new holder's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_busy_granting_acknowledges_a_grant_only_after_its_in_flight_write() {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let _slot = AT_ONCE.acquire().await.expect("the semaphore is never closed");
+    let s = setup(3).await;
+    let old = acquire(&s.http, &s.api(0), "busy/k", 30_000, 0).await.unwrap();
+    // Applied after 800 ms, within the route's upstream timeout.
+    s.rec.set_delay("/busy/k", 800);
+    let (h, url, t) = (s.http.clone(), s.gws[0].proxy_url("/busy/k"), old.token.to_string());
+    let inflight = tokio::spawn(async move { h.try_send(Method::PUT, &url, &[("x-fencing-token", &t)], "old").await });
+    // gw0 busy: clients cycling keys of their own through it, so that a
+    // shared transaction of its is nearly always in flight.
+    let (stop, cycles) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicUsize::new(0)));
+    let mut churn = Vec::new();
+    for i in 0..16 {
+        let (h, api, stop, cycles) = (s.http.clone(), s.api(0), stop.clone(), cycles.clone());
+        churn.push(tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                if let Ok(g) = acquire(&h, &api, &format!("churn/{i}"), 5000, 0).await {
+                    let _ = release(&h, &api, &g).await;
+                    cycles.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(release(&s.http, &s.api(1), &old).await.status.is_success());
+    let new = acquire(&s.http, &s.api(2), "busy/k", 30_000, 10_000).await.unwrap();
+    assert!(new.token > old.token);
+    // The new holder's write is applied at once (the delay is read on receipt).
+    s.rec.set_delay("/busy/k", 0);
+    assert_eq!(s.put(2, "/busy/k", new.token).await.status, StatusCode::OK);
+    stop.store(true, Ordering::Relaxed);
+    for c in churn {
+        c.await.unwrap();
+    }
+    let old_write = inflight.await.unwrap().map(|r| r.status);
+    assert_eq!(old_write.ok(), Some(StatusCode::OK), "the old holder's write was admitted before the grant");
+    let applied: Vec<String> = s
+        .rec
+        .requests()
+        .iter()
+        .filter(|r| r.method == Method::PUT && r.path == "/busy/k")
+        .filter_map(|r| r.headers.get("x-fencing-token").and_then(|v| v.to_str().ok()).map(String::from))
+        .collect();
+    assert_eq!(
+        applied,
+        vec![old.token.to_string(), new.token.to_string()],
+        "the old holder's write must be applied before the new holder's"
+    );
+    let cycles = cycles.load(Ordering::Relaxed);
+    println!("FIGURE lock cycles through the busy gateway meanwhile: {cycles}");
+    assert!(cycles >= 20, "gw0 was not kept busy ({cycles} cycles)");
+}
