@@ -180,6 +180,12 @@ enum ClusterCommand {
         /// Every new token will be greater than this.
         #[arg(long)]
         to: u64,
+        /// Raft entries (failed transactions, no revision) added before
+        /// etcd's raft index is recorded, so that a restore of a backup
+        /// taken after this run is found until that many such entries were
+        /// made on the restored cluster (docs/cluster.md).
+        #[arg(long, default_value_t = fencegate::cluster::RAFT_PAD)]
+        raft_pad: u64,
     },
 }
 
@@ -231,7 +237,7 @@ fn main() -> ExitCode {
 }
 
 fn cluster_command(c: ClusterCommand) -> ExitCode {
-    let ClusterCommand::RaiseFloor { etcd, prefix, to } = c;
+    let ClusterCommand::RaiseFloor { etcd, prefix, to, raft_pad } = c;
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -241,7 +247,7 @@ fn cluster_command(c: ClusterCommand) -> ExitCode {
     };
     let mut cfg = fencegate::config::ClusterConfig::with_endpoints(etcd);
     cfg.prefix = prefix;
-    match runtime.block_on(fencegate::cluster::raise_floor(&cfg, to)) {
+    match runtime.block_on(fencegate::cluster::raise_floor(&cfg, to, raft_pad)) {
         Ok(r) => {
             println!(
                 "{}",
@@ -250,6 +256,7 @@ fn cluster_command(c: ClusterCommand) -> ExitCode {
                     "floor": to,
                     "grants_ended": r.grants_ended,
                     "fences_raised": r.fences_raised,
+                    "raft_padded": r.raft_padded,
                 })
             );
             ExitCode::SUCCESS

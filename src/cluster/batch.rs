@@ -69,7 +69,18 @@ pub(super) struct Attempt {
     pub queued: Option<(String, i64)>,
     /// Shared with the acquire: who ends the grant if it is never answered.
     pub orphan: Orphan,
-    pub reply: oneshot::Sender<Result<Option<Committed>, Error>>,
+    pub reply: oneshot::Sender<Result<Granting, Error>>,
+}
+
+/// What became of a grant attempt in its shared transaction.
+#[derive(Debug)]
+pub(super) enum Granting {
+    Committed(Committed),
+    /// The key is held, or an older waiter is queued.
+    Taken,
+    /// The token offset moved (`raise-floor` ran) since the batch read it:
+    /// nothing was granted, and the key may well be free.
+    OffsetMoved,
 }
 
 /// A grant committed in etcd by a batch.
@@ -193,7 +204,7 @@ enum Pending {
         key: String,
         value: Vec<u8>,
         orphan: Orphan,
-        reply: oneshot::Sender<Result<Option<Committed>, Error>>,
+        reply: oneshot::Sender<Result<Granting, Error>>,
     },
     Answer(oneshot::Sender<Result<bool, Error>>),
     /// The acknowledgement, and the value it puts.
@@ -206,8 +217,8 @@ impl Cluster {
     pub(super) async fn grant_in_batch(
         &self,
         attempt: Attempt,
-        rx: oneshot::Receiver<Result<Option<Committed>, Error>>,
-    ) -> Result<Option<Committed>, Error> {
+        rx: oneshot::Receiver<Result<Granting, Error>>,
+    ) -> Result<Granting, Error> {
         if self.batches.send(Op::Grant(attempt)).is_err() {
             return Err(Error::Unavailable("this gateway is stopping".into()));
         }
@@ -451,11 +462,8 @@ impl Cluster {
                     if !ok {
                         // The offset moved (raise-floor): nothing was
                         // granted, and the key may well be free — not
-                        // `locked`: try again.
-                        let _ = reply.send(Err(Error::Unavailable(
-                            "the token offset moved while granting (`raise-floor` ran): nothing was granted; retry"
-                                .into(),
-                        )));
+                        // `locked`: the acquire tries again.
+                        let _ = reply.send(Ok(Granting::OffsetMoved));
                         continue;
                     }
                     let inner = sub.and_then(|t| match t.op_responses().first() {
@@ -464,9 +472,9 @@ impl Cluster {
                     });
                     if inner == Some(true) {
                         orphan.committed(&self.batches, &key, revision);
-                        let _ = reply.send(Ok(Some(Committed { revision, slot, offset, value })));
+                        let _ = reply.send(Ok(Granting::Committed(Committed { revision, slot, offset, value })));
                     } else {
-                        let _ = reply.send(Ok(None));
+                        let _ = reply.send(Ok(Granting::Taken));
                     }
                 }
                 Pending::Answer(reply) => {

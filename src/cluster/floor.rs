@@ -426,13 +426,60 @@ pub struct Raised {
     pub grants_ended: usize,
     /// Fences not above the floor that it raised.
     pub fences_raised: usize,
+    /// Raft entries it added before recording etcd's raft index
+    /// ([`pad_raft_log`]).
+    pub raft_padded: u64,
+}
+
+/// Raft entries `raise-floor` adds by default before it records etcd's
+/// raft index ([`pad_raft_log`]).
+pub const RAFT_PAD: u64 = 10_000;
+
+/// Padding transactions in flight at once (etcd's raft batches them).
+const PAD_AT_ONCE: u64 = 64;
+
+/// Adds `entries` entries to etcd's raft log that raise no revision, so
+/// that the record `raise-floor` then writes (`P meta/raft`, the applied
+/// index minus the revision, `raft.rs`) stands that far above what a
+/// restore of any later backup starts from. Without it, a backup taken
+/// right after a recovery holds a record only a few entries above its own
+/// restored start (the entries between the earlier restore and its
+/// `raise-floor`): as few revision-less entries on the restored cluster —
+/// two leader moves, measured by an outside review — hid the restore from
+/// a gateway on an empty data dir. With it, it takes `entries` of them.
+/// Each is a transaction whose compare never holds (a key's version is
+/// never negative) and that writes in its other branch, so etcd orders it
+/// through raft, applies it as failed and makes no revision. Returns how
+/// many it added.
+async fn pad_raft_log(client: &etcd_client::Client, keys: &super::Keys, entries: u64) -> Result<u64, Error> {
+    let next = std::sync::atomic::AtomicU64::new(0);
+    let key = keys.raft_pad();
+    let worker = || async {
+        let mut kv = client.kv_client();
+        let mut added = 0_u64;
+        while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < entries {
+            let txn = Txn::new().when([Compare::version(key.as_str(), CompareOp::Less, 0)]).and_then([TxnOp::put(
+                key.as_str(),
+                "",
+                None,
+            )]);
+            let done = kv.txn(txn).await.map_err(|e| super::unavailable("padding etcd's raft log", e))?;
+            if done.succeeded() {
+                return Err(Error::Internal("a padding transaction's compare held: etcd answered wrongly".into()));
+            }
+            added += 1;
+        }
+        Ok::<u64, Error>(added)
+    };
+    let added = futures_util::future::try_join_all((0..PAD_AT_ONCE.min(entries)).map(|_| worker())).await?;
+    Ok(added.iter().sum())
 }
 
 /// The operator's command after an etcd restore: ends the grants and
 /// raises the fences a snapshot brought back ([`end_restored_history`]),
 /// then raises the token offset so that every token issued from now on is
 /// above `to`. Never lowers the offset; always writes it (see below).
-pub async fn raise_floor(cfg: &ClusterConfig, to: u64) -> Result<Raised, Error> {
+pub async fn raise_floor(cfg: &ClusterConfig, to: u64, pad: u64) -> Result<Raised, Error> {
     let client = super::connect(cfg).await?;
     let keys = super::Keys::new(&cfg.prefix);
     let mut kv = client.kv_client();
@@ -455,6 +502,8 @@ pub async fn raise_floor(cfg: &ClusterConfig, to: u64) -> Result<Raised, Error> 
             )));
         }
     }
+    // Before the raft index is read for the record (`pad_raft_log`).
+    let raft_padded = pad_raft_log(&client, &keys, pad).await?;
     let mut maintenance = client.maintenance_client();
     for _ in 0..16 {
         // etcd's raft index, then (a linearizable read, later) the
@@ -502,7 +551,7 @@ pub async fn raise_floor(cfg: &ClusterConfig, to: u64) -> Result<Raised, Error> 
         ]);
         let done = kv.txn(txn).await.map_err(|e| super::unavailable("raising the offset", e))?;
         if done.succeeded() {
-            return Ok(Raised { offset: needed, grants_ended, fences_raised });
+            return Ok(Raised { offset: needed, grants_ended, fences_raised, raft_padded });
         }
     }
     Err(Error::Unavailable("the token offset kept changing; try again".into()))

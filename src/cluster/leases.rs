@@ -26,7 +26,7 @@ use std::time::Duration;
 use etcd_client::PutOptions;
 use tokio::time::Instant;
 
-use super::batch::{Attempt, Orphan};
+use super::batch::{Attempt, Granting, Orphan};
 use super::mirror::GrantValue;
 use super::{token_of, Cluster};
 use crate::authority::types::{new_lease_id, secret_eq, validate_ttl};
@@ -256,28 +256,50 @@ impl Cluster {
         queued: Option<(&str, i64)>,
         orphan: &Orphan,
     ) -> Result<Option<Granted>, Error> {
-        if let Some(why) = self.restore_blocks_grants() {
-            return Err(Error::Unavailable(why));
-        }
-        let sent = Instant::now();
-        // Every token seen before this transaction was committed earlier in
-        // etcd's history, so its revision is above them all — unless that
-        // history was rolled back (a restore, a new cluster).
-        let floor = self.floor.get();
-        // The transaction itself is shared with the other attempts queued
-        // meanwhile on this gateway (group commit, see `batch`).
-        let (reply, answer) = tokio::sync::oneshot::channel();
-        let attempt = Attempt {
-            key: key.to_string(),
-            secret: secret.to_string(),
-            holder: holder.to_string(),
-            granted_ms,
-            queued: queued.map(|(q, r)| (q.to_string(), r)),
-            orphan: orphan.clone(),
-            reply,
+        // `raise-floor` moving the offset fails the attempts of the shared
+        // transaction in flight (nothing granted): tried again once this
+        // gateway's watch has applied more (the offset write among it),
+        // within the etcd timeout (a review found the acquire answered 503
+        // inside its own wait window).
+        let give_up = Instant::now() + self.timeout;
+        let mut applied = self.applied.subscribe();
+        let (committed, sent, floor) = loop {
+            if let Some(why) = self.restore_blocks_grants() {
+                return Err(Error::Unavailable(why));
+            }
+            let sent = Instant::now();
+            // Every token seen before this transaction was committed earlier
+            // in etcd's history, so its revision is above them all — unless
+            // that history was rolled back (a restore, a new cluster).
+            let floor = self.floor.get();
+            // The transaction itself is shared with the other attempts
+            // queued meanwhile on this gateway (group commit, see `batch`).
+            let (reply, answer) = tokio::sync::oneshot::channel();
+            let attempt = Attempt {
+                key: key.to_string(),
+                secret: secret.to_string(),
+                holder: holder.to_string(),
+                granted_ms,
+                queued: queued.map(|(q, r)| (q.to_string(), r)),
+                orphan: orphan.clone(),
+                reply,
+            };
+            // On an unknown outcome the batch itself ends such a grant.
+            match self.grant_in_batch(attempt, answer).await? {
+                Granting::Committed(c) => break (c, sent, floor),
+                Granting::Taken => return Ok(None),
+                Granting::OffsetMoved => {
+                    applied.borrow_and_update();
+                    if !matches!(tokio::time::timeout_at(give_up, applied.changed()).await, Ok(Ok(()))) {
+                        return Err(Error::Unavailable(
+                            "the token offset moved while granting (`raise-floor` ran) and this gateway's watch has \
+                             not caught up: nothing was granted; retry"
+                                .into(),
+                        ));
+                    }
+                }
+            }
         };
-        // On an unknown outcome the batch itself ends such a grant.
-        let Some(committed) = self.grant_in_batch(attempt, answer).await? else { return Ok(None) };
         let (rev, offset) = (committed.revision, committed.offset);
         let token = token_of(offset, rev, Some(committed.slot));
         if token == u64::MAX {

@@ -16,6 +16,7 @@
 //! | `P meta/offset` | u64 | none | added to revisions (raised by `fencegate cluster raise-floor`) |
 //! | `P meta/floor` | u64 | none | the `--to` of the last `raise-floor` (a restore's hold ends only for a floor at least the gateway's own) |
 //! | `P meta/raft` | `applied/revision` | none | etcd's raft index and revision as the last `raise-floor` saw them (`raft.rs`) |
+//! | `P meta/pad` | never written | | compared (and never found) by `raise-floor`'s padding transactions |
 //!
 //! Guarantees:
 //! - A grant is one (sub-)transaction: create-if-absent of `g/KEY`, only
@@ -62,7 +63,7 @@ use crate::fence::{FenceTable, Liveness};
 use crate::metrics::Metrics;
 use crate::shutdown::Shutdown;
 
-pub use floor::raise_floor;
+pub use floor::{raise_floor, RAFT_PAD};
 use mirror::Mirror;
 
 /// Key layout under the prefix (see the module doc).
@@ -132,6 +133,11 @@ impl Keys {
     }
     fn raft_record(&self) -> String {
         format!("{}meta/raft", self.prefix)
+    }
+    /// A key never written: the compare of `raise-floor`'s padding
+    /// transactions (`floor::pad_raft_log`).
+    fn raft_pad(&self) -> String {
+        format!("{}meta/pad", self.prefix)
     }
     /// The floor (`--to`) of the last `raise-floor`, written with the offset.
     fn raised_to(&self) -> String {

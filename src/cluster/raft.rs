@@ -59,7 +59,8 @@ impl std::fmt::Debug for Probe {
 /// Why a gateway that found a restore refuses (grants, mutations).
 pub(super) fn restored_refusal(floor: u64) -> String {
     format!(
-        "etcd's raft log is behind what this gateway saw before: etcd was restored from a snapshot (or replaced), \
+        "etcd's raft log is behind what this gateway saw before, or behind etcd's own revisions by more than \
+         `raise-floor` recorded (no single history has either): etcd was restored from a snapshot (or replaced), \
          tokens issued after the snapshot may be lost and granting could issue one twice; this gateway grants \
          nothing, acknowledges no grant and admits no mutation until an operator runs `fencegate cluster \
          raise-floor --to N` with N at least the highest token floor of every gateway (the token floor {floor} \
@@ -91,14 +92,18 @@ pub(super) fn raft_record(applied: u64, revision: i64) -> String {
 /// difference is at least the history's there) is below the revision by
 /// more than `record` (`raise-floor`'s, measured so that it is at most the
 /// history's difference when it ran) allows, or below it at all when there
-/// is no record or the record is one a history never has (above 0).
+/// is no record. A record above 0 (a history never restored, or one with
+/// fewer revisions than `raise-floor` padded) raises the bar above 0: the
+/// difference only grows in one history, so it is never below the record
+/// there (an earlier version kept the bar at 0, which let a restore of a
+/// small history's backup taken after a padded `raise-floor` pass).
 pub(super) fn rolled_back(applied: u64, revision: i64, record: Option<&[u8]>) -> bool {
     let gap = |a: u64, r: i64| i128::from(a) - i128::from(r);
     let recorded = record.and_then(|v| {
         let (a, r) = std::str::from_utf8(v).ok()?.trim().split_once('/')?;
         Some(gap(a.parse().ok()?, r.parse().ok()?))
     });
-    gap(applied, revision) < recorded.unwrap_or(0).min(0)
+    gap(applied, revision) < recorded.unwrap_or(0)
 }
 
 impl Cluster {
@@ -361,10 +366,15 @@ mod tests {
         assert!(!rolled_back(60, 240, Some(record.as_bytes())));
         // A later restore, from a snapshot holding that record: below it.
         assert!(rolled_back(5, 230, Some(record.as_bytes())));
-        // A record above 0 (raise-floor on a history never restored) does
-        // not lift the bar above 0, and one that does not parse is none.
-        assert!(!rolled_back(10, 10, Some(raft_record(300, 100).as_bytes())));
-        assert!(rolled_back(9, 10, Some(raft_record(300, 100).as_bytes())));
+        // A record above 0 (raise-floor on a history never restored, or
+        // padded past a small history's revisions) is the bar: the
+        // difference only grows from it; a restore of a backup holding it
+        // starts below it. One that does not parse is none.
+        let padded = raft_record(10_300, 100);
+        assert!(!rolled_back(10_300, 100, Some(padded.as_bytes())));
+        assert!(!rolled_back(10_400, 150, Some(padded.as_bytes())));
+        assert!(rolled_back(304, 100, Some(padded.as_bytes())));
+        assert!(rolled_back(10, 10, Some(raft_record(300, 100).as_bytes())));
         assert!(rolled_back(4, 201, Some(b"junk")));
         assert!(rolled_back(4, 201, Some(b"-9999999/1")));
     }
