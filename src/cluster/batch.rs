@@ -78,9 +78,10 @@ pub(super) enum Granting {
     Committed(Committed),
     /// The key is held, or an older waiter is queued.
     Taken,
-    /// The token offset moved (`raise-floor` ran) since the batch read it:
-    /// nothing was granted, and the key may well be free.
-    OffsetMoved,
+    /// The token offset moved (`raise-floor` ran) since the batch read it
+    /// at this mod revision: nothing was granted, and the key may well be
+    /// free.
+    OffsetMoved(i64),
 }
 
 /// A grant committed in etcd by a batch.
@@ -463,7 +464,7 @@ impl Cluster {
                         // The offset moved (raise-floor): nothing was
                         // granted, and the key may well be free — not
                         // `locked`: the acquire tries again.
-                        let _ = reply.send(Ok(Granting::OffsetMoved));
+                        let _ = reply.send(Ok(Granting::OffsetMoved(offset_rev)));
                         continue;
                     }
                     let inner = sub.and_then(|t| match t.op_responses().first() {

@@ -288,14 +288,16 @@ impl Cluster {
             match self.grant_in_batch(attempt, answer).await? {
                 Granting::Committed(c) => break (c, sent, floor),
                 Granting::Taken => return Ok(None),
-                Granting::OffsetMoved => {
-                    applied.borrow_and_update();
-                    if !matches!(tokio::time::timeout_at(give_up, applied.changed()).await, Ok(Ok(()))) {
-                        return Err(Error::Unavailable(
-                            "the token offset moved while granting (`raise-floor` ran) and this gateway's watch has \
-                             not caught up: nothing was granted; retry"
-                                .into(),
-                        ));
+                Granting::OffsetMoved(read_at) => {
+                    // Again once the mirror has the offset's new write.
+                    while self.lock_mirror().offset_rev == read_at {
+                        if !matches!(tokio::time::timeout_at(give_up, applied.changed()).await, Ok(Ok(()))) {
+                            return Err(Error::Unavailable(
+                                "the token offset moved while granting (`raise-floor` ran) and this gateway's watch \
+                                 has not caught up: nothing was granted; retry"
+                                    .into(),
+                            ));
+                        }
                     }
                 }
             }
