@@ -180,12 +180,15 @@ enum ClusterCommand {
         /// Every new token will be greater than this.
         #[arg(long)]
         to: u64,
-        /// Raft entries (failed transactions, no revision) added before
-        /// etcd's raft index is recorded, so that a restore of a backup
-        /// taken after this run is found until that many such entries were
-        /// made on the restored cluster (docs/cluster.md).
-        #[arg(long, default_value_t = fencegate::cluster::RAFT_PAD)]
-        raft_pad: u64,
+        /// Raft entries (failed transactions, no revision) added after the
+        /// offset is written and before etcd's raft index is recorded, so
+        /// that a restore of a backup taken after this run is found until
+        /// that many such entries were made on the restored cluster.
+        /// Default: 10000 when every key in etcd is under this prefix, else
+        /// none (padding would hide an unraised restore of another prefix;
+        /// docs/cluster.md).
+        #[arg(long)]
+        raft_pad: Option<u64>,
     },
 }
 

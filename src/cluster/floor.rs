@@ -479,7 +479,7 @@ async fn pad_raft_log(client: &etcd_client::Client, keys: &super::Keys, entries:
 /// raises the fences a snapshot brought back ([`end_restored_history`]),
 /// then raises the token offset so that every token issued from now on is
 /// above `to`. Never lowers the offset; always writes it (see below).
-pub async fn raise_floor(cfg: &ClusterConfig, to: u64, pad: u64) -> Result<Raised, Error> {
+pub async fn raise_floor(cfg: &ClusterConfig, to: u64, pad: Option<u64>) -> Result<Raised, Error> {
     let client = super::connect(cfg).await?;
     let keys = super::Keys::new(&cfg.prefix);
     let mut kv = client.kv_client();
@@ -502,8 +502,6 @@ pub async fn raise_floor(cfg: &ClusterConfig, to: u64, pad: u64) -> Result<Raise
             )));
         }
     }
-    // Before the raft index is read for the record (`pad_raft_log`).
-    let raft_padded = pad_raft_log(&client, &keys, pad).await?;
     let mut maintenance = client.maintenance_client();
     for _ in 0..16 {
         // etcd's raft index, then (a linearizable read, later) the
@@ -551,10 +549,75 @@ pub async fn raise_floor(cfg: &ClusterConfig, to: u64, pad: u64) -> Result<Raise
         ]);
         let done = kv.txn(txn).await.map_err(|e| super::unavailable("raising the offset", e))?;
         if done.succeeded() {
+            // Only now, the restore ended for this prefix: padding before
+            // this write, cut short (interrupted, etcd lost), would have
+            // hidden the restore it was run for (outside review).
+            let written = done.header().map_or(0, |h| h.revision());
+            let pad = match pad {
+                Some(n) => n,
+                None => auto_pad(&mut kv, &keys).await?,
+            };
+            let raft_padded = pad_raft_log(&client, &keys, pad).await?;
+            if raft_padded > 0 {
+                record_after_padding(&mut kv, &mut maintenance, &keys, written).await?;
+            }
             return Ok(Raised { offset: needed, grants_ended, fences_raised, raft_padded });
         }
     }
     Err(Error::Unavailable("the token offset kept changing; try again".into()))
+}
+
+/// The padding `raise-floor` adds when `--raft-pad` is not given:
+/// [`RAFT_PAD`] when every key in etcd is under this prefix, else none.
+/// The raft log is etcd's, not a prefix's: padding lifts every prefix's
+/// `applied index − revision` alike, so it hides, for as many entries, a
+/// restore another prefix on the same etcd has not been raised for yet
+/// (an outside review landed a stale write that way through a gateway of
+/// the other prefix on an empty data dir). A key outside this prefix may
+/// be such a deployment; the operator pads then by hand, once every
+/// prefix was raised.
+async fn auto_pad(kv: &mut etcd_client::KvClient, keys: &super::Keys) -> Result<u64, Error> {
+    let count = |e| super::unavailable("counting the keys", e);
+    let all = kv.get(vec![0_u8], Some(GetOptions::new().with_from_key().with_count_only())).await.map_err(count)?;
+    let at = all.header().map_or(0, |h| h.revision());
+    let ours = kv
+        .get(keys.prefix.as_str(), Some(GetOptions::new().with_prefix().with_count_only().with_revision(at)))
+        .await
+        .map_err(count)?;
+    let elsewhere = all.count() - ours.count();
+    if elsewhere > 0 {
+        eprintln!(
+            "fencegate: etcd holds {elsewhere} keys outside {}: etcd's raft log is not padded (it would hide an \
+             unraised restore from another prefix's gateways); once every prefix on this etcd was raised, run again \
+             with --raft-pad {RAFT_PAD}",
+            keys.prefix
+        );
+        return Ok(0);
+    }
+    Ok(RAFT_PAD)
+}
+
+/// After the padding: `P meta/raft` measured again (the index first, then
+/// the revision), written only while the offset and the record are the
+/// ones this run wrote at `written` (a later `raise-floor` wrote its own).
+async fn record_after_padding(
+    kv: &mut etcd_client::KvClient,
+    maintenance: &mut etcd_client::MaintenanceClient,
+    keys: &super::Keys,
+    written: i64,
+) -> Result<(), Error> {
+    let applied =
+        maintenance.status().await.map_err(|e| super::unavailable("reading the raft index", e))?.raft_applied_index();
+    let read = kv.get(keys.raft_record(), None).await.map_err(|e| super::unavailable("reading the record", e))?;
+    let revision = read.header().map_or(0, |h| h.revision());
+    let txn = Txn::new()
+        .when([
+            Compare::mod_revision(keys.offset(), CompareOp::Equal, written),
+            Compare::mod_revision(keys.raft_record(), CompareOp::Equal, written),
+        ])
+        .and_then([TxnOp::put(keys.raft_record(), super::raft::raft_record(applied, revision), None)]);
+    kv.txn(txn).await.map_err(|e| super::unavailable("recording the raft index", e))?;
+    Ok(())
 }
 
 /// Sub-transactions per transaction of [`end_restored_history`] (one

@@ -120,7 +120,13 @@ impl EtcdCluster {
 
     async fn put_probe(&self) -> bool {
         if let Ok(mut c) = tokio::time::timeout(Duration::from_secs(2), self.client()).await {
-            if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_secs(2), c.put("/health-probe", "1", None)).await {
+            // Put and deleted again: a key left outside the gateways'
+            // prefix would stop `raise-floor` padding etcd's log by itself.
+            let probe = async {
+                c.put("/health-probe", "1", None).await?;
+                c.delete("/health-probe", None).await
+            };
+            if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_secs(2), probe).await {
                 return true;
             }
         }
