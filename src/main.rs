@@ -181,14 +181,14 @@ enum ClusterCommand {
         #[arg(long)]
         to: u64,
         /// Raft entries (failed transactions, no revision) added after the
-        /// offset is written and before etcd's raft index is recorded, so
-        /// that a restore of a backup taken after this run is found until
-        /// that many such entries were made on the restored cluster.
-        /// Default: 10000 when every key in etcd is under this prefix, else
-        /// none (padding would hide an unraised restore of another prefix;
-        /// docs/cluster.md).
-        #[arg(long)]
-        raft_pad: Option<u64>,
+        /// offset is written, before etcd's raft index is recorded again: a
+        /// restore of a backup taken after this run is then found until that
+        /// many such entries were made on the restored cluster. Padding
+        /// hides, for as many entries, a restore not yet raised of any other
+        /// deployment on this etcd (one started after the backup too): use
+        /// it only where none can be (docs/cluster.md, e.g. 10000).
+        #[arg(long, default_value_t = 0)]
+        raft_pad: u64,
     },
 }
 

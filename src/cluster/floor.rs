@@ -431,10 +431,6 @@ pub struct Raised {
     pub raft_padded: u64,
 }
 
-/// Raft entries `raise-floor` adds by default before it records etcd's
-/// raft index ([`pad_raft_log`]).
-pub const RAFT_PAD: u64 = 10_000;
-
 /// Padding transactions in flight at once (etcd's raft batches them).
 const PAD_AT_ONCE: u64 = 64;
 
@@ -479,7 +475,7 @@ async fn pad_raft_log(client: &etcd_client::Client, keys: &super::Keys, entries:
 /// raises the fences a snapshot brought back ([`end_restored_history`]),
 /// then raises the token offset so that every token issued from now on is
 /// above `to`. Never lowers the offset; always writes it (see below).
-pub async fn raise_floor(cfg: &ClusterConfig, to: u64, pad: Option<u64>) -> Result<Raised, Error> {
+pub async fn raise_floor(cfg: &ClusterConfig, to: u64, pad: u64) -> Result<Raised, Error> {
     let client = super::connect(cfg).await?;
     let keys = super::Keys::new(&cfg.prefix);
     let mut kv = client.kv_client();
@@ -553,10 +549,6 @@ pub async fn raise_floor(cfg: &ClusterConfig, to: u64, pad: Option<u64>) -> Resu
             // this write, cut short (interrupted, etcd lost), would have
             // hidden the restore it was run for (outside review).
             let written = done.header().map_or(0, |h| h.revision());
-            let pad = match pad {
-                Some(n) => n,
-                None => auto_pad(&mut kv, &keys).await?,
-            };
             let raft_padded = pad_raft_log(&client, &keys, pad).await?;
             if raft_padded > 0 {
                 record_after_padding(&mut kv, &mut maintenance, &keys, written).await?;
@@ -565,36 +557,6 @@ pub async fn raise_floor(cfg: &ClusterConfig, to: u64, pad: Option<u64>) -> Resu
         }
     }
     Err(Error::Unavailable("the token offset kept changing; try again".into()))
-}
-
-/// The padding `raise-floor` adds when `--raft-pad` is not given:
-/// [`RAFT_PAD`] when every key in etcd is under this prefix, else none.
-/// The raft log is etcd's, not a prefix's: padding lifts every prefix's
-/// `applied index − revision` alike, so it hides, for as many entries, a
-/// restore another prefix on the same etcd has not been raised for yet
-/// (an outside review landed a stale write that way through a gateway of
-/// the other prefix on an empty data dir). A key outside this prefix may
-/// be such a deployment; the operator pads then by hand, once every
-/// prefix was raised.
-async fn auto_pad(kv: &mut etcd_client::KvClient, keys: &super::Keys) -> Result<u64, Error> {
-    let count = |e| super::unavailable("counting the keys", e);
-    let all = kv.get(vec![0_u8], Some(GetOptions::new().with_from_key().with_count_only())).await.map_err(count)?;
-    let at = all.header().map_or(0, |h| h.revision());
-    let ours = kv
-        .get(keys.prefix.as_str(), Some(GetOptions::new().with_prefix().with_count_only().with_revision(at)))
-        .await
-        .map_err(count)?;
-    let elsewhere = all.count() - ours.count();
-    if elsewhere > 0 {
-        eprintln!(
-            "fencegate: etcd holds {elsewhere} keys outside {}: etcd's raft log is not padded (it would hide an \
-             unraised restore from another prefix's gateways); once every prefix on this etcd was raised, run again \
-             with --raft-pad {RAFT_PAD}",
-            keys.prefix
-        );
-        return Ok(0);
-    }
-    Ok(RAFT_PAD)
 }
 
 /// After the padding: `P meta/raft` measured again (the index first, then

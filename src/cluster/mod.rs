@@ -63,7 +63,7 @@ use crate::fence::{FenceTable, Liveness};
 use crate::metrics::Metrics;
 use crate::shutdown::Shutdown;
 
-pub use floor::{raise_floor, RAFT_PAD};
+pub use floor::raise_floor;
 use mirror::Mirror;
 
 /// Key layout under the prefix (see the module doc).
