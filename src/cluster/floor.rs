@@ -446,7 +446,12 @@ const PAD_AT_ONCE: u64 = 64;
 /// Each is a transaction whose compare never holds (a key's version is
 /// never negative) and that writes in its other branch, so etcd orders it
 /// through raft, applies it as failed and makes no revision. Returns how
-/// many it added.
+/// many it added. Only when the operator asks (`--raft-pad`): the raft log
+/// is etcd's, so the padding hides as long a restore that another
+/// deployment on the same etcd has not been raised for — one nothing in
+/// etcd can show (outside reviews: a nested prefix, a deployment newer than
+/// the backup; docs/cluster.md). Run after the offset write, so that a run
+/// cut short hides nothing of its own prefix's restore.
 async fn pad_raft_log(client: &etcd_client::Client, keys: &super::Keys, entries: u64) -> Result<u64, Error> {
     let next = std::sync::atomic::AtomicU64::new(0);
     let key = keys.raft_pad();
