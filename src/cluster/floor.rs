@@ -50,6 +50,11 @@ struct Record {
     raft_mark: u64,
     #[serde(default)]
     restored: i64,
+    /// The token floor when that restore was found (what `raise-floor
+    /// --to` must cover), kept so that a restart does not take the floor
+    /// on disk — `raise-floor`'s own lifted fences among it — for it.
+    #[serde(default)]
+    restored_floor: Option<u64>,
 }
 
 /// One slot as written: the record, its sequence number (the slot with the
@@ -63,6 +68,8 @@ struct Slot {
     raft_mark: u64,
     #[serde(default, skip_serializing_if = "is_zero")]
     restored: i64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    restored_floor: Option<u64>,
     check: String,
 }
 
@@ -73,10 +80,12 @@ fn is_zero<T: Default + PartialEq>(v: &T) -> bool {
 /// The checksum of a slot; a slot without restore-detection state is
 /// checked as an older version wrote it, so both read each other's files.
 fn check_of(seq: u64, r: Record) -> String {
-    let text = if r.raft_mark == 0 && r.restored == 0 {
-        format!("{seq}/{}/{}", r.floor, r.cluster_id)
-    } else {
-        format!("{seq}/{}/{}/{}/{}", r.floor, r.cluster_id, r.raft_mark, r.restored)
+    let text = match r.restored_floor {
+        _ if r.raft_mark == 0 && r.restored == 0 && r.restored_floor.is_none() => {
+            format!("{seq}/{}/{}", r.floor, r.cluster_id)
+        }
+        None => format!("{seq}/{}/{}/{}/{}", r.floor, r.cluster_id, r.raft_mark, r.restored),
+        Some(at) => format!("{seq}/{}/{}/{}/{}/{at}", r.floor, r.cluster_id, r.raft_mark, r.restored),
     };
     let d = ring::digest::digest(&ring::digest::SHA256, text.as_bytes());
     d.as_ref()[..8].iter().map(|b| format!("{b:02x}")).collect()
@@ -90,6 +99,7 @@ fn encode(seq: u64, r: Record) -> Result<Vec<u8>, String> {
         cluster_id: r.cluster_id,
         raft_mark: r.raft_mark,
         restored: r.restored,
+        restored_floor: r.restored_floor,
         check: check_of(seq, r),
     };
     let mut bytes = serde_json::to_vec(&slot).map_err(|e| e.to_string())?;
@@ -104,8 +114,13 @@ fn encode(seq: u64, r: Record) -> Result<Vec<u8>, String> {
 /// The record a slot holds, if it is whole (parses, checksum right).
 fn decode(bytes: &[u8]) -> Option<(u64, Record)> {
     let slot: Slot = serde_json::from_slice(bytes.trim_ascii()).ok()?;
-    let record =
-        Record { floor: slot.floor, cluster_id: slot.cluster_id, raft_mark: slot.raft_mark, restored: slot.restored };
+    let record = Record {
+        floor: slot.floor,
+        cluster_id: slot.cluster_id,
+        raft_mark: slot.raft_mark,
+        restored: slot.restored,
+        restored_floor: slot.restored_floor,
+    };
     (check_of(slot.seq, record) == slot.check).then_some((slot.seq, record))
 }
 
@@ -239,7 +254,9 @@ impl Floor {
                 mark: record.raft_mark,
                 restored: (record.restored != 0).then_some(record.restored),
                 ended_at: 0,
-                floor_at: record.floor,
+                // An older version's file has no such floor: the floor
+                // on disk, as before.
+                floor_at: record.restored_floor.unwrap_or(record.floor),
             }),
         })
     }
@@ -390,7 +407,13 @@ impl Floor {
             let floor = *rx.borrow_and_update();
             let cluster_id = *self.cluster_id.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             let raft = self.raft();
-            let record = Record { floor, cluster_id, raft_mark: raft.mark, restored: raft.restored.unwrap_or(0) };
+            let record = Record {
+                floor,
+                cluster_id,
+                raft_mark: raft.mark,
+                restored: raft.restored.unwrap_or(0),
+                restored_floor: raft.restored.map(|_| raft.floor_at),
+            };
             let file = self.file.clone();
             let written = tokio::task::spawn_blocking(move || {
                 file.lock().unwrap_or_else(std::sync::PoisonError::into_inner).write(record)
@@ -710,7 +733,13 @@ mod tests {
         let f = Floor::open(dir).expect("open");
         let cluster_id = *f.cluster_id.lock().expect("lock");
         let raft = f.raft();
-        Record { floor: f.get(), cluster_id, raft_mark: raft.mark, restored: raft.restored.unwrap_or(0) }
+        Record {
+            floor: f.get(),
+            cluster_id,
+            raft_mark: raft.mark,
+            restored: raft.restored.unwrap_or(0),
+            restored_floor: raft.restored.map(|_| raft.floor_at),
+        }
     }
 
     fn write(dir: &Path, floor: u64, cluster_id: u64) {
@@ -787,7 +816,7 @@ mod tests {
     #[test]
     fn the_restore_detection_state_is_kept_and_an_older_slot_still_reads() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let r = Record { floor: 9, cluster_id: 3, raft_mark: 1_000, restored: 77 };
+        let r = Record { floor: 9, cluster_id: 3, raft_mark: 1_000, restored: 77, restored_floor: Some(5) };
         write(dir.path(), 9, 3);
         // A slot as an older version wrote it (no restore fields) reads back.
         assert_eq!(floor_in(dir.path()), Record { floor: 9, cluster_id: 3, ..Record::default() });
@@ -852,5 +881,28 @@ mod tests {
         assert_eq!(f.floor_at_restore(), 7_360);
         assert!(f.offset_written(30));
         assert_eq!(f.floor_at_restore(), 0);
+    }
+
+    /// Outside review (LOW): after a restart the floor a restore was found
+    /// at was the floor on disk, `raise-floor`'s own lifted fence among it,
+    /// so the procedure's second `raise-floor --to` (the first's floor) was
+    /// refused. It is kept in the file now; an older file has none.
+    #[test]
+    fn a_restart_keeps_the_floor_a_restore_was_found_at() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut file, _) = File::open(dir.path()).expect("open");
+        let found = Record { floor: 7_424, cluster_id: 1, raft_mark: 40, restored: 14, restored_floor: Some(7_360) };
+        file.write(found).expect("write");
+        let f = Floor::open(dir.path()).expect("reopen");
+        assert_eq!(f.get(), 7_424);
+        assert_eq!(f.restored(), Some(14));
+        assert_eq!(f.floor_at_restore(), 7_360);
+        assert_eq!(floor_in(dir.path()), found);
+        // As an older version wrote it: the floor on disk.
+        file.write(Record { restored_floor: None, ..found }).expect("write");
+        assert_eq!(Floor::open(dir.path()).expect("reopen").floor_at_restore(), 7_424);
+        // A floor of 0 found is kept as 0.
+        file.write(Record { restored_floor: Some(0), ..found }).expect("write");
+        assert_eq!(Floor::open(dir.path()).expect("reopen").floor_at_restore(), 0);
     }
 }
