@@ -580,8 +580,16 @@ fn forward_failure(
         }
         Some(Some(Failure::Aborted)) => {
             proxy.metrics.aborted_uploads.with_label_values(&[&route.name]).inc();
-            let fence = proxy.fences().fence(key);
-            (Error::StaleFencingToken { key: key.to_string(), token: token.unwrap_or(0), fence }, Outcome::Stale)
+            let (token, fence) = (token.unwrap_or(0), proxy.fences().fence(key));
+            if fence <= token && !proxy.fences().is_current() {
+                // Not a newer fence: the gateway stopped being current
+                // (which aborts every unsent forward) after admitting it.
+                return (
+                    Error::NotCurrent("the gateway stopped being current before the request was sent upstream".into()),
+                    Outcome::NotCurrent,
+                );
+            }
+            (Error::StaleFencingToken { key: key.to_string(), token, fence }, Outcome::Stale)
         }
         Some(Some(Failure::NotCurrent)) => (
             Error::NotCurrent("the gateway stopped being current before the request was sent upstream".into()),

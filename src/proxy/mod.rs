@@ -868,6 +868,14 @@ impl Proxy {
                         let error = Error::StaleSequence { key, token, sequence, last_sequence };
                         ErrorReply { error, outcome: outcome_word(Outcome::StaleSequence) }
                     }
+                    // Neither: the gateway stopped being current (which
+                    // aborts every upload still streaming) — not stale.
+                    _ if fence <= token && !self.fences().is_current() => ErrorReply {
+                        error: Error::NotCurrent(
+                            "the gateway stopped being current while the body streamed; the upload was cut off".into(),
+                        ),
+                        outcome: outcome_word(Outcome::NotCurrent),
+                    },
                     _ => ErrorReply {
                         error: Error::StaleFencingToken { key, token, fence },
                         outcome: outcome_word(Outcome::Stale),
