@@ -258,9 +258,9 @@ impl Cluster {
     ) -> Result<Option<Granted>, Error> {
         // `raise-floor` moving the offset fails the attempts of the shared
         // transaction in flight (nothing granted): tried again once this
-        // gateway's watch has applied more (the offset write among it),
-        // within the etcd timeout (a review found the acquire answered 503
-        // inside its own wait window).
+        // gateway's mirror holds the offset's new write, within the etcd
+        // timeout (a review found the acquire answered 503 inside its own
+        // wait window).
         let give_up = Instant::now() + self.timeout;
         let mut applied = self.applied.subscribe();
         let (committed, sent, floor) = loop {
