@@ -12,6 +12,7 @@ FENCEGATE_BIN to the fencegate binary (default: target/debug/fencegate).
 """
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -118,6 +119,7 @@ def main():
     finally:
         gw.terminate()
         gw.wait(timeout=30)
+        shutil.rmtree(data, ignore_errors=True)
     sys.exit(0 if ok else 1)
 
 
