@@ -627,11 +627,7 @@ async fn a_restore_of_a_backup_taken_right_after_a_recovery_is_found_by_a_gatewa
     }
     s.etcd.restore_all(&first);
     s.etcd.wait_healthy(Duration::from_secs(30)).await;
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fencegate"))
-        .args(["cluster", "raise-floor", "--etcd", &s.etcd.endpoints().join(","), "--to", &highest.to_string()])
-        .args(["--raft-pad", "10000"])
-        .output()
-        .unwrap();
+    let out = raise_floor_with(&s.etcd.endpoints().join(","), highest, &["--raft-pad", "10000"]);
     assert!(out.status.success(), "raise-floor: {}", String::from_utf8_lossy(&out.stderr));
     let said: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(said["raft_padded"], 10_000, "{said}");
@@ -680,10 +676,7 @@ async fn a_restore_of_a_backup_taken_right_after_a_recovery_is_found_by_a_gatewa
     // reviews: a default that padded when etcd held no key outside the
     // prefix hid it too — nested prefixes, a deployment newer than the
     // backup).
-    let other = std::process::Command::new(env!("CARGO_BIN_EXE_fencegate"))
-        .args(["cluster", "raise-floor", "--etcd", &s.etcd.endpoints().join(","), "--prefix", "/other/", "--to", "0"])
-        .output()
-        .unwrap();
+    let other = raise_floor_with(&s.etcd.endpoints().join(","), 0, &["--prefix", "/other/"]);
     assert!(other.status.success(), "raise-floor: {}", String::from_utf8_lossy(&other.stderr));
     let said: serde_json::Value = serde_json::from_slice(&other.stdout).unwrap();
     assert_eq!(said["raft_padded"], 0, "{said}");
@@ -738,10 +731,7 @@ async fn an_acquire_in_flight_while_raise_floor_moves_the_offset_is_granted() {
         tokio::task::spawn_blocking(move || {
             std::thread::sleep(Duration::from_millis(500));
             for _ in 0..5 {
-                let out = std::process::Command::new(env!("CARGO_BIN_EXE_fencegate"))
-                    .args(["cluster", "raise-floor", "--etcd", &endpoints, "--to", "0", "--raft-pad", "0"])
-                    .output()
-                    .unwrap();
+                let out = raise_floor_with(&endpoints, 0, &["--raft-pad", "0"]);
                 assert!(out.status.success(), "raise-floor: {}", String::from_utf8_lossy(&out.stderr));
                 std::thread::sleep(Duration::from_millis(200));
             }
@@ -769,8 +759,14 @@ fn raise_floor(etcd: &EtcdCluster, to: u64) {
 }
 
 fn raise_floor_output(etcd: &EtcdCluster, to: u64) -> std::process::Output {
+    raise_floor_with(&etcd.endpoints().join(","), to, &[])
+}
+
+/// `fencegate cluster raise-floor --etcd ENDPOINTS --to TO EXTRA…`.
+fn raise_floor_with(endpoints: &str, to: u64, extra: &[&str]) -> std::process::Output {
     std::process::Command::new(env!("CARGO_BIN_EXE_fencegate"))
-        .args(["cluster", "raise-floor", "--etcd", &etcd.endpoints().join(","), "--to", &to.to_string()])
+        .args(["cluster", "raise-floor", "--etcd", endpoints, "--to", &to.to_string()])
+        .args(extra)
         .output()
         .unwrap()
 }

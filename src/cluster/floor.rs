@@ -80,12 +80,10 @@ fn is_zero<T: Default + PartialEq>(v: &T) -> bool {
 /// The checksum of a slot; a slot without restore-detection state is
 /// checked as an older version wrote it, so both read each other's files.
 fn check_of(seq: u64, r: Record) -> String {
-    let text = match r.restored_floor {
-        _ if r.raft_mark == 0 && r.restored == 0 && r.restored_floor.is_none() => {
-            format!("{seq}/{}/{}", r.floor, r.cluster_id)
-        }
-        None => format!("{seq}/{}/{}/{}/{}", r.floor, r.cluster_id, r.raft_mark, r.restored),
-        Some(at) => format!("{seq}/{}/{}/{}/{}/{at}", r.floor, r.cluster_id, r.raft_mark, r.restored),
+    let text = match (r.raft_mark, r.restored, r.restored_floor) {
+        (0, 0, None) => format!("{seq}/{}/{}", r.floor, r.cluster_id),
+        (mark, restored, None) => format!("{seq}/{}/{}/{mark}/{restored}", r.floor, r.cluster_id),
+        (mark, restored, Some(at)) => format!("{seq}/{}/{}/{mark}/{restored}/{at}", r.floor, r.cluster_id),
     };
     let d = ring::digest::digest(&ring::digest::SHA256, text.as_bytes());
     d.as_ref()[..8].iter().map(|b| format!("{b:02x}")).collect()
@@ -237,6 +235,19 @@ pub(super) struct Raft {
     /// floor on disk): what `raise-floor --to` must cover. Tokens seen
     /// since — `raise-floor`'s own lifted fences among them — are above it.
     pub(super) floor_at: u64,
+}
+
+impl Raft {
+    /// The file's record of this state with `floor` and `cluster_id`.
+    fn record(self, floor: u64, cluster_id: u64) -> Record {
+        Record {
+            floor,
+            cluster_id,
+            raft_mark: self.mark,
+            restored: self.restored.unwrap_or(0),
+            restored_floor: self.restored.map(|_| self.floor_at),
+        }
+    }
 }
 
 impl Floor {
@@ -406,14 +417,7 @@ impl Floor {
         loop {
             let floor = *rx.borrow_and_update();
             let cluster_id = *self.cluster_id.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            let raft = self.raft();
-            let record = Record {
-                floor,
-                cluster_id,
-                raft_mark: raft.mark,
-                restored: raft.restored.unwrap_or(0),
-                restored_floor: raft.restored.map(|_| raft.floor_at),
-            };
+            let record = self.raft().record(floor, cluster_id);
             let file = self.file.clone();
             let written = tokio::task::spawn_blocking(move || {
                 file.lock().unwrap_or_else(std::sync::PoisonError::into_inner).write(record)
@@ -732,14 +736,7 @@ mod tests {
     fn floor_in(dir: &Path) -> Record {
         let f = Floor::open(dir).expect("open");
         let cluster_id = *f.cluster_id.lock().expect("lock");
-        let raft = f.raft();
-        Record {
-            floor: f.get(),
-            cluster_id,
-            raft_mark: raft.mark,
-            restored: raft.restored.unwrap_or(0),
-            restored_floor: raft.restored.map(|_| raft.floor_at),
-        }
+        f.raft().record(f.get(), cluster_id)
     }
 
     fn write(dir: &Path, floor: u64, cluster_id: u64) {
