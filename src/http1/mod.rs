@@ -29,7 +29,9 @@ pub const HOP_BY_HOP: [&str; 8] = [
 ];
 
 /// Request headers the hand-written loops leave to hyper: the hop-by-hop
-/// ones, `Expect` (100-continue) and `HTTP2-Settings` (an h2c upgrade).
+/// ones, `Expect` (but one `Expect: 100-continue`, which [`parse_request`]
+/// reports for a loop that answers it) and `HTTP2-Settings` (an h2c
+/// upgrade).
 pub(crate) fn leaves_to_hyper(name: &[u8]) -> bool {
     name.eq_ignore_ascii_case(b"expect")
         || name.eq_ignore_ascii_case(b"http2-settings")
@@ -53,6 +55,9 @@ pub(crate) struct RequestLine<'b> {
     pub(crate) content_length: u64,
     /// `Connection: close`.
     pub(crate) close: bool,
+    /// One `Expect: 100-continue` (shown to `each` like any header); a loop
+    /// that does not answer it hands the request over.
+    pub(crate) expect_continue: bool,
 }
 
 /// Why [`parse_request`] did not give a head.
@@ -75,8 +80,8 @@ pub(crate) enum NotTaken {
 /// Parses one HTTP/1.1 request head (httparse) with the rules both loops
 /// share: HTTP/1.1 only; headers within `max_header_bytes` and
 /// [`MAX_REQUEST_HEADERS`]; at most one `Content-Length`, 1–19 digits;
-/// `Connection` saying at most `close` or `keep-alive`; nothing of
-/// [`leaves_to_hyper`]. Every other header — `Content-Length` and
+/// `Connection` saying at most `close` or `keep-alive`; at most one
+/// `Expect`, saying `100-continue`; nothing else of [`leaves_to_hyper`]. Every other header — `Content-Length` and
 /// `Connection` included — is shown to `each(name, value)`, which says
 /// whether the loop can take it (`false`: hand over). The order of the
 /// checks is the order of the headers, so the first reason to hand over
@@ -100,7 +105,7 @@ pub(crate) fn parse_request<'b>(
     let (Some(method), Some(target), Some(1)) = (req.method, req.path, req.version) else {
         return Err(NotTaken::General);
     };
-    let mut line = RequestLine { len, method, target, content_length: 0, close: false };
+    let mut line = RequestLine { len, method, target, content_length: 0, close: false, expect_continue: false };
     let mut seen_length = false;
     let mut last_coding: Option<&[u8]> = None;
     let mut total = 0usize;
@@ -132,6 +137,13 @@ pub(crate) fn parse_request<'b>(
                     taken = false;
                 }
             }
+        } else if name.eq_ignore_ascii_case(b"expect") {
+            // Only one, and only the expectation HTTP/1.1 defines (RFC
+            // 9110 §10.1.1); hyper answers any other with 417.
+            if line.expect_continue || !h.value.eq_ignore_ascii_case(b"100-continue") {
+                taken = false;
+            }
+            line.expect_continue = true;
         } else if leaves_to_hyper(name) {
             taken = false;
         }

@@ -27,6 +27,8 @@ pub struct Head {
     pub(crate) via: Option<Range<usize>>,
     pub(crate) token: Option<Range<usize>>,
     pub(crate) close: bool,
+    /// `Expect: 100-continue` (forwarded as it came).
+    pub(crate) expect_continue: bool,
 }
 
 pub enum Parsed {
@@ -113,6 +115,7 @@ pub fn parse_head(buf: &[u8], max_header_bytes: usize, head: &mut Head) -> Parse
     head.target = range_in(buf, line.target.as_bytes());
     head.content_length = line.content_length;
     head.close = line.close;
+    head.expect_continue = line.expect_continue;
     Parsed::Complete
 }
 
@@ -448,6 +451,18 @@ mod tests {
     }
 
     #[test]
+    fn one_expect_100_continue_is_taken_and_forwarded() {
+        let raw = "PUT /a HTTP/1.1\r\nHost: h\r\nContent-Length: 3\r\nexpect: 100-Continue\r\n\r\n";
+        let (p, h) = head(raw);
+        assert!(matches!(p, Parsed::Complete));
+        assert!(h.expect_continue);
+        let names: Vec<&str> = h.forward.iter().map(|(n, _)| &raw[n.clone()]).collect();
+        assert_eq!(names, ["Content-Length", "expect"]);
+        let (_, h) = head("PUT /a HTTP/1.1\r\nHost: h\r\nContent-Length: 3\r\n\r\n");
+        assert!(!h.expect_continue);
+    }
+
+    #[test]
     fn unusual_requests_go_to_the_general_path() {
         for raw in [
             "PUT /a HTTP/1.0\r\nHost: h\r\n\r\n",
@@ -456,7 +471,9 @@ mod tests {
             "PUT /a HTTP/1.1\r\nHost: h\r\nContent-Length: 3\r\nContent-Length: 3\r\n\r\n",
             "PUT /a HTTP/1.1\r\nHost: h\r\nX-Fencing-Token: 1\r\nX-Fencing-Token: 1\r\n\r\n",
             "PUT /a HTTP/1.1\r\nHost: h\r\nConnection: x-secret\r\n\r\n",
-            "PUT /a HTTP/1.1\r\nHost: h\r\nExpect: 100-continue\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nHost: h\r\nExpect: 100-continue, x\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nHost: h\r\nExpect: 100-continue\r\nExpect: 100-continue\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nHost: h\r\nExpect: 200-ok\r\n\r\n",
             "PUT /a HTTP/1.1\r\nHost: h\r\nUpgrade: websocket\r\n\r\n",
             "PUT /a HTTP/1.1\r\nHost: h\r\nProxy-Authorization: x\r\n\r\n",
             "PUT http://h/a HTTP/1.1\r\nHost: h\r\n\r\n",

@@ -2,9 +2,10 @@
 //! forwarded as head bytes with edits over a pooled raw TCP connection.
 //!
 //! It takes the common request only: HTTP/1.1, a `Host`, a body framed by
-//! `Content-Length` of at most [`MAX_FAST_BODY`] (or none), no
-//! `Transfer-Encoding`, `Upgrade`, `Expect` or hop-by-hop header besides
-//! `Connection: keep-alive|close`, headers within the listener's limit, a
+//! `Content-Length` (or none) within the route's limit, no
+//! `Transfer-Encoding`, `Upgrade`, `Expect` but `100-continue`, or
+//! hop-by-hop header besides `Connection: keep-alive|close`, headers within
+//! the listener's limit, a
 //! route that uses the embedded authority, needs no principal and forwards to
 //! a plain `http://` upstream (on an S3 route, a request whose head names its
 //! one resource: `Proxy::fast_route`), and a request the fence check admits. The
@@ -14,7 +15,12 @@
 //!
 //! The phases, in order: the head (within the header read timeout), the
 //! route and key, the whole body (small, within the route's timeout), the
-//! admission, the exchange with the upstream, the relay of its answer.
+//! admission, the exchange with the upstream, the relay of its answer. A
+//! body larger than [`MAX_FAST_BODY`], or one whose client waits for
+//! `100 Continue`, is not read before the admission: admitted on the head
+//! (as the general path admits an upload), it streams upstream as it comes
+//! in the exchange, every write under the upload's gate, in this one task
+//! (one read, one write: no hand-off between tasks per piece).
 //! Everything else — and every refusal of the admission — is handed over
 //! with the bytes read so far to the general path (hyper,
 //! [`super::Proxy::handle`]), which decides it afresh and serves the rest of
@@ -49,9 +55,18 @@ use crate::metrics::Outcome;
 use crate::peer::Peer;
 use crate::shutdown::Shutdown;
 
-/// Largest request body the fast path buffers; larger ones stream through
-/// the general path.
+/// Largest request body the fast path reads whole before the admission;
+/// larger ones are admitted on their head and streamed ([`Streamed`]).
 pub const MAX_FAST_BODY: u64 = 64 * 1024;
+/// The most of a streamed request body read from the client at a time
+/// (and held per connection while it streams). Measured (docs/s3.md):
+/// 64 KiB and 256 KiB relay 64 MiB PutObject to s3s-fs alike, 256 KiB is
+/// ~1.2x as fast into a sink that takes bytes as fast as they come.
+const STREAM_PIECE: usize = 256 * 1024;
+/// The first piece of a streamed body; it doubles (up to
+/// [`STREAM_PIECE`]) each time a read fills it, as hyper's read buffer
+/// grows, so a client that trickles its body holds no more than this.
+const STREAM_FIRST_PIECE: usize = 16 * 1024;
 const MAX_RESPONSE_HEAD: usize = 64 * 1024;
 /// Room for relaying a large response body; buffers grown past
 /// [`SHRINK_ABOVE`] are given back after the request.
@@ -72,6 +87,24 @@ enum Failure {
     NotCurrent,
     /// The route's upstream timeout passed before the request was sent.
     TimedOut,
+    /// A streamed body ended (or broke) before its `Content-Length`: the
+    /// upstream got a truncated request.
+    ClientBroke,
+}
+
+/// A request body streamed upstream after its head (phase 5).
+struct Streamed {
+    /// Body bytes still to come from the client.
+    remaining: u64,
+    /// The client sent `Expect: 100-continue`: answered once the head has
+    /// gone upstream (so a refused upload never sends its body).
+    expect: bool,
+    send_timeout: Duration,
+    /// The upstream gave its final answer (in `rbuf`/`resp`) while the body
+    /// was still streaming: `Some(true)` a success, after which the body
+    /// went on to its end (the upstream reads on); `Some(false)` anything
+    /// else, which ended the streaming.
+    early: Option<bool>,
 }
 
 /// Per-connection buffers and deadlines, reused request after request.
@@ -160,19 +193,24 @@ async fn serve_one(
             return write_response(stream, response, false, true, &mut c.out, limits.send_timeout).await;
         }
     };
-    let Some(Taken { route, key, method, mutation, s3, pool, prefix, upstream_host, log }) = take(proxy, c, &checked)
+    let Some(Taken { route, key, method, mutation, s3, pool, prefix, upstream_host, log, streamed }) =
+        take(proxy, c, &checked)
     else {
         return Next::General;
     };
     let head_request = method == Method::HEAD;
     let head = &c.head;
 
-    // 3. The whole body (small by the check above) before the admission.
-    let need = head.len + usize::try_from(head.content_length).unwrap_or(usize::MAX);
+    // 3. A small body whole before the admission; a streamed one's bytes
+    //    read with the head go with it, the rest in phase 5.
+    let body_len = usize::try_from(head.content_length).unwrap_or(usize::MAX);
+    let need = head.len + if streamed { body_len.min(c.buf.len() - head.len) } else { body_len };
     let deadline = started + route.upstream_timeout;
     c.upstream_deadline.set(deadline);
-    if let Some(end) = read_small_body(stream, c, need).await {
-        return end;
+    if !streamed {
+        if let Some(end) = read_small_body(stream, c, need).await {
+            return end;
+        }
     }
     let head = &c.head;
 
@@ -195,6 +233,12 @@ async fn serve_one(
     };
     encode_upstream_request(&c.buf, head, need, prefix, upstream_host, client, route.forward_token, &mut c.out);
     let client_close = head.close;
+    let mut body = streamed.then(|| Streamed {
+        remaining: head.content_length - (need - head.len) as u64,
+        expect: head.expect_continue,
+        send_timeout: limits.send_timeout,
+        early: None,
+    });
 
     let sent = c
         .upstream_deadline
@@ -207,12 +251,34 @@ async fn serve_one(
             head_request,
             &mut c.rbuf,
             &mut c.resp,
+            body.as_mut().map(|b| (&mut *stream, b)),
         ))
         .await;
     // Admission took well under a microsecond: the request's start is the
     // upstream exchange's start too (one clock read less per request).
     let elapsed = started.elapsed().as_secs_f64();
     route.upstream_duration.observe(elapsed);
+    // Answered while its body streamed: the upstream may read, and apply,
+    // the rest after answering, so the registration stays until the
+    // route's deadline, whatever came of it (the general path's rule). A
+    // body sent whole after an early success keeps its connection open
+    // that long too (the rest may still be in the send queue; the pool's
+    // connections close with a reset).
+    let early = body.as_ref().and_then(|b| b.early);
+    let guard = match (early, guard, &sent) {
+        (Some(true), Some(g), Some(Ok(up))) => {
+            keep_open_until(deadline, g, up);
+            None
+        }
+        (Some(_), Some(g), _) => {
+            super::hold_until(deadline, g);
+            None
+        }
+        (_, g, _) => g,
+    };
+    // A streamed body not read to its end leaves the client's connection
+    // mid-request: it is closed after the answer.
+    let client_close = client_close || (streamed && !matches!(sent, Some(Ok(_))));
     // The upstream has answered (or failed): no longer in flight — unless
     // it answered before its kernel had taken the whole request.
     // On an S3 route a mutation stays in flight until its response body
@@ -227,9 +293,13 @@ async fn serve_one(
     let upstream = match sent {
         Some(Ok(up)) => up,
         failed => {
-            let error = forward_failure(proxy, route, &key, token, failed.map(|r| r.err()));
+            let failure = failed.map(|r| r.err());
+            // The client's own broken body is not a mutation's outcome (as
+            // on the general path).
+            let counted = mutation && !matches!(failure, Some(Some(Failure::ClientBroke)));
+            let error = forward_failure(proxy, route, &key, token, failure);
             let seen = Admitted { client, method: &method, route, key: &key, started, log };
-            return reply_error(&seen, mutation, error, stream, client_close, limits.send_timeout).await;
+            return reply_error(&seen, counted, error, stream, client_close, limits.send_timeout).await;
         }
     };
     if mutation {
@@ -246,7 +316,15 @@ async fn serve_one(
     }
 
     // 6. The response: its head with this hop's edits, then the body as it comes.
-    let pool = (!held).then_some(&**pool);
+    if early == Some(false) {
+        // The streaming ended with this answer: the upstream has a
+        // truncated request (the rest of it is dropped by a reset when the
+        // connection goes), the client an unread rest (its connection is
+        // closed after the answer).
+        let _ = upstream.set_zero_linger();
+        return relay_response(stream, upstream, None, true, c, limits.send_timeout).await;
+    }
+    let pool = (!held && early.is_none()).then_some(&**pool);
     let Some(body_guard) = body_guard else {
         return relay_response(stream, upstream, pool, client_close, c, limits.send_timeout).await;
     };
@@ -303,13 +381,22 @@ fn hold_if_undelivered(
     if super::sendq::delivered(upstream) {
         return false;
     }
+    keep_open_until(deadline, guard, upstream);
+    true
+}
+
+/// Keeps `upstream` open (a second descriptor) and `guard` registered
+/// until `deadline`, then drops by a reset whatever the upstream's kernel
+/// has still not acknowledged.
+fn keep_open_until(deadline: Instant, guard: InflightGuard, upstream: &TcpStream) {
     let fd = match std::os::fd::AsFd::as_fd(upstream).try_clone_to_owned() {
         Ok(fd) => fd,
         Err(e) => {
             // Cannot keep the socket: drop what it holds now instead.
             tracing::debug!(error = %e, "could not keep an undelivered upstream connection");
             super::sendq::reset(upstream);
-            return true;
+            super::hold_until(deadline, guard);
+            return;
         }
     };
     tokio::spawn(async move {
@@ -319,7 +406,6 @@ fn hold_if_undelivered(
         }
         drop(guard);
     });
-    true
 }
 
 /// An upstream connection a request was written to: reset when dropped
@@ -359,6 +445,8 @@ struct Taken<'p, 'c> {
     prefix: &'p str,
     upstream_host: Option<&'p http::HeaderValue>,
     log: Option<Access>,
+    /// The body is admitted on the head and streamed ([`Streamed`]).
+    streamed: bool,
 }
 
 /// Phase 2's first half: the request-target's path, checked. `Ok(None)`:
@@ -414,13 +502,14 @@ fn take<'p, 'c>(proxy: &'p Proxy, c: &Conn, checked: &'c path::CheckedPath) -> O
         return None;
     }
     let (pool, prefix, upstream_host) = route.upstream.plain_http()?;
-    if route.auth || route.policy.external || head.content_length > MAX_FAST_BODY.min(route.max_body_bytes) {
+    if route.auth || route.policy.external || head.content_length > route.max_body_bytes {
         return None;
     }
+    let streamed = head.content_length > MAX_FAST_BODY || (head.expect_continue && head.content_length > 0);
     // The access log's fields are gathered only when it is on.
     let log = tracing::enabled!(target: "fencegate::access", tracing::Level::INFO)
         .then(|| Access { path: path_only.to_string(), req_bytes: head.content_length });
-    Some(Taken { route, key, method, mutation, s3, pool, prefix, upstream_host, log })
+    Some(Taken { route, key, method, mutation, s3, pool, prefix, upstream_host, log, streamed })
 }
 
 /// Phase 6: the response head with this hop's edits, then the body as it
@@ -595,6 +684,9 @@ fn forward_failure(
             Error::NotCurrent("the gateway stopped being current before the request was sent upstream".into()),
             Outcome::NotCurrent,
         ),
+        Some(Some(Failure::ClientBroke)) => {
+            (Error::BadRequest("the request body is malformed or ended early".into()), Outcome::UpstreamError)
+        }
         Some(Some(Failure::TimedOut)) | Some(None) | None => {
             let timeout_ms = u64::try_from(route.upstream_timeout.as_millis()).unwrap_or(u64::MAX);
             (Error::UpstreamTimeout { timeout_ms }, Outcome::UpstreamError)
@@ -647,23 +739,15 @@ enum Unsent {
 /// newer holder's write applied), the route's upstream deadline not
 /// passed — checked right before each write, also when a slow upstream
 /// makes the request go in several.
-async fn write_gated(
-    upstream: &TcpStream,
-    mut request: &[u8],
-    gate: Option<(&InflightGuard, &crate::fence::FenceTable, Instant)>,
-) -> Result<(), Unsent> {
+async fn write_gated(upstream: &TcpStream, mut request: &[u8], gate: Option<Gate<'_>>) -> Result<(), Unsent> {
     while !request.is_empty() {
-        upstream.writable().await.map_err(Unsent::Io)?;
-        if let Some((guard, fences, deadline)) = gate {
-            if guard.ctl().is_aborted() {
-                return Err(Unsent::Refused(Failure::Aborted));
-            }
-            if !fences.is_current() {
-                return Err(Unsent::Refused(Failure::NotCurrent));
-            }
-            if Instant::now() >= deadline {
-                return Err(Unsent::Refused(Failure::TimedOut));
-            }
+        tokio::select! {
+            biased;
+            () = aborted(gate) => return Err(Unsent::Refused(Failure::Aborted)),
+            ready = upstream.writable() => ready.map_err(Unsent::Io)?,
+        }
+        if let Some(refused) = gate_refuses(gate) {
+            return Err(Unsent::Refused(refused));
         }
         match upstream.try_write(request) {
             Ok(0) => return Err(Unsent::Io(std::io::ErrorKind::WriteZero.into())),
@@ -675,8 +759,45 @@ async fn write_gated(
     Ok(())
 }
 
-/// Phase 5: sends the request and reads the response head into `rbuf` /
-/// `resp`.
+/// What a fenced request's every write is checked against: its
+/// registration (a newer fence aborts it), the gateway's currency, the
+/// route's upstream deadline.
+type Gate<'a> = (&'a InflightGuard, &'a crate::fence::FenceTable, Instant);
+
+/// Why `gate` refuses a write now, if it does.
+fn gate_refuses(gate: Option<Gate<'_>>) -> Option<Failure> {
+    let (guard, fences, deadline) = gate?;
+    if guard.ctl().is_aborted() {
+        Some(Failure::Aborted)
+    } else if !fences.is_current() {
+        Some(Failure::NotCurrent)
+    } else if Instant::now() >= deadline {
+        Some(Failure::TimedOut)
+    } else {
+        None
+    }
+}
+
+/// Ready once a newer fence aborted the gated request (the gateway
+/// stopping being current aborts it too), so that a write waiting for the
+/// upstream, or a body waiting for the client, is cut off at once and the
+/// activation that aborted it does not wait for either. Never without a
+/// gate.
+async fn aborted(gate: Option<Gate<'_>>) {
+    let Some((guard, _, _)) = gate else { return std::future::pending().await };
+    std::future::poll_fn(|cx| {
+        guard.ctl().register(cx.waker());
+        if guard.ctl().is_aborted() {
+            std::task::Poll::Ready(())
+        } else {
+            std::task::Poll::Pending
+        }
+    })
+    .await;
+}
+
+/// Phase 5: sends the request (a streamed body after its head, see
+/// [`stream_body`]) and reads the response head into `rbuf` / `resp`.
 #[allow(clippy::too_many_arguments)]
 async fn exchange(
     pool: &Pool,
@@ -687,14 +808,17 @@ async fn exchange(
     head_request: bool,
     rbuf: &mut BytesMut,
     resp: &mut RespHead,
+    mut body: Option<(&mut TcpStream, &mut Streamed)>,
 ) -> Result<TcpStream, Failure> {
+    let gate = guard.map(|g| (g, fences, deadline));
+    rbuf.clear();
     let mut retried = false;
     let mut upstream = loop {
         let (upstream, reused) = match pool.checkout_raw() {
             Some(s) => (s, true),
             None => (Box::pin(pool.connect_raw()).await.map_err(Failure::Connect)?, false),
         };
-        match write_gated(&upstream, request, guard.map(|g| (g, fences, deadline))).await {
+        match write_gated(&upstream, request, gate).await {
             Ok(()) => break Unanswered(Some(upstream)),
             Err(Unsent::Refused(failure)) => {
                 // Reset: the kernel drops what it still holds of it.
@@ -710,11 +834,140 @@ async fn exchange(
             }
         }
     };
+    if let Some((client, body)) = body.as_mut() {
+        let Some(tcp) = upstream.get() else { return Err(Failure::Exchange("the connection was lost".into())) };
+        if body.expect && body.remaining > 0 {
+            // The head went: the upload is admitted and on its way.
+            if send(client, b"HTTP/1.1 100 Continue\r\n\r\n", body.send_timeout).await.is_err() {
+                super::sendq::reset(&*tcp);
+                return Err(Failure::ClientBroke);
+            }
+        }
+        if let Err(unsent) = stream_body(tcp, client, body, gate, head_request, rbuf, resp).await {
+            super::sendq::reset(&*tcp);
+            return Err(match unsent {
+                Unsent::Refused(failure) => failure,
+                Unsent::Io(e) => Failure::Exchange(format!("writing the request: {e}")),
+            });
+        }
+        if body.early == Some(false) {
+            // Not sent whole, so not done: nothing more of it goes.
+            return upstream.answered().ok_or_else(|| Failure::Exchange("the connection was lost".into()));
+        }
+    }
     if let Some(g) = guard {
         g.ctl().mark_body_done();
     }
-    rbuf.clear();
+    if body.is_some_and(|(_, b)| b.early.is_some()) {
+        return upstream.answered().ok_or_else(|| Failure::Exchange("the connection was lost".into()));
+    }
     read_response_head(&mut upstream, head_request, rbuf, resp).await.map_err(Failure::AfterSent)
+}
+
+/// Phase 5 of a streamed body: the rest of the client's body, read as it
+/// comes (up to [`STREAM_PIECE`] at a time, never past its `Content-Length`) and
+/// written upstream, every write under `gate` as in [`write_gated`]; a newer
+/// fence cuts it off while it waits on either side. The upstream is watched
+/// meanwhile: interim answers (`100 Continue` to a forwarded `Expect`) are
+/// skipped; a final one is kept in `rbuf`/`resp` and ends the streaming,
+/// unless it is a success: then the body goes on to its end (the upstream
+/// reads on, and its success tells of a write only once it had all of it).
+async fn stream_body(
+    upstream: &TcpStream,
+    client: &mut TcpStream,
+    body: &mut Streamed,
+    gate: Option<Gate<'_>>,
+    head_request: bool,
+    rbuf: &mut BytesMut,
+    resp: &mut RespHead,
+) -> Result<(), Unsent> {
+    let mut piece = vec![0u8; usize::try_from(body.remaining).unwrap_or(usize::MAX).min(STREAM_FIRST_PIECE)];
+    // `piece[sent..read]` is read from the client and not yet written.
+    let (mut sent, mut read) = (0, 0);
+    let mut filled = false;
+    loop {
+        if sent == read && body.remaining == 0 {
+            return Ok(());
+        }
+        if filled && sent == read {
+            piece.resize((piece.len() * 2).min(STREAM_PIECE), 0);
+            filled = false;
+        }
+        let want = usize::try_from(body.remaining).unwrap_or(usize::MAX).min(piece.len());
+        tokio::select! {
+            biased;
+            () = aborted(gate) => return Err(Unsent::Refused(Failure::Aborted)),
+            ready = upstream.readable(), if body.early.is_none() => {
+                ready.map_err(Unsent::Io)?;
+                match answer_while_streaming(upstream, head_request, rbuf, resp)? {
+                    Some(true) => body.early = Some(true),
+                    Some(false) => {
+                        body.early = Some(false);
+                        return Ok(());
+                    }
+                    None => {}
+                }
+            }
+            ready = upstream.writable(), if sent < read => {
+                ready.map_err(Unsent::Io)?;
+                if let Some(refused) = gate_refuses(gate) {
+                    return Err(Unsent::Refused(refused));
+                }
+                match upstream.try_write(&piece[sent..read]) {
+                    Ok(0) => return Err(Unsent::Io(std::io::ErrorKind::WriteZero.into())),
+                    Ok(n) => sent += n,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Err(e) => return Err(Unsent::Io(e)),
+                }
+            }
+            got = client.read(&mut piece[..want]), if sent == read && body.remaining > 0 => match got {
+                Ok(n) if n > 0 => {
+                    (sent, read) = (0, n);
+                    body.remaining -= n as u64;
+                    filled = n == piece.len() && n < STREAM_PIECE;
+                }
+                _ => return Err(Unsent::Refused(Failure::ClientBroke)),
+            },
+        }
+    }
+}
+
+/// What the upstream said while the body streamed: `None` nothing final
+/// yet (no bytes, part of a head, an interim answer skipped), `Some(ok)` a
+/// final answer, parsed into `resp` (`ok`: a success). An end of stream, an
+/// error or a head that cannot be one is a failed exchange: the upstream
+/// had only part of the request.
+fn answer_while_streaming(
+    upstream: &TcpStream,
+    head_request: bool,
+    rbuf: &mut BytesMut,
+    resp: &mut RespHead,
+) -> Result<Option<bool>, Unsent> {
+    let broke = |why: String| Unsent::Refused(Failure::Exchange(why));
+    reserve(rbuf);
+    match upstream.try_read_buf(rbuf) {
+        Ok(0) => return Err(broke("the upstream closed the connection before it had the whole request".into())),
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(None),
+        Err(e) => return Err(broke(format!("reading the response: {e}"))),
+    }
+    loop {
+        match parse_response(rbuf, head_request, resp) {
+            RespParsed::Complete if (100..200).contains(&resp.status) && resp.status != 101 => {
+                rbuf.advance(resp.len);
+                if rbuf.is_empty() {
+                    return Ok(None);
+                }
+            }
+            RespParsed::Complete if resp.status == 101 => {
+                return Err(broke("unexpected 101 Switching Protocols".into()))
+            }
+            RespParsed::Complete => return Ok(Some((200..300).contains(&resp.status))),
+            RespParsed::Partial if rbuf.len() <= MAX_RESPONSE_HEAD => return Ok(None),
+            RespParsed::Partial => return Err(broke("response head too large".into())),
+            RespParsed::Bad(why) => return Err(broke(why.into())),
+        }
+    }
 }
 
 /// Reads the response head of a request written whole.
@@ -727,7 +980,8 @@ async fn read_response_head(
     loop {
         if !rbuf.is_empty() {
             match parse_response(rbuf, head_request, resp) {
-                // Informational answers (we sent no `Expect`) are skipped.
+                // Informational answers (`100 Continue` to a forwarded
+                // `Expect`, or unasked) are skipped.
                 RespParsed::Complete if (100..200).contains(&resp.status) && resp.status != 101 => {
                     rbuf.advance(resp.len);
                     continue;

@@ -68,7 +68,8 @@ fn parse_head(buf: &[u8], limits: ConnLimits, max_body: u64) -> Parsed {
         Err(NotTaken::FencingHopByHop | NotTaken::General) => return Parsed::General,
     };
     let Ok(method) = Method::from_bytes(line.method.as_bytes()) else { return Parsed::General };
-    if line.content_length > max_body.min(MAX_BODY) {
+    // `100 Continue` is hyper's to send here.
+    if line.content_length > max_body.min(MAX_BODY) || line.expect_continue {
         return Parsed::General;
     }
     Parsed::Complete(Head {

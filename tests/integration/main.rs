@@ -16,6 +16,7 @@ mod clients;
 mod crash;
 mod dashboard_series;
 mod examples;
+mod fast_stream;
 mod fastpath;
 mod filestore;
 mod hostile;
