@@ -676,6 +676,13 @@ impl Config {
                 }
             }
         }
+        if let Some(p) = self.cluster.as_ref().map(|c| &c.prefix).filter(|p| !p.ends_with('/')) {
+            out.push(format!(
+                "cluster.prefix {p:?} does not end in '/': the keys of a deployment on a prefix that starts \
+                 with it (\"{p}-b/\") are under it too, and `raise-floor --raft-pad` counts them as this \
+                 deployment's; end it in '/'"
+            ));
+        }
         out
     }
 }
@@ -932,5 +939,15 @@ upstream = "http://127.0.0.1:9"
         let w = c.warnings();
         assert_eq!(w.len(), 1, "{w:?}");
         assert!(w[0].starts_with("routes[2] (rest)") && w[0].contains("routes[0]"), "{w:?}");
+    }
+
+    #[test]
+    fn a_cluster_prefix_without_a_trailing_slash_is_warned_about() {
+        let cluster =
+            |prefix: &str| format!("[cluster]\netcd_endpoints = [\"http://127.0.0.1:2379\"]\nprefix = \"{prefix}\"\n");
+        let w = Config::from_toml(&cluster("/fencegate")).unwrap().warnings();
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(w[0].starts_with("cluster.prefix \"/fencegate\" does not end in '/'"), "{w:?}");
+        assert!(Config::from_toml(&cluster("/fencegate/")).unwrap().warnings().is_empty());
     }
 }
