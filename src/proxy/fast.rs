@@ -258,23 +258,22 @@ async fn serve_one(
     // upstream exchange's start too (one clock read less per request).
     let elapsed = started.elapsed().as_secs_f64();
     route.upstream_duration.observe(elapsed);
-    // Answered while its body streamed: the upstream may read, and apply,
-    // the rest after answering, so the registration stays until the
-    // route's deadline, whatever came of it (the general path's rule). A
-    // body sent whole after an early success keeps its connection open
-    // that long too (the rest may still be in the send queue; the pool's
-    // connections close with a reset).
+    // Answered while its body streamed and then sent whole: the upstream
+    // may read, and apply, the rest after answering, so the registration
+    // stays until the route's deadline, and the connection open that long
+    // (the rest may still be in the send queue; the pool's connections
+    // close with a reset), then what is undelivered is dropped (the general
+    // path's rule). Answered early and not sent whole (the upstream refused
+    // it, or it was cut off): the upstream never gets it whole, nothing to
+    // wait for.
     let early = body.as_ref().and_then(|b| b.early);
     let guard = match (early, guard, &sent) {
         (Some(true), Some(g), Some(Ok(up))) => {
             keep_open_until(deadline, g, up);
             None
         }
-        (Some(_), Some(g), _) => {
-            super::hold_until(deadline, g);
-            None
-        }
-        (_, g, _) => g,
+        (Some(_), _, _) => None,
+        (None, g, _) => g,
     };
     // A streamed body not read to its end leaves the client's connection
     // mid-request: it is closed after the answer.
@@ -837,10 +836,22 @@ async fn exchange(
     if let Some((client, body)) = body.as_mut() {
         let Some(tcp) = upstream.get() else { return Err(Failure::Exchange("the connection was lost".into())) };
         if body.expect && body.remaining > 0 {
-            // The head went: the upload is admitted and on its way.
-            if send(client, b"HTTP/1.1 100 Continue\r\n\r\n", body.send_timeout).await.is_err() {
+            // The head went: the upload is admitted and on its way — unless
+            // a newer fence came meanwhile (no `100 Continue` for a stale
+            // writer), also while a client that reads nothing holds it.
+            let continued = match gate_refuses(gate) {
+                Some(refused) => Err(refused),
+                None => tokio::select! {
+                    biased;
+                    () = aborted(gate) => Err(Failure::Aborted),
+                    sent = send(client, b"HTTP/1.1 100 Continue\r\n\r\n", body.send_timeout) => {
+                        sent.map_err(|_| Failure::ClientBroke)
+                    }
+                },
+            };
+            if let Err(failure) = continued {
                 super::sendq::reset(&*tcp);
-                return Err(Failure::ClientBroke);
+                return Err(failure);
             }
         }
         if let Err(unsent) = stream_body(tcp, client, body, gate, head_request, rbuf, resp).await {

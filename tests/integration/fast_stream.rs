@@ -436,3 +436,40 @@ async fn an_early_success_is_passed_on_only_after_the_whole_body() {
     assert!(by_fast_path(&seen[0]), "{}", seen[0].head);
     assert!(seen[0].body == body, "the upstream got {} of {} bytes", seen[0].body.len(), body.len());
 }
+
+/// Review finding (MEDIUM): an upload the upstream had answered early
+/// (`200` on the head) and that was then cut off — by a newer grant while
+/// its client stalled, or by its client ending it short — held every newer
+/// grant for the route's whole upstream timeout, though the upstream could
+/// never get it whole. Only an upload sent whole after an early answer is
+/// held to the deadline.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_upload_answered_early_and_then_cut_does_not_hold_the_next_grant() {
+    for client_ends_it in [false, true] {
+        let up = RawUpstream::start(Mode::EarlySuccess).await;
+        let (_d, gw) = gateway(&up.url, true, 20_000).await;
+        let http = Http::default();
+        let api = gw.api_url("");
+        let old = acquire(&http, &api, "eager", 60_000, 0).await.unwrap();
+        let body = payload(2 * 1024 * 1024);
+        let mut c = TcpStream::connect(gw.proxy).await.unwrap();
+        c.write_all(&[put_head("/eager", old.token, body.len(), false), body[..256 * 1024].to_vec()].concat())
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        if client_ends_it {
+            c.shutdown().await.unwrap();
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        release(&http, &api, &old).await;
+        let started = Instant::now();
+        acquire(&http, &api, "eager", 60_000, 0).await.unwrap();
+        let took = started.elapsed();
+        assert!(took < Duration::from_secs(2), "client_ends_it={client_ends_it}: the grant waited {took:?}");
+        let mut buf = Vec::new();
+        let (status, _, _) = read_response(&mut c, &mut buf, Duration::from_secs(5)).await.unwrap();
+        assert_eq!(status, if client_ends_it { 400 } else { 409 }, "client_ends_it={client_ends_it}");
+        assert!(by_fast_path(&up.seen()[0]));
+        assert!(!up.seen()[0].complete());
+    }
+}
