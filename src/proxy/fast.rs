@@ -962,21 +962,30 @@ fn answer_while_streaming(
         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(None),
         Err(e) => return Err(broke(format!("reading the response: {e}"))),
     }
+    match final_head(rbuf, head_request, resp) {
+        Ok(true) => Ok(Some((200..300).contains(&resp.status))),
+        Ok(false) => Ok(None),
+        Err(why) => Err(broke(why)),
+    }
+}
+
+/// Parses the upstream's final response head in `rbuf` into `resp`:
+/// `Ok(true)` when it is there, `Ok(false)` when more bytes are needed.
+/// Interim answers (`100 Continue` to a forwarded `Expect`, or unasked) are
+/// skipped; a `101`, a head too large or one that does not parse is the
+/// error.
+fn final_head(rbuf: &mut BytesMut, head_request: bool, resp: &mut RespHead) -> Result<bool, String> {
     loop {
+        if rbuf.is_empty() {
+            return Ok(false);
+        }
         match parse_response(rbuf, head_request, resp) {
-            RespParsed::Complete if (100..200).contains(&resp.status) && resp.status != 101 => {
-                rbuf.advance(resp.len);
-                if rbuf.is_empty() {
-                    return Ok(None);
-                }
-            }
-            RespParsed::Complete if resp.status == 101 => {
-                return Err(broke("unexpected 101 Switching Protocols".into()))
-            }
-            RespParsed::Complete => return Ok(Some((200..300).contains(&resp.status))),
-            RespParsed::Partial if rbuf.len() <= MAX_RESPONSE_HEAD => return Ok(None),
-            RespParsed::Partial => return Err(broke("response head too large".into())),
-            RespParsed::Bad(why) => return Err(broke(why.into())),
+            RespParsed::Complete if (100..200).contains(&resp.status) && resp.status != 101 => rbuf.advance(resp.len),
+            RespParsed::Complete if resp.status == 101 => return Err("unexpected 101 Switching Protocols".into()),
+            RespParsed::Complete => return Ok(true),
+            RespParsed::Partial if rbuf.len() <= MAX_RESPONSE_HEAD => return Ok(false),
+            RespParsed::Partial => return Err("response head too large".into()),
+            RespParsed::Bad(why) => return Err(why.into()),
         }
     }
 }
@@ -989,20 +998,8 @@ async fn read_response_head(
     resp: &mut RespHead,
 ) -> Result<TcpStream, String> {
     loop {
-        if !rbuf.is_empty() {
-            match parse_response(rbuf, head_request, resp) {
-                // Informational answers (`100 Continue` to a forwarded
-                // `Expect`, or unasked) are skipped.
-                RespParsed::Complete if (100..200).contains(&resp.status) && resp.status != 101 => {
-                    rbuf.advance(resp.len);
-                    continue;
-                }
-                RespParsed::Complete if resp.status == 101 => return Err("unexpected 101 Switching Protocols".into()),
-                RespParsed::Complete => return upstream.answered().ok_or_else(|| "the connection was lost".into()),
-                RespParsed::Partial if rbuf.len() <= MAX_RESPONSE_HEAD => {}
-                RespParsed::Partial => return Err("response head too large".into()),
-                RespParsed::Bad(why) => return Err(why.into()),
-            }
+        if final_head(rbuf, head_request, resp)? {
+            return upstream.answered().ok_or_else(|| "the connection was lost".into());
         }
         reserve(rbuf);
         let Some(tcp) = upstream.get() else {
