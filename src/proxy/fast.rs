@@ -861,15 +861,14 @@ async fn exchange(
                 Unsent::Io(e) => Failure::Exchange(format!("writing the request: {e}")),
             });
         }
-        if body.early == Some(false) {
-            // Not sent whole, so not done: nothing more of it goes.
-            return upstream.answered().ok_or_else(|| Failure::Exchange("the connection was lost".into()));
-        }
     }
-    if let Some(g) = guard {
+    let early = body.and_then(|(_, b)| b.early);
+    // An early refusal ended the body: not sent whole, so not done.
+    if let (Some(g), false) = (guard, early == Some(false)) {
         g.ctl().mark_body_done();
     }
-    if body.is_some_and(|(_, b)| b.early.is_some()) {
+    if early.is_some() {
+        // The answer is in `rbuf`/`resp` already.
         return upstream.answered().ok_or_else(|| Failure::Exchange("the connection was lost".into()));
     }
     read_response_head(&mut upstream, head_request, rbuf, resp).await.map_err(Failure::AfterSent)
