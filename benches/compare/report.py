@@ -94,6 +94,10 @@ def main():
     w(f"- versions: {meta['versions']}")
     w(f"- the rest of the machine: before the run, other processes kept the CPUs busy {meta.get('baseline', '?')}; "
       f"load average {meta.get('load_start', '?')} at the start, {meta.get('load_end', '?')} at the end")
+    if meta.get("fsync"):
+        w(f"- the disk: an `fdatasync` of a 4 KiB append in the run's work directory takes {meta['fsync']} "
+          f"(200 in a row, before the run); the durable lock figures (part 3) move with it, fencegate's and "
+          f"Redis's alike but not in the same proportion: where it is cheap, both are bound by CPU per cycle")
     w(f"- method: every measurement repeated {meta['reps']}× (lock service and 64 MiB: "
       f"{'3' if meta['mode'] == 'full' else meta['reps']}×, restart: 3×), interleaved across targets "
       f"(A B C D A B C D …); figures are medians [min–max]; ratios are ratios of medians "

@@ -179,6 +179,25 @@ cpu_snap_early >"$WORK/idle.before"; sleep 2; cpu_snap_early >"$WORK/idle.after"
 BASELINE=$(awk 'NR==FNR { t[$1]=$2; i[$1]=$3; next } { dt=$2-t[$1]; di=$3-i[$1]; printf "%s%s %.0f%%", sep, $1, (dt > 0 ? 100 * (dt - di) / dt : 0); sep=", " }' "$WORK/idle.before" "$WORK/idle.after")
 LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
 log "before the run, other processes kept the CPUs busy: $BASELINE (load average $LOAD_START)"
+# What an fsync costs here: the durable lock figures (parts 3 and 5) move
+# with it, fencegate's and Redis's alike, and not in the same proportion.
+FSYNC=$(python3 - "$WORK" <<'PY'
+import os, statistics, sys, time
+path = os.path.join(sys.argv[1], "fsync-probe")
+fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+block, took = b"x" * 4096, []
+for _ in range(200):
+    os.write(fd, block)
+    t = time.perf_counter()
+    os.fdatasync(fd)
+    took.append((time.perf_counter() - t) * 1e6)
+os.close(fd)
+os.unlink(path)
+took.sort()
+print(f"{statistics.median(took):.0f} µs median, {took[179]:.0f} µs p90")
+PY
+)
+log "an fdatasync of a 4 KiB append in the work directory: $FSYNC (200 in a row)"
 
 pinned() { # cpu cmd...: run cmd pinned to cpu (or unpinned)
     local cpu=$1; shift
@@ -544,7 +563,7 @@ cat >"$WORK/meta.json" <<EOF
  "only_cluster":${ONLY_CLUSTER:-0},"d_cluster":$D_CLUSTER,"cluster_reps":$CLUSTER_REPS,"d_cluster_put":$D_CLUSTER_PUT,
  "reps":$REPS,"d_proxy":$D_PROXY,"d_big":$D_BIG,"d_lock":$D_LOCK,"d_scale":$D_SCALE,"scale_conns":$SCALE_CONNS,
  "build_s":$((T_BUILT - T_START)),"run_s":$((T_END - T_BUILT)),
- "baseline":"$BASELINE","load_start":"$LOAD_START","load_end":"$(cut -d' ' -f1-3 /proc/loadavg)"}
+ "baseline":"$BASELINE","fsync":"$FSYNC","load_start":"$LOAD_START","load_end":"$(cut -d' ' -f1-3 /proc/loadavg)"}
 EOF
 report_rc=0
 python3 "$HERE/report.py" "$RES" "$WORK/meta.json" >"$OUT" || report_rc=$?
