@@ -102,6 +102,11 @@ pub(crate) fn parse_request<'b>(
         Err(_) if buf.starts_with(b"PRI ") => return Err(NotTaken::General),
         Err(e) => return Err(malformed(format!("the request head does not parse: {e}"))),
     };
+    // RFC 9112 §6.1: an HTTP/1.0 request with Transfer-Encoding has faulty
+    // framing. hyper refuses it with an empty body; the JSON error here.
+    if req.version == Some(0) && req.headers.iter().any(|h| h.name.eq_ignore_ascii_case("transfer-encoding")) {
+        return Err(malformed("an HTTP/1.0 request must not carry Transfer-Encoding".into()));
+    }
     let (Some(method), Some(target), Some(1)) = (req.method, req.path, req.version) else {
         return Err(NotTaken::General);
     };

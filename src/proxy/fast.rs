@@ -39,6 +39,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
+use super::headers::SECOND_TARGETS;
 use super::pool::Pool;
 use super::s3::tokens::X_FENCING_TOKENS;
 use super::{path, AccessLine, Admit, FastRoute, Proxy, Route, METHOD_OVERRIDES};
@@ -483,10 +484,13 @@ fn take<'p, 'c>(proxy: &'p Proxy, c: &Conn, checked: &'c path::CheckedPath) -> O
     let FastRoute { route, key, mutation, s3 } = proxy.fast_route(target, path_only, &method, host, checked)?;
     // A header name with an underscore may be an alias of one of ours
     // (`headers::underscore_alias`): the general path decides. So it does
-    // per-resource tokens (`X-Fencing-Tokens`, S3 routes).
+    // per-resource tokens (`X-Fencing-Tokens`, S3 routes) and a second
+    // target (`Destination`: `headers::second_target`).
     if head.forward.iter().any(|(n, _)| {
         let name = &c.buf[n.clone()];
-        name.contains(&b'_') || name.eq_ignore_ascii_case(X_FENCING_TOKENS.as_bytes())
+        name.contains(&b'_')
+            || name.eq_ignore_ascii_case(X_FENCING_TOKENS.as_bytes())
+            || SECOND_TARGETS.iter().any(|t| name.eq_ignore_ascii_case(t.as_bytes()))
     }) {
         return None;
     }

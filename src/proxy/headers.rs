@@ -32,18 +32,43 @@ pub fn fencing_header_named_hop_by_hop() -> crate::error::Error {
 }
 
 /// The headers this gateway reads to decide, or writes for the upstream
-/// to trust: fencing tokens and sequence, method overrides, forwarding.
-const OWN_HEADERS: [&str; 9] = [
+/// to trust: fencing tokens and sequence, method overrides, second
+/// targets, forwarding.
+const OWN_HEADERS: [&str; 11] = [
     "x-fencing-token",
     "x-fencing-tokens",
     "x-fencing-sequence",
     "x-http-method-override",
     "x-http-method",
     "x-method-override",
+    "x-original-url",
+    "x-rewrite-url",
     "x-forwarded-for",
     "x-forwarded-host",
     "x-forwarded-proto",
 ];
+
+/// Headers by which a request names another resource than its path, and
+/// which backends obey: WebDAV's `Destination` (`COPY` and `MOVE` write
+/// there: RFC 4918) and the URL-rewrite headers of IIS, Symfony and Zend
+/// (`X-Original-URL`, `X-Rewrite-URL`: the backend serves that URL instead
+/// of the request line's). The fence of the path does not cover what such
+/// a mutation changes: an outside review overwrote another holder's object
+/// with `COPY /mine` + `Destination: /theirs` under the token of `/mine`.
+pub const SECOND_TARGETS: [&str; 3] = ["destination", "x-original-url", "x-rewrite-url"];
+
+/// The first of [`SECOND_TARGETS`] a request carries.
+pub fn second_target(h: &HeaderMap) -> Option<&'static str> {
+    SECOND_TARGETS.iter().copied().find(|name| h.contains_key(*name))
+}
+
+/// The refusal of a mutation carrying a [`second_target`] on a fenced
+/// HTTP route (400: the request is not one the gateway can fence).
+pub fn second_target_refused(name: &str) -> crate::error::Error {
+    crate::error::Error::BadRequest(format!(
+        "a mutation carrying {name} changes a resource its path does not name, which this gateway cannot fence"
+    ))
+}
 
 /// The first header whose name has an underscore and, read with every `_`
 /// as `-`, is one of [`OWN_HEADERS`] (`X_Fencing_Token`,

@@ -537,6 +537,11 @@ impl Proxy {
         }
         let mutation = route.is_mutation_request(req.method(), req.headers());
         route.check_trailing_slash(checked, mutation)?;
+        if mutation && route.enforce {
+            if let Some(name) = headers::second_target(req.headers()) {
+                return Err(headers::second_target_refused(name).into());
+            }
+        }
         if route.auth {
             // Proxy-Authorization is hop-by-hop: it never reaches the upstream.
             let principal = self.auth.require(req.headers(), "proxy-authorization", client.cert_cn.as_deref())?;

@@ -224,6 +224,52 @@ async fn unlisted_methods_and_trailing_slashes_are_refused_on_both_paths() {
     }
 }
 
+/// A mutation that names a second target in a header backends obey
+/// (WebDAV `Destination`, `X-Original-URL`, `X-Rewrite-URL`) changes what
+/// its path's fence does not cover: an outside review overwrote another
+/// holder's object with `COPY /mine` + `Destination: /theirs`. Refused on
+/// both paths, even with the path's live token; the upstream never sees
+/// it. A read carrying one passes (unless a method override makes it a
+/// mutation), and so does the plain `MOVE` of the holder.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_mutation_naming_a_second_target_is_refused_on_both_paths() {
+    let error = |r: &Raw| serde_json::from_slice::<serde_json::Value>(&r.body).unwrap()["error"].clone();
+    for fast in [true, false] {
+        let rec = Recorder::start().await;
+        let (_d, gw) = gateway(&rec.url(), fast).await;
+        let http = Http::default();
+        let t = acquire(&http, &gw.api_url(""), "orders/1", 10_000, 0).await.unwrap().token;
+        let _theirs = acquire(&http, &gw.api_url(""), "orders/2", 10_000, 0).await.unwrap().token;
+        for (method, extra) in [
+            ("COPY", "Destination: /orders/2"),
+            ("MOVE", "destination: http://front/orders/2"),
+            ("PUT", "X-Original-URL: /orders/2"),
+            ("DELETE", "x-rewrite-url: /orders/2"),
+            ("GET", "X-HTTP-Method-Override: COPY\r\nDestination: /orders/2"),
+        ] {
+            let mut c = Client::connect(gw.proxy).await;
+            let req = format!(
+                "{method} /orders/1 HTTP/1.1\r\nHost: front\r\nX-Fencing-Token: {t}\r\n{extra}\r\nContent-Length: 1\r\n\r\nx"
+            );
+            c.send(req.as_bytes()).await;
+            let r = c.read(false).await;
+            assert_eq!((r.status, error(&r)), (400, serde_json::json!("bad_request")), "{method} {extra} fast={fast}");
+        }
+        assert!(rec.requests().is_empty(), "fast={fast}: {:?}", rec.requests().len());
+        // A read with one passes; the holder's plain MOVE too.
+        for req in [
+            "GET /orders/1 HTTP/1.1\r\nHost: front\r\nDestination: /orders/2\r\n\r\n".to_string(),
+            format!("MOVE /orders/1 HTTP/1.1\r\nHost: front\r\nX-Fencing-Token: {t}\r\nContent-Length: 0\r\n\r\n"),
+        ] {
+            let mut c = Client::connect(gw.proxy).await;
+            c.send(req.as_bytes()).await;
+            assert_eq!(c.read(false).await.status, 200, "{req} fast={fast}");
+        }
+        let seen: Vec<_> = rec.requests().iter().map(|s| s.method.to_string()).collect();
+        assert_eq!(seen, ["GET", "MOVE"], "fast={fast}");
+    }
+}
+
 /// `Connection: X-Fencing-Token` would strip the token after the fence
 /// check, so a backend that checks tokens itself would never see it: both
 /// proxy paths refuse such a request (400) before it reaches the upstream.

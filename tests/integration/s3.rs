@@ -462,10 +462,22 @@ async fn post_object_is_fenced_by_the_key_in_its_form() {
     // AWS replaces ${filename}, s3s does not: the key written is unknown.
     let by_name = form(g.token).replace("uploads/cat.jpg", "uploads/${filename}");
     assert_eq!(http.send(Method::POST, &url, &ct, by_name).await.status, StatusCode::BAD_REQUEST);
-    // Any form POST is a PostObject, whatever its query: fenced by its key.
-    for q in ["?x", "?delete", "?select&select-type=2"] {
-        let r = http.send(Method::POST, &gw.proxy_url(&format!("/bkt{q}")), &ct, form(stale)).await;
-        assert_eq!((r.status, xml_code(&r.body)), (StatusCode::CONFLICT, "StaleFencingToken".to_string()), "{q}");
+    // A form POST with a query is refused even with a live token: servers
+    // differ on it (moto reads `?delete` before the form, s3s the form
+    // first), and so is a form whose Content-Type does not parse strictly
+    // (s3s's parser then sees no form). An outside review deleted another
+    // holder's key through each.
+    for q in ["?x", "?delete", "?select&select-type=2", "?"] {
+        let r = http.send(Method::POST, &gw.proxy_url(&format!("/bkt{q}")), &ct, form(g.token)).await;
+        assert_eq!((r.status, xml_code(&r.body)), (StatusCode::BAD_REQUEST, "BadRequest".to_string()), "{q}");
+    }
+    for lenient in [
+        "multipart/form-data ; boundary=XyZ",
+        "multipart/form-data; boundary = XyZ",
+        "multipart/form-data; boundary=XyZ; a=b c",
+    ] {
+        let r = http.send(Method::POST, &url, &[("content-type", lenient)], form(g.token)).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{lenient}");
     }
     // A second key field, a filename hiding `name=file`, two dispositions,
     // bare-LF header ends: refused, never forwarded.

@@ -28,35 +28,65 @@ pub enum Scan {
     Fields { fields: Vec<(String, String)> },
 }
 
-/// The boundary of a `multipart/form-data` content type.
+/// The boundary of a `multipart/form-data` content type, read strictly:
+/// `multipart/form-data` then `;`-separated parameters, each a token name,
+/// `=` and a token, or a quoted string of token characters and spaces,
+/// with spaces allowed only after a `;`, and exactly one `boundary`.
+/// Servers decide "is this a form" with parsers that differ on the rest
+/// (s3s, with the `mime` crate, refuses `multipart/form-data ; boundary=B`,
+/// which a lenient reading takes for a form: an outside review had such a
+/// POST fenced as a PostObject while s3s ran it as a DeleteObjects), so
+/// what is not in this grammar is no form here and the caller refuses it.
 pub fn boundary(content_type: &str) -> Option<String> {
-    let mut parts = content_type.split(';');
-    if !is_form_data(parts.next()?) {
+    let tchar = |c: u8| c.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&c);
+    let b = content_type.as_bytes();
+    let essence = b.iter().take_while(|&&c| tchar(c) || c == b'/').count();
+    if !content_type[..essence].eq_ignore_ascii_case("multipart/form-data") {
         return None;
     }
+    let mut j = essence;
     let mut found = None;
-    for p in parts {
-        let (n, v) = p.trim().split_once('=')?;
-        if n.trim().eq_ignore_ascii_case("boundary") {
+    while j < b.len() {
+        if b[j] != b';' {
+            return None;
+        }
+        j += 1;
+        while b.get(j).is_some_and(|&c| c == b' ' || c == b'\t') {
+            j += 1;
+        }
+        let name_start = j;
+        while b.get(j).is_some_and(|&c| tchar(c)) {
+            j += 1;
+        }
+        let name = &content_type[name_start..j];
+        if name.is_empty() || b.get(j) != Some(&b'=') {
+            return None;
+        }
+        j += 1;
+        let quoted = b.get(j) == Some(&b'"');
+        let start = if quoted { j + 1 } else { j };
+        j = start;
+        while b.get(j).is_some_and(|&c| tchar(c) || (quoted && c == b' ')) {
+            j += 1;
+        }
+        let value = &content_type[start..j];
+        if quoted {
+            if b.get(j) != Some(&b'"') {
+                return None;
+            }
+            j += 1;
+        }
+        if value.is_empty() {
+            return None;
+        }
+        if name.eq_ignore_ascii_case("boundary") {
             if found.is_some() {
                 return None;
             }
-            let v = v.trim();
-            // A quoted boundary is quoted whole (a `;` inside quotes would
-            // have split it above).
-            let v = match v.strip_prefix('"') {
-                Some(q) => q.strip_suffix('"')?,
-                None => v,
-            };
-            found = Some(v.to_string());
+            found = Some(value.to_string());
         }
     }
-    found.filter(|b| !b.is_empty() && b.len() <= 70 && !b.contains(['"', '\\', '\r', '\n']))
-}
-
-/// Whether a media type (without parameters) is `multipart/form-data`.
-pub fn is_form_data(essence: &str) -> bool {
-    essence.trim().eq_ignore_ascii_case("multipart/form-data")
+    found.filter(|b| b.len() <= 70)
 }
 
 /// Scans `buf` (a prefix of the body) for the fields before the file part.
@@ -279,6 +309,42 @@ mod tests {
             let _ = scan(junk.as_bytes(), "XyZ");
         }
         assert_eq!(boundary("multipart/form-data; boundary="), None);
+        // Only the strict grammar (outside review, F2: what s3s's `mime`
+        // refuses must not be a form here either).
+        for bad in [
+            "multipart/form-data ; boundary=B",
+            "multipart/form-data; boundary = B",
+            "multipart/form-data; boundary =B",
+            "multipart/form-data; boundary= B",
+            "multipart/form-data; boundary=B; x=\"a",
+            "multipart/form-data; boundary=B; a=b c",
+            "multipart/form-data; boundary=B; @=1",
+            "multipart/form-data; boundary=B; x=a\"b",
+            "multipart/form-data; boundary=B;x=(a)",
+            "multipart/form-data; boundary=B; =x",
+            "multipart/form-data; boundary=B; x=",
+            "multipart/form-data; boundary=B;",
+            "multipart/form-data; boundary=B ",
+            "multipart/form-data;; boundary=B",
+            " multipart/form-data; boundary=B",
+            "multipart/form-data; boundary=B, text/xml",
+            "multipart/form-data; boundary=\"a\\\"b\"",
+            "multipart/form-data; boundary=\"\"",
+            "multipart/mixed; boundary=B",
+        ] {
+            assert_eq!(boundary(bad), None, "{bad}");
+        }
+        for (ok, want) in [
+            ("multipart/form-data; boundary=B", "B"),
+            ("Multipart/Form-Data;boundary=B", "B"),
+            (
+                "multipart/form-data; charset=utf-8; boundary=----WebKitFormBoundary7MA4YWxkTrZu0gW",
+                "----WebKitFormBoundary7MA4YWxkTrZu0gW",
+            ),
+            ("multipart/form-data;\tboundary=\"a b\"", "a b"),
+        ] {
+            assert_eq!(boundary(ok).as_deref(), Some(want), "{ok}");
+        }
     }
 
     #[test]

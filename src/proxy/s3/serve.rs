@@ -297,7 +297,9 @@ async fn read_form(req: Request<BoxBody>, limit: u64) -> Result<(Request<BoxBody
     let bad = |m: String| -> ErrorReply { Error::BadRequest(format!("PostObject refused: {m}")).into() };
     let content_type = req.headers().get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
     let Some(boundary) = form::boundary(content_type) else {
-        return Err(bad("a POST to a bucket must be a multipart/form-data upload".into()));
+        return Err(bad("a POST to a bucket must be a multipart/form-data upload whose Content-Type reads \
+             `multipart/form-data; boundary=…` (token parameters, no space before `;` or around `=`)"
+            .into()));
     };
     let (parts, mut body) = req.into_parts();
     let mut buf = BytesMut::new();

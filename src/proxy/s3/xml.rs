@@ -1,15 +1,20 @@
 //! The keys of a `DeleteObjects` body, and nothing else of XML.
 //!
 //! A deliberately strict reader: the body must be the document S3
-//! documents — an optional `<?xml …?>` declaration, `<Delete>` (any
-//! attributes, e.g. `xmlns`), optional `<Quiet>`, and `<Object>` elements
+//! documents — an optional `<?xml …?>` declaration (plain `version`,
+//! `encoding`, `standalone` values), `<Delete>` (attributes, e.g. `xmlns`,
+//! with quoted values free of `<`, `>` and `&`; no other element may have
+//! any), optional `<Quiet>`, and `<Object>` elements
 //! holding `<Key>` and optionally `<VersionId>`, `<ETag>`,
 //! `<LastModifiedTime>`, `<Size>`. Text may use the five predefined
 //! entities and character references. Anything else — comments, CDATA,
 //! a DOCTYPE, processing instructions, namespace prefixes, unknown
 //! elements, an `<Object>` without exactly one `<Key>` — is refused, so a
 //! server can never see a key this reader did not (a refused request is
-//! never forwarded).
+//! never forwarded). Markup is read the way XML reads it where it counts:
+//! a tag ends at the first `>` outside a quoted value (an outside review
+//! had `<Key a=">">VICTIM</Key>` fenced as `">VICTIM` while s3s deleted
+//! `VICTIM`), which is why attributes are refused where S3 has none.
 
 use super::MAX_DELETE_KEYS;
 
@@ -18,12 +23,19 @@ pub fn delete_keys(body: &[u8]) -> Result<Vec<String>, String> {
     let text = std::str::from_utf8(body).map_err(|_| "the body is not UTF-8")?;
     let mut r = Reader { s: text, i: 0 };
     r.skip_ws();
-    if r.rest().starts_with("<?xml") {
-        let end = r.rest().find("?>").ok_or("unterminated XML declaration")?;
-        r.i += end + 2;
+    if let Some(decl) = r.rest().strip_prefix("<?xml") {
+        let end = decl.find("?>").ok_or("unterminated XML declaration")?;
+        // Only what a declaration holds: names, `=`, quotes and plain
+        // values (no `>` or `?` inside a quoted value to end it elsewhere).
+        let inner = &decl[..end];
+        let plain = |b: u8| b.is_ascii_alphanumeric() || b" \t\r\n=\"'._-".contains(&b);
+        if !inner.starts_with([' ', '\t', '\r', '\n']) || !inner.bytes().all(plain) {
+            return Err("an XML declaration other than version, encoding and standalone".into());
+        }
+        r.i += "<?xml".len() + end + 2;
     }
     r.skip_ws();
-    r.open("Delete")?;
+    r.open_root("Delete")?;
     let mut keys = Vec::new();
     loop {
         r.skip_ws();
@@ -120,31 +132,74 @@ impl<'a> Reader<'a> {
         self.i = self.s.len() - trimmed.len();
     }
 
-    /// `<Name attr…>`: the name (a plain name, no prefix, not self-closing).
+    /// `<Name>`: the name (a plain name, no prefix, not self-closing, no
+    /// attributes: S3 puts none on the elements inside `<Delete>`).
     fn open_any(&mut self) -> Result<String, String> {
-        let rest = self.rest();
-        let Some(inner) = rest.strip_prefix('<') else {
-            return Err("expected an element".into());
-        };
-        let end = inner.find('>').ok_or("unterminated tag")?;
-        let tag = &inner[..end];
-        if tag.ends_with('/') {
-            return Err(format!("unexpected empty element <{tag}>"));
-        }
-        let name = tag.split([' ', '\t', '\r', '\n']).next().unwrap_or("");
-        if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric()) {
-            return Err(format!("unexpected markup <{}", tag.chars().take(40).collect::<String>()));
-        }
-        self.i += 1 + end + 1;
-        Ok(name.to_string())
+        self.open_tag(false)
     }
 
-    fn open(&mut self, want: &str) -> Result<(), String> {
-        let name = self.open_any()?;
+    /// `<want attr…>`, the document's root: attributes allowed (`xmlns`).
+    fn open_root(&mut self, want: &str) -> Result<(), String> {
+        let name = self.open_tag(true)?;
         if name != want {
             return Err(format!("expected <{want}>, found <{name}>"));
         }
         Ok(())
+    }
+
+    /// A start tag, read the way XML reads it: attribute values are quoted
+    /// and may hold a `>`, so the tag ends at the first `>` outside them.
+    /// Stricter than XML: no space around `=`, and a value holding `<`,
+    /// `>` or `&` is refused.
+    fn open_tag(&mut self, attributes: bool) -> Result<String, String> {
+        let rest = self.rest();
+        let Some(inner) = rest.strip_prefix('<') else {
+            return Err("expected an element".into());
+        };
+        let b = inner.as_bytes();
+        let mut j = b.iter().take_while(|c| c.is_ascii_alphanumeric()).count();
+        let name = &inner[..j];
+        let markup = || format!("unexpected markup <{}", inner.chars().take(40).collect::<String>());
+        if name.is_empty() {
+            return Err(markup());
+        }
+        let is_ws = |c: u8| matches!(c, b' ' | b'\t' | b'\r' | b'\n');
+        loop {
+            let spaced = b.get(j).is_some_and(|&c| is_ws(c));
+            while b.get(j).is_some_and(|&c| is_ws(c)) {
+                j += 1;
+            }
+            match b.get(j) {
+                None => return Err("unterminated tag".into()),
+                Some(b'>') => break,
+                Some(b'/') => return Err(format!("unexpected empty element <{name}/>")),
+                Some(_) if !attributes => return Err(format!("an attribute on <{name}>")),
+                Some(_) if !spaced => return Err(markup()),
+                Some(_) => {
+                    let start = j;
+                    while b.get(j).is_some_and(|&c| c.is_ascii_alphanumeric() || b":_.-".contains(&c)) {
+                        j += 1;
+                    }
+                    let quote = match (j > start, b.get(j), b.get(j + 1)) {
+                        (true, Some(b'='), Some(&q @ (b'"' | b'\''))) => q,
+                        _ => return Err(format!("a malformed attribute on <{name}>")),
+                    };
+                    j += 2;
+                    while let Some(&c) = b.get(j).filter(|&&c| c != quote) {
+                        if matches!(c, b'<' | b'>' | b'&') {
+                            return Err(format!("an attribute value with {:?} on <{name}>", c as char));
+                        }
+                        j += 1;
+                    }
+                    if j == b.len() {
+                        return Err("unterminated attribute value".into());
+                    }
+                    j += 1;
+                }
+            }
+        }
+        self.i += 1 + j + 1;
+        Ok(name.to_string())
     }
 
     fn close(&mut self, want: &str) -> Result<(), String> {
@@ -218,6 +273,17 @@ mod tests {
     }
 
     #[test]
+    fn the_root_s_attributes_are_read_quote_aware() {
+        for ok in [
+            "<Delete xmlns=\"http://s3.amazonaws.com/doc/2006-03-01/\"><Object><Key>k</Key></Object></Delete>",
+            "<Delete xmlns='http://s3.amazonaws.com/doc/2006-03-01/' a=\"b\"><Object><Key>k</Key></Object></Delete>",
+            "<?xml version='1.0' encoding=\"utf-8\" standalone=\"yes\"?>\n<Delete\n xmlns=\"u\" ><Object><Key>k</Key></Object></Delete>",
+        ] {
+            assert_eq!(delete_keys(ok.as_bytes()).unwrap(), vec!["k".to_string()], "{ok}");
+        }
+    }
+
+    #[test]
     fn anything_unexpected_is_refused() {
         for bad in [
             "",
@@ -233,6 +299,22 @@ mod tests {
             "<Delete><Object><Key>a</Key></Object></Delete><Delete/>",
             "<Delete><Object><Key>a</Key></Object>",
             "<Delete><Object><Key/></Object></Delete>",
+            // A `>` inside a quoted value does not end the tag (XML), and
+            // only <Delete> may have attributes (outside review, F1).
+            "<Delete><Object><Key a=\">\">VICTIM</Key></Object></Delete>",
+            "<Delete><Object><Key a='>mine/'>VICTIM</Key></Object></Delete>",
+            "<Delete><Object a=\"1\"><Key>a</Key></Object></Delete>",
+            "<Delete><Quiet a=\"1\">true</Quiet><Object><Key>a</Key></Object></Delete>",
+            "<Delete x=\">\"><Object><Key>a</Key></Object></Delete>",
+            "<Delete x=\"<\"><Object><Key>a</Key></Object></Delete>",
+            "<Delete x=\"&amp;\"><Object><Key>a</Key></Object></Delete>",
+            "<Delete x=\"a><Object><Key>a</Key></Object></Delete>",
+            "<Delete x = \"a\"><Object><Key>a</Key></Object></Delete>",
+            "<Delete x=a><Object><Key>a</Key></Object></Delete>",
+            "<Delete\"x\"><Object><Key>a</Key></Object></Delete>",
+            "<?xml version=\"1.0?>\"?><Delete><Object><Key>a</Key></Object></Delete>",
+            "<?xml version=\"1.0\" x=\"<\"?><Delete><Object><Key>a</Key></Object></Delete>",
+            "<?xmlfoo?><Delete><Object><Key>a</Key></Object></Delete>",
         ] {
             assert!(delete_keys(bad.as_bytes()).is_err(), "{bad}");
         }
