@@ -53,6 +53,57 @@ pub fn json(value: &serde_json::Value) -> BoxBody {
     full(value.to_string())
 }
 
+/// `body` with every data frame shown to `check` before it is passed on:
+/// the first `Err` ends the body with that error instead of the frame, so
+/// what comes after it never goes further.
+pub fn checked<F>(body: BoxBody, check: F) -> BoxBody
+where
+    F: FnMut(&[u8]) -> Result<(), String> + Send + Unpin + 'static,
+{
+    Checked { body, check, failed: false }.boxed_unsync()
+}
+
+struct Checked<F> {
+    body: BoxBody,
+    check: F,
+    failed: bool,
+}
+
+impl<F> http_body::Body for Checked<F>
+where
+    F: FnMut(&[u8]) -> Result<(), String> + Send + Unpin + 'static,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+        if self.failed || self.body.is_end_stream() {
+            return std::task::Poll::Ready(None);
+        }
+        let polled = std::pin::Pin::new(&mut self.body).poll_frame(cx);
+        if let std::task::Poll::Ready(Some(Ok(frame))) = &polled {
+            if let Some(data) = frame.data_ref() {
+                if let Err(e) = (self.check)(data) {
+                    self.failed = true;
+                    return std::task::Poll::Ready(Some(Err(e.into())));
+                }
+            }
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.failed || self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
 /// A body of `prefix` (bytes already read from `rest`'s stream) followed
 /// by the rest of that stream, frames and trailers unchanged.
 pub fn prefixed(prefix: Bytes, rest: BoxBody) -> BoxBody {

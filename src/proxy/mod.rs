@@ -537,7 +537,10 @@ impl Proxy {
         }
         let mutation = route.is_mutation_request(req.method(), req.headers());
         route.check_trailing_slash(checked, mutation)?;
-        if mutation && route.enforce {
+        // In shadow mode too, as the path rule: a second target may be
+        // another route's, enforced (outside review: a shadow route's COPY
+        // overwrote an enforced route's object without a token).
+        if mutation {
             if let Some(name) = headers::second_target(req.headers()) {
                 return Err(headers::second_target_refused(name).into());
             }

@@ -24,14 +24,16 @@
 pub enum Scan {
     /// The file part has not begun yet: read more.
     NeedMore,
-    /// Every field before the file part (names lower-case).
-    Fields { fields: Vec<(String, String)> },
+    /// Every field before the file part (names lower-case), and where
+    /// the file's content begins in the buffer scanned.
+    Fields { fields: Vec<(String, String)>, content: usize },
 }
 
 /// The boundary of a `multipart/form-data` content type, read strictly:
 /// `multipart/form-data` then `;`-separated parameters, each a token name,
 /// `=` and a token, or a quoted string of token characters and spaces,
-/// with spaces allowed only after a `;`, and exactly one `boundary`.
+/// with spaces (not tabs: s3s refuses them) allowed only after a `;`, and
+/// exactly one `boundary`.
 /// Servers decide "is this a form" with parsers that differ on the rest
 /// (s3s, with the `mime` crate, refuses `multipart/form-data ; boundary=B`,
 /// which a lenient reading takes for a form: an outside review had such a
@@ -51,7 +53,7 @@ pub fn boundary(content_type: &str) -> Option<String> {
             return None;
         }
         j += 1;
-        while b.get(j).is_some_and(|&c| c == b' ' || c == b'\t') {
+        while b.get(j) == Some(&b' ') {
             j += 1;
         }
         let name_start = j;
@@ -128,8 +130,14 @@ pub fn scan(buf: &[u8], boundary: &str) -> Result<Scan, String> {
         if fields.iter().any(|(n, _)| *n == lower) {
             return Err(format!("the field {name:?} appears twice"));
         }
+        // The key's field exactly `key`: moto reads names case-sensitively
+        // (an outside review had `KEY` fenced and a later `key` written).
+        if lower == "key" && name != "key" {
+            return Err(format!("a part named {name:?}: the object key's field is named \"key\""));
+        }
         if name == "file" {
-            return Ok(Scan::Fields { fields });
+            let content = buf.len() - rest.len() + head_end + 4;
+            return Ok(Scan::Fields { fields, content });
         }
         if filename.is_some() {
             return Err(format!("the part {name:?} has a filename but is not the file part"));
@@ -142,6 +150,57 @@ pub fn scan(buf: &[u8], boundary: &str) -> Result<Scan, String> {
         let value = std::str::from_utf8(&rest[body_start..body_start + len]).map_err(|_| "a field is not UTF-8")?;
         fields.push((lower, value.to_string()));
         at = buf.len() - rest.len() + body_start + len + close.len();
+    }
+}
+
+/// Watches the bytes of a form from its file's content on: the next
+/// delimiter must close the form (`--boundary--`). S3 ignores fields after
+/// the file part, but other servers read them (moto took a `key` field
+/// after the file for the object's key), and the scan above stops at the
+/// file: a part after it makes [`AfterFile::feed`] fail, and the caller
+/// cuts the upload off there (the upstream never gets it whole).
+#[derive(Debug)]
+pub struct AfterFile {
+    delim: Vec<u8>,
+    /// Bytes still to skip (the fields, read by [`scan`]).
+    skip: usize,
+    /// The end of what was fed, kept to find a delimiter split across feeds.
+    tail: Vec<u8>,
+    closed: bool,
+}
+
+impl AfterFile {
+    /// For a form with `boundary` whose file content begins `content`
+    /// bytes into the body.
+    pub fn new(boundary: &str, content: usize) -> AfterFile {
+        AfterFile { delim: format!("\r\n--{boundary}").into_bytes(), skip: content, tail: Vec::new(), closed: false }
+    }
+
+    /// Takes the next bytes of the body; `Err` at a part after the file.
+    pub fn feed(&mut self, data: &[u8]) -> Result<(), String> {
+        let skipped = self.skip.min(data.len());
+        self.skip -= skipped;
+        let data = &data[skipped..];
+        if self.closed || data.is_empty() {
+            return Ok(());
+        }
+        let mut seen = std::mem::take(&mut self.tail);
+        seen.extend_from_slice(data);
+        // The first delimiter after the file decides.
+        if let Some(at) = find(&seen, &self.delim) {
+            let after = at + self.delim.len();
+            match seen.get(after..after + 2) {
+                Some(b"--") => {
+                    self.closed = true;
+                    return Ok(());
+                }
+                Some(_) => return Err("a part after the file part".into()),
+                None => {}
+            }
+        }
+        let keep = self.delim.len() + 1;
+        self.tail = seen[seen.len().saturating_sub(keep)..].to_vec();
+        Ok(())
     }
 }
 
@@ -285,9 +344,27 @@ mod tests {
         assert_eq!(boundary("multipart/form-data; boundary=a; boundary=b"), None);
         assert_eq!(boundary("multipart/form-data; boundary=\"a;b\""), None);
         assert_eq!(boundary("multipart/form-data; boundary=\"ab"), None);
-        let Scan::Fields { fields } = scan(FORM.as_bytes(), "XyZ").unwrap() else { panic!() };
+        let Scan::Fields { fields, .. } = scan(FORM.as_bytes(), "XyZ").unwrap() else { panic!() };
         assert_eq!(object_key(&fields).as_deref(), Ok("uploads/cat.jpg"));
         assert_eq!(fields.iter().find(|(n, _)| n == TOKEN_FIELD).map(|(_, v)| v.as_str()), Some("42"));
+    }
+
+    #[test]
+    fn a_part_after_the_file_part_is_seen_wherever_the_body_is_split() {
+        let (head, rest) = FORM.split_at(FORM.find("JPEGDATA").unwrap());
+        let Scan::Fields { content, .. } = scan(FORM.as_bytes(), "XyZ").unwrap() else { panic!() };
+        assert_eq!(content, head.len());
+        let late_key = "JPEGDATA\r\n--XyZ\r\nContent-Disposition: form-data; name=\"key\"\r\n\r\nvictim\r\n--XyZ--\r\n";
+        for (body, fine) in [(format!("{head}{rest}"), true), (format!("{head}{late_key}"), false)] {
+            for cut in 0..body.len() {
+                let mut w = AfterFile::new("XyZ", content);
+                let r = w.feed(&body.as_bytes()[..cut]).and_then(|()| w.feed(&body.as_bytes()[cut..]));
+                assert_eq!(r.is_ok(), fine, "cut at {cut}");
+            }
+        }
+        // The fields before the file are skipped, whatever they hold.
+        let mut w = AfterFile::new("XyZ", content);
+        assert!(w.feed(FORM.as_bytes()).is_ok());
     }
 
     #[test]
@@ -331,6 +408,7 @@ mod tests {
             "multipart/form-data; boundary=\"a\\\"b\"",
             "multipart/form-data; boundary=\"\"",
             "multipart/mixed; boundary=B",
+            "multipart/form-data;\tboundary=B",
         ] {
             assert_eq!(boundary(bad), None, "{bad}");
         }
@@ -341,7 +419,7 @@ mod tests {
                 "multipart/form-data; charset=utf-8; boundary=----WebKitFormBoundary7MA4YWxkTrZu0gW",
                 "----WebKitFormBoundary7MA4YWxkTrZu0gW",
             ),
-            ("multipart/form-data;\tboundary=\"a b\"", "a b"),
+            ("multipart/form-data;  boundary=\"a b\"", "a b"),
         ] {
             assert_eq!(boundary(ok).as_deref(), Some(want), "{ok}");
         }
@@ -404,17 +482,17 @@ mod tests {
             assert!(scan(form.as_bytes(), "b").is_err(), "{form:?}");
         }
         let fine = format!("{}{FILE}", key("mine"));
-        let Scan::Fields { fields } = scan(fine.as_bytes(), "b").unwrap() else { panic!() };
+        let Scan::Fields { fields, .. } = scan(fine.as_bytes(), "b").unwrap() else { panic!() };
         assert_eq!(object_key(&fields).as_deref(), Ok("mine"));
         let unquoted = format!("{}{FILE}", part("content-disposition:form-data;name=key", "k2"));
-        let Scan::Fields { fields } = scan(unquoted.as_bytes(), "b").unwrap() else { panic!() };
+        let Scan::Fields { fields, .. } = scan(unquoted.as_bytes(), "b").unwrap() else { panic!() };
         assert_eq!(object_key(&fields).as_deref(), Ok("k2"));
     }
 
     #[test]
     fn a_key_naming_the_filename_is_refused() {
         let form = format!("{}{FILE}", part("Content-Disposition: form-data; name=\"key\"", "up/${filename}"));
-        let Scan::Fields { fields } = scan(form.as_bytes(), "b").unwrap() else { panic!() };
+        let Scan::Fields { fields, .. } = scan(form.as_bytes(), "b").unwrap() else { panic!() };
         assert!(object_key(&fields).is_err());
     }
 }

@@ -56,6 +56,18 @@ impl Proxy {
                     aws_chunked(req.headers()).map_err(|e| Error::BadRequest(format!("DeleteObjects refused: {e}")))?;
                 let decoded;
                 let body = if aws_chunked {
+                    // s3s reads through the framing only for a SigV4
+                    // `Authorization` header; signed otherwise (SigV2, a
+                    // presigned URL) it parses the framed bytes as XML, and
+                    // a chunk header lands inside a key (outside review).
+                    if !sigv4_header_signed(req.headers()) {
+                        return Err(Error::BadRequest(
+                            "DeleteObjects refused: an aws-chunked body needs an `Authorization: AWS4-HMAC-SHA256` \
+                             header (servers read it otherwise without one)"
+                                .into(),
+                        )
+                        .into());
+                    }
                     decoded = xml::aws_unchunk(&body)
                         .map_err(|e| Error::BadRequest(format!("DeleteObjects refused: its aws-chunked body: {e}")))?;
                     &decoded[..]
@@ -219,6 +231,13 @@ impl Proxy {
     }
 }
 
+/// Whether a request carries one `Authorization` header of SigV4
+/// (`AWS4-HMAC-SHA256 …`) and no presigned signature in its query.
+fn sigv4_header_signed(headers: &http::HeaderMap) -> bool {
+    let mut all = headers.get_all(header::AUTHORIZATION).iter();
+    matches!((all.next(), all.next()), (Some(v), None) if v.as_bytes().starts_with(b"AWS4-HMAC-SHA256 "))
+}
+
 /// Whether a body is aws-chunked. A server may decide it from
 /// `Content-Encoding: aws-chunked` or from `x-amz-content-sha256:
 /// STREAMING-…` (s3s reads the latter): the two must agree, and each may
@@ -306,7 +325,7 @@ async fn read_form(req: Request<BoxBody>, limit: u64) -> Result<(Request<BoxBody
     let read = async {
         loop {
             match form::scan(&buf, &boundary) {
-                Ok(Scan::Fields { fields }) => return Ok(fields),
+                Ok(Scan::Fields { fields, content }) => return Ok((fields, content)),
                 Ok(Scan::NeedMore) => {}
                 Err(e) => return Err(bad(e)),
             }
@@ -324,11 +343,17 @@ async fn read_form(req: Request<BoxBody>, limit: u64) -> Result<(Request<BoxBody
             }
         }
     };
-    let fields = match tokio::time::timeout(SCAN_TIMEOUT, read).await {
+    let (fields, content) = match tokio::time::timeout(SCAN_TIMEOUT, read).await {
         Ok(r) => r?,
         Err(_) => return Err(Error::BodyTimeout { timeout_ms: 30_000 }.into()),
     };
-    let body = crate::body::prefixed(buf.freeze(), body);
+    // The fields after the file part, which this scan does not read, must
+    // not exist: the upload is cut off at one (`form::AfterFile`).
+    let mut after = form::AfterFile::new(&boundary, content);
+    if let Err(e) = after.feed(&buf) {
+        return Err(bad(e));
+    }
+    let body = crate::body::prefixed(buf.freeze(), crate::body::checked(body, move |d| after.feed(d)));
     Ok((Request::from_parts(parts, body), fields))
 }
 

@@ -32,6 +32,20 @@ pub fn delete_keys(body: &[u8]) -> Result<Vec<String>, String> {
         if !inner.starts_with([' ', '\t', '\r', '\n']) || !inner.bytes().all(plain) {
             return Err("an XML declaration other than version, encoding and standalone".into());
         }
+        // The body is read as UTF-8; a server that decodes it in a declared
+        // encoding reads other keys (moto deleted `…Ã©` for `…é` under
+        // ISO-8859-1: outside review). Only UTF-8 may be declared.
+        let compact: String = inner.chars().filter(|c| !c.is_ascii_whitespace()).collect();
+        let mut declared = compact.match_indices("encoding");
+        if let Some((at, _)) = declared.next() {
+            let value = compact[at + "encoding".len()..].strip_prefix('=').and_then(|v| {
+                let quote = v.chars().next().filter(|q| *q == '"' || *q == '\'')?;
+                v[1..].split(quote).next()
+            });
+            if declared.next().is_some() || !value.is_some_and(|v| v.eq_ignore_ascii_case("utf-8")) {
+                return Err("an XML declaration naming an encoding other than UTF-8".into());
+            }
+        }
         r.i += "<?xml".len() + end + 2;
     }
     r.skip_ws();
@@ -278,6 +292,7 @@ mod tests {
             "<Delete xmlns=\"http://s3.amazonaws.com/doc/2006-03-01/\"><Object><Key>k</Key></Object></Delete>",
             "<Delete xmlns='http://s3.amazonaws.com/doc/2006-03-01/' a=\"b\"><Object><Key>k</Key></Object></Delete>",
             "<?xml version='1.0' encoding=\"utf-8\" standalone=\"yes\"?>\n<Delete\n xmlns=\"u\" ><Object><Key>k</Key></Object></Delete>",
+            "<?xml version=\"1.0\" encoding = 'UTF-8'?><Delete><Object><Key>k</Key></Object></Delete>",
         ] {
             assert_eq!(delete_keys(ok.as_bytes()).unwrap(), vec!["k".to_string()], "{ok}");
         }
@@ -315,6 +330,10 @@ mod tests {
             "<?xml version=\"1.0?>\"?><Delete><Object><Key>a</Key></Object></Delete>",
             "<?xml version=\"1.0\" x=\"<\"?><Delete><Object><Key>a</Key></Object></Delete>",
             "<?xmlfoo?><Delete><Object><Key>a</Key></Object></Delete>",
+            "<?xml version=\"1.0\" encoding=\"ISO-8859-1\"?><Delete><Object><Key>a</Key></Object></Delete>",
+            "<?xml version=\"1.0\" encoding='windows-1252'?><Delete><Object><Key>a</Key></Object></Delete>",
+            "<?xml version=\"1.0\" encoding=\"utf-8\" encoding=\"koi8-r\"?><Delete><Object><Key>a</Key></Object></Delete>",
+            "<?xml version=\"1.0\" encoding=utf-8?><Delete><Object><Key>a</Key></Object></Delete>",
         ] {
             assert!(delete_keys(bad.as_bytes()).is_err(), "{bad}");
         }
