@@ -225,6 +225,8 @@ impl Moto {
             let port = free_port();
             let mut child = Command::new(repo().join(".venv/bin/moto_server"))
                 .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+                // Path style only, as docs/s3.md says to run moto.
+                .env("S3_IGNORE_SUBDOMAIN_BUCKETNAME", "true")
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
                 .spawn()

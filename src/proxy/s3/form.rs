@@ -148,6 +148,12 @@ pub fn scan(buf: &[u8], boundary: &str) -> Result<Scan, String> {
             return Ok(Scan::NeedMore);
         };
         let value = std::str::from_utf8(&rest[body_start..body_start + len]).map_err(|_| "a field is not UTF-8")?;
+        // Another parser ends a part at a bare LF or CR before the
+        // delimiter too (werkzeug, so moto): a value holding one would
+        // hide a part (outside review: a second `key` inside a field).
+        if value.contains(&format!("\n{delim}")) || value.contains(&format!("\r{delim}")) {
+            return Err(format!("the field {name:?} holds its form's boundary after a line break"));
+        }
         fields.push((lower, value.to_string()));
         at = buf.len() - rest.len() + body_start + len + close.len();
     }
@@ -173,7 +179,7 @@ impl AfterFile {
     /// For a form with `boundary` whose file content begins `content`
     /// bytes into the body.
     pub fn new(boundary: &str, content: usize) -> AfterFile {
-        AfterFile { delim: format!("\r\n--{boundary}").into_bytes(), skip: content, tail: Vec::new(), closed: false }
+        AfterFile { delim: format!("--{boundary}").into_bytes(), skip: content, tail: Vec::new(), closed: false }
     }
 
     /// Takes the next bytes of the body; `Err` at a part after the file.
@@ -186,8 +192,15 @@ impl AfterFile {
         }
         let mut seen = std::mem::take(&mut self.tail);
         seen.extend_from_slice(data);
-        // The first delimiter after the file decides.
-        if let Some(at) = find(&seen, &self.delim) {
+        // The first delimiter after the file decides: `--boundary` after a
+        // line break, CRLF or (as werkzeug, so moto, also reads it) a bare
+        // LF or CR.
+        let mut from = 0;
+        while let Some(at) = find(&seen[from..], &self.delim).map(|i| from + i) {
+            from = at + 1;
+            if !(at > 0 && matches!(seen[at - 1], b'\n' | b'\r')) {
+                continue;
+            }
             let after = at + self.delim.len();
             match seen.get(after..after + 2) {
                 Some(b"--") => {
@@ -195,10 +208,10 @@ impl AfterFile {
                     return Ok(());
                 }
                 Some(_) => return Err("a part after the file part".into()),
-                None => {}
+                None => break,
             }
         }
-        let keep = self.delim.len() + 1;
+        let keep = self.delim.len() + 2;
         self.tail = seen[seen.len().saturating_sub(keep)..].to_vec();
         Ok(())
     }
@@ -355,12 +368,32 @@ mod tests {
         let Scan::Fields { content, .. } = scan(FORM.as_bytes(), "XyZ").unwrap() else { panic!() };
         assert_eq!(content, head.len());
         let late_key = "JPEGDATA\r\n--XyZ\r\nContent-Disposition: form-data; name=\"key\"\r\n\r\nvictim\r\n--XyZ--\r\n";
-        for (body, fine) in [(format!("{head}{rest}"), true), (format!("{head}{late_key}"), false)] {
+        let bare_lf = late_key.replacen("\r\n--XyZ\r\n", "\n--XyZ\r\n", 1);
+        let bare_cr = late_key.replacen("\r\n--XyZ\r\n", "\r--XyZ\r\n", 1);
+        let mid_line = "JPEG--XyZDATA\r\n--XyZ--\r\n";
+        for (body, fine) in [
+            (format!("{head}{rest}"), true),
+            (format!("{head}{mid_line}"), true),
+            (format!("{head}{late_key}"), false),
+            (format!("{head}{bare_lf}"), false),
+            (format!("{head}{bare_cr}"), false),
+        ] {
             for cut in 0..body.len() {
                 let mut w = AfterFile::new("XyZ", content);
                 let r = w.feed(&body.as_bytes()[..cut]).and_then(|()| w.feed(&body.as_bytes()[cut..]));
                 assert_eq!(r.is_ok(), fine, "cut at {cut}");
             }
+        }
+        // A field value that holds the boundary after a bare LF or CR: a
+        // part werkzeug (so moto) sees and this scan would not.
+        for brk in ["\n", "\r"] {
+            let hidden = FORM.replacen(
+                "--XyZ\r\nContent-Disposition: form-data; name=\"key\"",
+                &format!("--XyZ\r\nContent-Disposition: form-data; name=\"x-amz-meta-a\"\r\n\r\nz{brk}--XyZ\r\nContent-Disposition: form-data; name=\"k2\"\r\n\r\nvictim\r\n--XyZ\r\nContent-Disposition: form-data; name=\"key\""),
+                1,
+            );
+            assert!(hidden.contains("victim"), "{hidden}");
+            assert!(scan(hidden.as_bytes(), "XyZ").is_err(), "{brk:?}");
         }
         // The fields before the file are skipped, whatever they hold.
         let mut w = AfterFile::new("XyZ", content);
