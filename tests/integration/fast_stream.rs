@@ -373,10 +373,20 @@ async fn a_streamed_body_that_ends_early_is_never_completed_upstream_on_both_pat
         if let Some((status, _, _)) = read_response(&mut c, &mut buf, Duration::from_secs(5)).await {
             assert_eq!(status, 400, "fast={fast}");
         }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        let seen = up.seen();
-        assert_eq!(by_fast_path(&seen[0]), fast, "fast={fast}");
-        assert!(!seen[0].complete(), "fast={fast}");
+        // Under load the client's early end may be seen before the upstream
+        // connection is made: then nothing is forwarded, which is as safe
+        // (a CI run hit it once); else the truncated request came through
+        // the path under test.
+        let waited = Instant::now();
+        let mut seen = up.seen();
+        while seen.is_empty() && waited.elapsed() < Duration::from_secs(3) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            seen = up.seen();
+        }
+        if let Some(first) = seen.first() {
+            assert_eq!(by_fast_path(first), fast, "fast={fast}");
+        }
+        assert!(seen.iter().all(|s| !s.complete()), "fast={fast}");
         release(&http, &api, &g).await;
         let started = Instant::now();
         acquire(&http, &api, "short", 60_000, 0).await.unwrap();

@@ -153,6 +153,46 @@ fn is_form_post(headers: &HeaderMap) -> Result<bool, Error> {
     Ok(String::from_utf8_lossy(ct.as_bytes()).to_ascii_lowercase().contains("multipart"))
 }
 
+/// A mutation must be an S3 request about the bucket it names: not one
+/// to an access point or S3 Control host (the bucket behind it is not the
+/// path's: moto swapped it in even in path-style mode), and not one signed
+/// for another service (a server that hosts several, as moto does, routes
+/// it by its credential scope). An outside review wrote another holder's
+/// object through an access point host.
+fn s3_only(headers: &HeaderMap, uri: &Uri) -> Result<(), Error> {
+    let bad = |m: &str| Error::BadRequest(format!("S3 request refused: {m}"));
+    let hosts = headers.get_all(header::HOST).iter().map(|h| h.as_bytes().to_ascii_lowercase());
+    for host in hosts.chain(uri.authority().map(|a| a.as_str().as_bytes().to_ascii_lowercase())) {
+        if host.windows(14).any(|w| w == b"s3-accesspoint") || host.windows(10).any(|w| w == b"s3-control") {
+            return Err(bad("an access point or S3 Control host names a bucket this gateway cannot see"));
+        }
+    }
+    let scopes = headers
+        .get_all(header::AUTHORIZATION)
+        .iter()
+        .filter_map(|v| {
+            let v = v.to_str().ok()?;
+            let at = v.find("Credential=")? + "Credential=".len();
+            Some(v[at..].split([',', ' ']).next().unwrap_or("").to_string())
+        })
+        .chain(uri.query().into_iter().flat_map(|q| q.split('&')).filter_map(|p| {
+            let (n, v) = p.split_once('=')?;
+            n.eq_ignore_ascii_case("x-amz-credential").then(|| percent_decode(v).unwrap_or_default())
+        }));
+    for scope in scopes {
+        // `AK/20260101/us-east-1/s3/aws4_request`: the service is the
+        // next-to-last part.
+        let service = scope.rsplit('/').nth(1).unwrap_or("");
+        if service != "s3" {
+            return Err(bad(&format!("signed for the service {service:?}, not s3")));
+        }
+    }
+    Ok(())
+}
+
+/// First path segments that S3-compatible servers route to other APIs.
+const OTHER_APIS: [&str; 2] = ["moto-api", "v20180820"];
+
 /// Object subresources whose POST reads and changes nothing.
 const READ_ONLY_POSTS: [&str; 2] = ["select", "select-type"];
 
@@ -340,6 +380,12 @@ impl S3Kind {
         if bucket.len() > 255 || !bucket.bytes().all(bucket_char) || bucket == "." || bucket == ".." {
             return Err(bad(format!("{bucket:?} is not a bucket name")));
         }
+        // Path prefixes that servers route to other APIs than S3: moto's
+        // admin app (`POST /moto-api/reset` wiped every bucket through an
+        // S3 route: outside review) and the S3 Control API.
+        if OTHER_APIS.iter().any(|p| bucket.eq_ignore_ascii_case(p)) {
+            return Err(bad(format!("/{bucket}/ is another API than S3 on some servers")));
+        }
         let key = percent_decode(raw_key).map_err(|e| bad(format!("key: {e}")))?;
         if !key.is_empty() {
             check_key(&key).map_err(bad)?;
@@ -357,6 +403,7 @@ impl S3Kind {
         let subs = subresources(uri.query());
         if !read {
             self.check_host(headers, uri)?;
+            s3_only(headers, uri)?;
         }
         if *method == Method::POST && is_form_post(headers)? {
             // Servers disagree on a form POST with a query: s3s takes it
@@ -530,6 +577,30 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn requests_for_other_apis_than_s3_are_refused() {
+        let k = kind("");
+        let v4 = |service: &str| {
+            format!("AWS4-HMAC-SHA256 Credential=AK/20260101/us-east-1/{service}/aws4_request, SignedHeaders=host, Signature=0")
+        };
+        assert!(plan(&k, "PUT", "/bkt/k", &[("authorization", &v4("s3"))]).is_ok());
+        let sqs = v4("sqs");
+        for (target, headers) in [
+            ("/moto-api/reset", vec![]),
+            ("/v20180820/accesspoint/ap", vec![]),
+            ("/bkt/k", vec![("host", "ap-123456789012.s3-accesspoint.us-east-1.amazonaws.com")]),
+            ("/bkt/k", vec![("host", "123456789012.S3-Control.us-east-1.amazonaws.com")]),
+            ("/bkt/k", vec![("authorization", sqs.as_str())]),
+            ("/bkt/k?X-Amz-Credential=AK%2F20260101%2Fus-east-1%2Fiam%2Faws4_request", vec![]),
+        ] {
+            assert!(plan(&k, "PUT", target, &headers).is_err(), "{target} {headers:?}");
+            assert!(plan(&k, "DELETE", target, &headers).is_err(), "{target} {headers:?}");
+        }
+        // Reads are not judged by host or scope.
+        let ap = [("host", "ap-1.s3-accesspoint.us-east-1.amazonaws.com")];
+        assert!(plan(&k, "GET", "/bkt/k", &ap).is_ok());
     }
 
     #[test]
