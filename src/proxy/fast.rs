@@ -481,7 +481,20 @@ fn take<'p, 'c>(proxy: &'p Proxy, c: &Conn, checked: &'c path::CheckedPath) -> O
     let path_only = path_of(target);
     let method = Method::from_bytes(&c.buf[head.method.clone()]).ok()?;
     let host = &c.buf[head.host.clone()?];
-    let FastRoute { route, key, mutation, s3 } = proxy.fast_route(target, path_only, &method, host, checked)?;
+    // An S3 route classifies from the headers it judges, as they came.
+    let s3_headers = || {
+        let mut h = http::HeaderMap::new();
+        h.insert(http::header::HOST, http::HeaderValue::from_bytes(host).ok()?);
+        for (n, v) in &head.forward {
+            let name = &c.buf[n.clone()];
+            if super::s3::JUDGED_HEADERS.iter().any(|j| name.eq_ignore_ascii_case(j.as_bytes())) {
+                let name = http::HeaderName::from_bytes(name).ok()?;
+                h.append(name, http::HeaderValue::from_bytes(&c.buf[v.clone()]).ok()?);
+            }
+        }
+        Some(h)
+    };
+    let FastRoute { route, key, mutation, s3 } = proxy.fast_route(target, path_only, &method, s3_headers, checked)?;
     // A header name with an underscore may be an alias of one of ours
     // (`headers::underscore_alias`): the general path decides. So it does
     // per-resource tokens (`X-Fencing-Tokens`, S3 routes) and a second

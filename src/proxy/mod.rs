@@ -446,15 +446,17 @@ impl Proxy {
     /// kind exactly as the general path classifies it — `GET`, `HEAD`,
     /// `PUT`, `DELETE` of one object or bucket (`RenameObject`, which
     /// changes two, is refused by the classification here for want of its
-    /// source header and decided by the general path). `host`: the
-    /// request's one `Host`. The caller hands `X-Fencing-Tokens` (per
-    /// resource tokens) to the general path.
+    /// source header and decided by the general path). `s3_headers`: the
+    /// request's headers the S3 kind judges ([`s3::JUDGED_HEADERS`] and its
+    /// one `Host`), made only for an S3 route; `None` hands the request
+    /// over. The caller hands `X-Fencing-Tokens` (per resource tokens) to
+    /// the general path.
     fn fast_route<'s, 'c>(
         &'s self,
         target: &str,
         path_only: &str,
         method: &Method,
-        host: &[u8],
+        s3_headers: impl FnOnce() -> Option<http::HeaderMap>,
         checked: &'c path::CheckedPath,
     ) -> Option<FastRoute<'s, 'c>> {
         match self.select(path_only, Some(checked))? {
@@ -468,8 +470,7 @@ impl Proxy {
                     return None;
                 }
                 let uri = http::Uri::try_from(target).ok()?;
-                let mut headers = http::HeaderMap::new();
-                headers.insert(http::header::HOST, http::HeaderValue::from_bytes(host).ok()?);
+                let headers = s3_headers()?;
                 let s3::S3Plan::Head { primary, mut mutated } = s3.classify(method, &uri, &headers).ok()? else {
                     return None;
                 };

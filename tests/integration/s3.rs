@@ -277,8 +277,93 @@ async fn s3_requests_on_fresh_connections_are_fenced_by_the_fast_path() {
         assert_eq!(echo.count(), before + 1);
     }
     // A read with a stale token passes: S3 routes judge no read by its token.
-    let reply = raw_exchange(gw.proxy, req("GET", "/bkt/obj", Some(stale), "").as_bytes(), wait).await;
+    let get =
+        format!("GET /bkt/obj HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Fencing-Token: {stale}\r\nConnection: close\r\n\r\n");
+    let reply = raw_exchange(gw.proxy, get.as_bytes(), wait).await;
     assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+}
+
+/// Requests that a server hosting several AWS services (moto) runs as
+/// another service's action are refused on every method, on both paths,
+/// before the upstream: an outside review wrote S3 keys in a held bucket
+/// with a token-less `GET` signed for CloudWatch Logs (`CreateExportTask`),
+/// and deleted an SQS queue with an `Authorization` whose scope was not
+/// after `Credential=`.
+#[tokio::test(flavor = "multi_thread")]
+async fn requests_another_aws_service_would_run_are_refused_on_both_paths() {
+    let v4 = |service: &str| {
+        format!("AWS4-HMAC-SHA256 Credential=AK/20261206/us-east-1/{service}/aws4_request, SignedHeaders=host, Signature=00")
+    };
+    for fast in [true, false] {
+        let (_d, gw, echo, http) = setup_on(fast, "").await;
+        let api = gw.api_url("");
+        let (live, _) = live_and_stale(&http, &api, "bkt/obj").await;
+        let queue = acquire(&http, &api, "123456789012/q", 60_000, 0).await.unwrap();
+        let export = r#"{"logGroupName":"g","from":0,"to":1,"destination":"bkt"}"#;
+        let logs = format!(
+            "Authorization: {}\r\nX-Amz-Target: Logs_20140328.CreateExportTask\r\nContent-Type: application/x-amz-json-1.1\r\nContent-Length: {}\r\n",
+            v4("logs"),
+            export.len()
+        );
+        let cases: Vec<(&str, String, String, &str)> = vec![
+            ("GET", "/".into(), logs.clone(), export),
+            ("HEAD", "/bkt/obj".into(), logs.clone(), export),
+            ("OPTIONS", "/bkt/obj".into(), logs, export),
+            ("GET", "/bkt/obj".into(), "X-Amz-Target: AWSCognitoIdentityService.DeleteIdentityPool\r\n".into(), ""),
+            ("GET", "/bkt/obj".into(), format!("Authorization: {}\r\n", v4("firehose")), ""),
+            ("GET", "/bkt/obj".into(), "Content-Length: 2\r\n".into(), "{}"),
+            ("GET", "/sqs_us-east-1/?Action=DeleteQueue&QueueUrl=q".into(), String::new(), ""),
+            (
+                "POST",
+                "/123456789012/q".into(),
+                format!(
+                    "X-Fencing-Token: {}\r\nAuthorization: AWS4-HMAC-SHA256 AK/20261206/us-east-1/sqs/aws4_request, SignedHeaders=host, Signature=00\r\nX-Amz-Target: AmazonSQS.DeleteQueue\r\nContent-Length: 2\r\n",
+                    queue.token
+                ),
+                "{}",
+            ),
+            (
+                "PUT",
+                "/123456789012/q".into(),
+                format!(
+                    "X-Fencing-Token: {}\r\nAuthorization: AWS4-HMAC-SHA256 AK/20261206/us-east-1/sqs/aws4_request Credential=AK/20261206/us-east-1/s3/aws4_request, SignedHeaders=host, Signature=00\r\nContent-Length: 0\r\n",
+                    queue.token
+                ),
+                "",
+            ),
+            (
+                "PUT",
+                "/bkt/obj".into(),
+                format!(
+                    "X-Fencing-Token: {}\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: 24\r\n",
+                    live.token
+                ),
+                "Version=2009-04-15&A=B&C",
+            ),
+        ];
+        for (method, target, headers, body) in &cases {
+            let req =
+                format!("{method} {target} HTTP/1.1\r\nHost: 127.0.0.1\r\n{headers}Connection: close\r\n\r\n{body}");
+            let reply = raw_exchange(gw.proxy, req.as_bytes(), Duration::from_secs(10)).await;
+            assert!(reply.starts_with("HTTP/1.1 400"), "fast={fast} {method} {target} {headers}: {reply}");
+            if *method != "HEAD" {
+                assert_eq!(xml_code(reply.as_bytes()), "BadRequest", "fast={fast} {method} {target}: {reply}");
+            }
+            assert_eq!(echo.count(), 0, "fast={fast} {method} {target} {headers}: reached the upstream");
+        }
+        // The same requests as S3 makes them pass: the refusals are the
+        // checks', not the route's.
+        for (method, headers) in [
+            ("GET", format!("Authorization: {}\r\n", v4("s3"))),
+            ("PUT", format!("X-Fencing-Token: {}\r\nAuthorization: {}\r\nContent-Length: 0\r\n", live.token, v4("s3"))),
+        ] {
+            let req = format!("{method} /bkt/obj HTTP/1.1\r\nHost: 127.0.0.1\r\n{headers}Connection: close\r\n\r\n");
+            let before = echo.count();
+            let reply = raw_exchange(gw.proxy, req.as_bytes(), Duration::from_secs(10)).await;
+            assert!(reply.starts_with("HTTP/1.1 200"), "fast={fast} {method}: {reply}");
+            assert_eq!(echo.count(), before + 1, "fast={fast} {method}");
+        }
+    }
 }
 
 /// An upstream that fails (a malformed answer) after the fast path

@@ -29,6 +29,11 @@ use crate::template::{Captures, Template};
 pub const COPY_SOURCE: &str = "x-amz-copy-source";
 /// The header naming a `RenameObject` source (mutated: it disappears).
 pub const RENAME_SOURCE: &str = "x-amz-rename-source";
+/// The headers [`S3Kind::classify`] reads besides `Host` (and
+/// `Transfer-Encoding`, which the fast path never takes): a caller that
+/// classifies from a subset of a request's headers passes these.
+pub const JUDGED_HEADERS: [&str; 5] =
+    ["authorization", "x-amz-target", "content-type", "content-length", RENAME_SOURCE];
 /// Most keys one `DeleteObjects` request may name (S3's own limit).
 pub const MAX_DELETE_KEYS: usize = 1000;
 
@@ -153,13 +158,30 @@ fn is_form_post(headers: &HeaderMap) -> Result<bool, Error> {
     Ok(String::from_utf8_lossy(ct.as_bytes()).to_ascii_lowercase().contains("multipart"))
 }
 
-/// A mutation must be an S3 request about the bucket it names: not one
-/// to an access point or S3 Control host (the bucket behind it is not the
-/// path's: moto swapped it in even in path-style mode), and not one signed
-/// for another service (a server that hosts several, as moto does, routes
-/// it by its credential scope). An outside review wrote another holder's
-/// object through an access point host.
-fn s3_only(headers: &HeaderMap, uri: &Uri) -> Result<(), Error> {
+/// Every request on an S3 route, read or not, must be an S3 request by
+/// every reading a server behind it may make. Servers that host several
+/// AWS services on one port (moto) pick the service from the
+/// `Authorization` credential scope, from `X-Amz-Target`, from an unsigned
+/// form-encoded body or from an unsigned `/<service>_<region>/` path, and
+/// whatever the method: an outside review wrote S3 keys in a held bucket
+/// through a `GET` signed for Logs (`CreateExportTask`) and Firehose, and
+/// deleted an SQS queue through an `Authorization` whose scope was not
+/// after `Credential=`. So, on every method:
+/// - no access point or S3 Control host (moto swapped in the access
+///   point's bucket even in path-style mode), and no first path segment
+///   that servers route to another API ([`OTHER_APIS`]);
+/// - at most one `Authorization`, and only in S3's forms: SigV4
+///   (`AWS4-HMAC-SHA256` or SigV4a `AWS4-ECDSA-P256-SHA256`, then
+///   `Credential=<scope>` with service `s3`, `SignedHeaders=…`,
+///   `Signature=…`) or SigV2 (`AWS <key>:<signature>`); and the scope moto
+///   reads (the second word before the first comma, if it splits into five
+///   `/` parts) must name `s3` as well;
+/// - no presigned `X-Amz-Credential` for another service;
+/// - no `X-Amz-Target` (S3 never sends one);
+/// - no body on `GET`, `HEAD` or `OPTIONS`;
+/// - unsigned (no `Authorization`): no `application/x-www-form-urlencoded`
+///   body and no `_` in a first path segment that a `/` follows.
+fn s3_only(method: &Method, headers: &HeaderMap, uri: &Uri) -> Result<(), Error> {
     let bad = |m: &str| Error::BadRequest(format!("S3 request refused: {m}"));
     let hosts = headers.get_all(header::HOST).iter().map(|h| h.as_bytes().to_ascii_lowercase());
     for host in hosts.chain(uri.authority().map(|a| a.as_str().as_bytes().to_ascii_lowercase())) {
@@ -167,30 +189,128 @@ fn s3_only(headers: &HeaderMap, uri: &Uri) -> Result<(), Error> {
             return Err(bad("an access point or S3 Control host names a bucket this gateway cannot see"));
         }
     }
-    let scopes = headers
-        .get_all(header::AUTHORIZATION)
-        .iter()
-        .filter_map(|v| {
-            let v = v.to_str().ok()?;
-            let at = v.find("Credential=")? + "Credential=".len();
-            Some(v[at..].split([',', ' ']).next().unwrap_or("").to_string())
-        })
-        .chain(uri.query().into_iter().flat_map(|q| q.split('&')).filter_map(|p| {
-            let (n, v) = p.split_once('=')?;
-            n.eq_ignore_ascii_case("x-amz-credential").then(|| percent_decode(v).unwrap_or_default())
-        }));
-    for scope in scopes {
+    let first = uri.path().trim_start_matches('/').split('/').next().unwrap_or("");
+    let first = percent_decode(first).map_err(|e| bad(&format!("path: {e}")))?;
+    let lower = first.to_ascii_lowercase();
+    if OTHER_APIS.iter().any(|p| lower.starts_with(p)) {
+        return Err(bad(&format!("/{first}/ is another API than S3 on some servers")));
+    }
+    if headers.contains_key("x-amz-target") {
+        return Err(bad("X-Amz-Target names an action of another AWS service (S3 never sends it)"));
+    }
+    let mut auths = headers.get_all(header::AUTHORIZATION).iter();
+    let signed = match (auths.next(), auths.next()) {
+        (None, _) => false,
+        (Some(v), None) => {
+            let v = v.to_str().map_err(|_| bad("Authorization is not text"))?;
+            check_authorization(v).map_err(|m| bad(&m))?;
+            true
+        }
+        (Some(_), Some(_)) => return Err(bad("more than one Authorization")),
+    };
+    let presigned = uri.query().into_iter().flat_map(|q| q.split('&')).filter_map(|p| {
+        let (n, v) = p.split_once('=')?;
+        n.eq_ignore_ascii_case("x-amz-credential").then(|| percent_decode(v).unwrap_or_default())
+    });
+    for scope in presigned {
         // `AK/20260101/us-east-1/s3/aws4_request`: the service is the
         // next-to-last part.
         let service = scope.rsplit('/').nth(1).unwrap_or("");
         if service != "s3" {
-            return Err(bad(&format!("signed for the service {service:?}, not s3")));
+            return Err(bad(&format!("presigned for the service {service:?}, not s3")));
+        }
+    }
+    if matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS) {
+        let length = headers.get(header::CONTENT_LENGTH).map(|v| v.as_bytes());
+        if headers.contains_key(header::TRANSFER_ENCODING) || length.is_some_and(|l| l != b"0") {
+            return Err(bad(&format!(
+                "a {method} request carries no body (servers read one as another service's action)"
+            )));
+        }
+    }
+    if !signed {
+        let form = headers.get_all(header::CONTENT_TYPE).iter().any(|ct| {
+            ct.as_bytes().trim_ascii_start().to_ascii_lowercase().starts_with(b"application/x-www-form-urlencoded")
+        });
+        if form {
+            return Err(bad(
+                "a request without Authorization may not carry an application/x-www-form-urlencoded body (servers \
+                 read an AWS Query action from it): send it with another Content-Type (application/octet-stream)",
+            ));
+        }
+        if first.contains('_') && uri.path().trim_start_matches('/').contains('/') {
+            return Err(bad(&format!(
+                "an unsigned request's first path segment may not hold \"_\" (servers route /<service>_<region>/ \
+                 to another service): {first:?}"
+            )));
         }
     }
     Ok(())
 }
 
-/// First path segments that S3-compatible servers route to other APIs.
+/// Checks an `Authorization` value is one of S3's forms and signed for
+/// `s3` by every reading (see [`s3_only`]); `Err`: why not.
+fn check_authorization(v: &str) -> Result<(), String> {
+    // The reading of servers that pick a service from the header (moto):
+    // the second word before the first comma, when it splits into five
+    // `/` parts, names the service in its fourth.
+    let before_comma = v.split(',').next().unwrap_or("");
+    if let Some(word) = before_comma.split_whitespace().nth(1) {
+        let parts: Vec<&str> = word.split('/').collect();
+        if parts.len() == 5 && !parts[3].eq_ignore_ascii_case("s3") {
+            return Err(format!("Authorization names the service {:?}, not s3", parts[3]));
+        }
+    }
+    let (scheme, rest) = v.split_once(' ').ok_or("Authorization has no credentials")?;
+    match scheme {
+        "AWS" => {
+            // SigV2: `AWS <access key>:<signature>`.
+            let ok = rest.split_once(':').is_some_and(|(key, sig)| {
+                !key.is_empty()
+                    && !sig.is_empty()
+                    && key.bytes().all(|c| c.is_ascii_graphic() && c != b':' && c != b',')
+                    && sig.bytes().all(|c| c.is_ascii_graphic() && c != b',')
+            });
+            if ok {
+                return Ok(());
+            }
+            Err("a SigV2 Authorization is `AWS <access key>:<signature>`".into())
+        }
+        "AWS4-HMAC-SHA256" | "AWS4-ECDSA-P256-SHA256" => {
+            let form = "a SigV4 Authorization is `AWS4-HMAC-SHA256 Credential=<key>/<date>/<region>/s3/aws4_request, \
+                        SignedHeaders=<names>, Signature=<hex>`";
+            let mut fields = rest.split(',').map(|f| f.trim_start_matches(' '));
+            let (Some(cred), Some(signed), Some(sig), None) =
+                (fields.next(), fields.next(), fields.next(), fields.next())
+            else {
+                return Err(form.into());
+            };
+            let plain = |s: &str| !s.is_empty() && s.bytes().all(|c| c.is_ascii_graphic() && c != b',' && c != b'=');
+            let scope = cred.strip_prefix("Credential=").filter(|s| plain(s)).ok_or(form)?;
+            let ok = signed.strip_prefix("SignedHeaders=").is_some_and(plain)
+                && sig.strip_prefix("Signature=").is_some_and(plain);
+            if !ok {
+                return Err(form.into());
+            }
+            // `<key>/<date>/<region>/s3/aws4_request` (SigV4a: no region).
+            let parts: Vec<&str> = scope.split('/').collect();
+            let n = if scheme == "AWS4-HMAC-SHA256" { 5 } else { 4 };
+            if parts.len() != n || parts[n - 1] != "aws4_request" {
+                return Err(form.into());
+            }
+            if parts[n - 2] != "s3" {
+                return Err(format!("signed for the service {:?}, not s3", parts[n - 2]));
+            }
+            Ok(())
+        }
+        _ => Err(format!("Authorization scheme {scheme:?} is not one of S3's (AWS4-HMAC-SHA256, AWS)")),
+    }
+}
+
+/// First path segments that S3-compatible servers route to other APIs:
+/// moto's admin app (any segment that starts so: moto matches a prefix;
+/// `POST /moto-api/reset` wiped every bucket through an S3 route in an
+/// outside review) and the S3 Control API.
 const OTHER_APIS: [&str; 2] = ["moto-api", "v20180820"];
 
 /// Object subresources whose POST reads and changes nothing.
@@ -380,12 +500,6 @@ impl S3Kind {
         if bucket.len() > 255 || !bucket.bytes().all(bucket_char) || bucket == "." || bucket == ".." {
             return Err(bad(format!("{bucket:?} is not a bucket name")));
         }
-        // Path prefixes that servers route to other APIs than S3: moto's
-        // admin app (`POST /moto-api/reset` wiped every bucket through an
-        // S3 route: outside review) and the S3 Control API.
-        if OTHER_APIS.iter().any(|p| bucket.eq_ignore_ascii_case(p)) {
-            return Err(bad(format!("/{bucket}/ is another API than S3 on some servers")));
-        }
         let key = percent_decode(raw_key).map_err(|e| bad(format!("key: {e}")))?;
         if !key.is_empty() {
             check_key(&key).map_err(bad)?;
@@ -397,13 +511,15 @@ impl S3Kind {
     /// it mutates them, by method, subresource and headers. Every method
     /// but `GET`, `HEAD` and `OPTIONS` mutates, except `POST ?select`
     /// (SelectObjectContent) which only reads; an unknown subresource on
-    /// `PUT`, `POST` or `DELETE` is a mutation.
+    /// `PUT`, `POST` or `DELETE` is a mutation. Any request, a read too,
+    /// that some server would take for another service's is refused
+    /// ([`s3_only`]).
     pub fn classify(&self, method: &Method, uri: &Uri, headers: &HeaderMap) -> Result<S3Plan, Error> {
         let read = matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS);
         let subs = subresources(uri.query());
+        s3_only(method, headers, uri)?;
         if !read {
             self.check_host(headers, uri)?;
-            s3_only(headers, uri)?;
         }
         if *method == Method::POST && is_form_post(headers)? {
             // Servers disagree on a form POST with a query: s3s takes it
@@ -585,29 +701,82 @@ mod tests {
         let v4 = |service: &str| {
             format!("AWS4-HMAC-SHA256 Credential=AK/20260101/us-east-1/{service}/aws4_request, SignedHeaders=host, Signature=0")
         };
-        assert!(plan(&k, "PUT", "/bkt/k", &[("authorization", &v4("s3"))]).is_ok());
+        let s3 = v4("s3");
+        for ok in [
+            s3.as_str(),
+            "AWS4-HMAC-SHA256 Credential=AK/20260101/us-east-1/s3/aws4_request,SignedHeaders=host;x-amz-date,Signature=ab",
+            "AWS4-ECDSA-P256-SHA256 Credential=AK/20260101/s3/aws4_request, SignedHeaders=host, Signature=3045",
+            "AWS AK:c2lnbmF0dXJl",
+            "AWS AK:a/b+c=",
+        ] {
+            for method in ["PUT", "GET", "HEAD", "DELETE"] {
+                assert!(plan(&k, method, "/bkt/k", &[("authorization", ok)]).is_ok(), "{method} {ok}");
+            }
+        }
         let sqs = v4("sqs");
+        let logs_get = [("authorization", v4("logs")), ("x-amz-target", "Logs_20140328.CreateExportTask".into())];
+        let logs_get: Vec<(&str, &str)> = logs_get.iter().map(|(n, v)| (*n, v.as_str())).collect();
         for (target, headers) in [
             ("/moto-api/reset", vec![]),
+            ("/moto-apix/reset", vec![]),
+            ("/MOTO-API/reset", vec![]),
+            ("/moto%2Dapi/reset", vec![]),
             ("/v20180820/accesspoint/ap", vec![]),
             ("/bkt/k", vec![("host", "ap-123456789012.s3-accesspoint.us-east-1.amazonaws.com")]),
             ("/bkt/k", vec![("host", "123456789012.S3-Control.us-east-1.amazonaws.com")]),
             ("/bkt/k", vec![("authorization", sqs.as_str())]),
             ("/bkt/k?X-Amz-Credential=AK%2F20260101%2Fus-east-1%2Fiam%2Faws4_request", vec![]),
+            // A read with another service's action (outside review: a GET
+            // signed for Logs wrote `aws-logs-write-test` in a held bucket).
+            ("/", logs_get.clone()),
+            ("/bkt/k", vec![("x-amz-target", "AWSCognitoIdentityService.DeleteIdentityPool")]),
+            // The scope is not after `Credential=`: moto reads the second
+            // word (outside review: an SQS queue deleted).
+            ("/bkt/k", vec![("authorization", "AWS4-HMAC-SHA256 AK/20260101/us-east-1/sqs/aws4_request, SignedHeaders=host, Signature=0")]),
+            ("/bkt/k", vec![("authorization", "AWS4-HMAC-SHA256 AK/20260101/us-east-1/sqs/aws4_request Credential=AK/20260101/us-east-1/s3/aws4_request, SignedHeaders=host, Signature=0")]),
+            ("/bkt/k", vec![("authorization", "AWS AK/20260101/us-east-1/sqs/aws4_request:sig")]),
+            ("/bkt/k", vec![("authorization", "AWS AK:ab/20260101/us-east-1/sqs/x")]),
+            // Other forms of the header.
+            ("/bkt/k", vec![("authorization", "AWS4-HMAC-SHA256 Credential=AK/20260101/us-east-1/s3/aws4_request")]),
+            ("/bkt/k", vec![("authorization", "AWS4-HMAC-SHA256 Credential=AK/x/20260101/us-east-1/s3/aws4_request, SignedHeaders=host, Signature=0")]),
+            ("/bkt/k", vec![("authorization", "AWS4-HMAC-SHA256 Credential=AK/20260101/us-east-1/s3/aws4_request, SignedHeaders=host, Signature=0, X=1")]),
+            ("/bkt/k", vec![("authorization", "aws4-hmac-sha256 Credential=AK/20260101/us-east-1/s3/aws4_request, SignedHeaders=host, Signature=0")]),
+            ("/bkt/k", vec![("authorization", "Bearer abc")]),
+            ("/bkt/k", vec![("authorization", "AWS AK")]),
+            ("/bkt/k", vec![("authorization", "")]),
+            ("/bkt/k", vec![("authorization", s3.as_str()), ("authorization", s3.as_str())]),
+            // Unsigned: a form-encoded body is an AWS Query action, and
+            // `/<service>_<region>/` a service.
+            ("/bkt/k", vec![("content-type", "application/x-www-form-urlencoded")]),
+            ("/sqs_us-east-1/", vec![]),
+            ("/sqs_us-east-1/k", vec![]),
+            ("/bkt_x/", vec![]),
         ] {
-            assert!(plan(&k, "PUT", target, &headers).is_err(), "{target} {headers:?}");
-            assert!(plan(&k, "DELETE", target, &headers).is_err(), "{target} {headers:?}");
+            for method in ["PUT", "DELETE", "GET", "HEAD", "OPTIONS"] {
+                assert!(plan(&k, method, target, &headers).is_err(), "{method} {target} {headers:?}");
+            }
         }
-        // Reads are not judged by host or scope.
-        let ap = [("host", "ap-1.s3-accesspoint.us-east-1.amazonaws.com")];
-        assert!(plan(&k, "GET", "/bkt/k", &ap).is_ok());
+        // A body on a read: refused, whatever it says.
+        for method in ["GET", "HEAD", "OPTIONS"] {
+            assert!(plan(&k, method, "/bkt/k", &[("content-length", "0")]).is_ok(), "{method}");
+            assert!(plan(&k, method, "/bkt/k", &[("content-length", "2")]).is_err(), "{method}");
+            assert!(plan(&k, method, "/bkt/k", &[("transfer-encoding", "chunked")]).is_err(), "{method}");
+        }
+        assert!(plan(&k, "PUT", "/bkt/k", &[("content-length", "2")]).is_ok());
+        // moto routes `/<service>_<region>/…` only with a `/` after it.
+        assert!(plan(&k, "GET", "/bkt_x", &[]).is_ok());
+        // Signed for s3, a form-encoded body and a `_` are S3's own.
+        for (target, ct) in [("/bkt/k", "application/x-www-form-urlencoded"), ("/sqs_us-east-1/k", "text/plain")] {
+            assert!(plan(&k, "PUT", target, &[("authorization", &s3), ("content-type", ct)]).is_ok(), "{target}");
+        }
     }
 
     #[test]
     fn bucket_names_hold_to_s3_s_characters() {
         let k = kind("");
+        let s3 = [("authorization", "AWS AK:c2ln")];
         for ok in ["/bkt/k", "/B_legacy.x-1/k", "/bk%74/k"] {
-            assert!(plan(&k, "PUT", ok, &[]).is_ok(), "{ok}");
+            assert!(plan(&k, "PUT", ok, &s3).is_ok(), "{ok}");
         }
         // moto cuts `;…` off a segment and reads `%3F` decoded (review).
         for bad in ["/bkt;x/k", "/bkt%3Bx/k", "/bkt;x?delete", "/b%3Fdelete%26/k", "/b%20c/k", "/b&c/k", "/b=c/k"] {
