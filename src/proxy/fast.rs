@@ -487,9 +487,9 @@ fn take<'p, 'c>(proxy: &'p Proxy, c: &Conn, checked: &'c path::CheckedPath) -> O
         h.insert(http::header::HOST, http::HeaderValue::from_bytes(host).ok()?);
         for (n, v) in &head.forward {
             let name = &c.buf[n.clone()];
-            if super::s3::JUDGED_HEADERS.iter().any(|j| name.eq_ignore_ascii_case(j.as_bytes())) {
-                let name = http::HeaderName::from_bytes(name).ok()?;
-                h.append(name, http::HeaderValue::from_bytes(&c.buf[v.clone()]).ok()?);
+            if let Some(j) = super::s3::JUDGED_HEADERS.iter().find(|j| name.eq_ignore_ascii_case(j.as_str().as_bytes()))
+            {
+                h.append(j.clone(), http::HeaderValue::from_bytes(&c.buf[v.clone()]).ok()?);
             }
         }
         Some(h)

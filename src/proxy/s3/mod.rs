@@ -32,8 +32,13 @@ pub const RENAME_SOURCE: &str = "x-amz-rename-source";
 /// The headers [`S3Kind::classify`] reads besides `Host` (and
 /// `Transfer-Encoding`, which the fast path never takes): a caller that
 /// classifies from a subset of a request's headers passes these.
-pub const JUDGED_HEADERS: [&str; 5] =
-    ["authorization", "x-amz-target", "content-type", "content-length", RENAME_SOURCE];
+pub const JUDGED_HEADERS: [header::HeaderName; 5] = [
+    header::AUTHORIZATION,
+    header::HeaderName::from_static("x-amz-target"),
+    header::CONTENT_TYPE,
+    header::CONTENT_LENGTH,
+    header::HeaderName::from_static(RENAME_SOURCE),
+];
 /// Most keys one `DeleteObjects` request may name (S3's own limit).
 pub const MAX_DELETE_KEYS: usize = 1000;
 
