@@ -181,11 +181,19 @@ fn is_form_post(headers: &HeaderMap) -> Result<bool, Error> {
 ///   `Signature=…`) or SigV2 (`AWS <key>:<signature>`); and the scope moto
 ///   reads (the second word before the first comma, if it splits into five
 ///   `/` parts) must name `s3` as well;
+/// - a credential scope's region is one lower-case DNS label
+///   ([`check_region`]);
 /// - no presigned `X-Amz-Credential` for another service;
+/// - no `Action` query parameter (S3 has none; moto runs it);
 /// - no `X-Amz-Target` (S3 never sends one);
 /// - no body on `GET`, `HEAD` or `OPTIONS`;
 /// - unsigned (no `Authorization`): no `application/x-www-form-urlencoded`
-///   body and no `_` in a first path segment that a `/` follows.
+///   body, no `.well-known/jwks.json` or `.well-known/openid-configuration`
+///   key, and no `_` in a first path segment that a `/` follows (all read
+///   on the decoded path, as servers route by it).
+///
+/// A body on a read sent without `Content-Length` (HTTP/2 DATA frames) is
+/// refused where the request is served (`Proxy::handle_s3`).
 fn s3_only(method: &Method, headers: &HeaderMap, uri: &Uri) -> Result<(), Error> {
     let bad = |m: &str| Error::BadRequest(format!("S3 request refused: {m}"));
     let hosts = headers.get_all(header::HOST).iter().map(|h| h.as_bytes().to_ascii_lowercase());
@@ -194,11 +202,19 @@ fn s3_only(method: &Method, headers: &HeaderMap, uri: &Uri) -> Result<(), Error>
             return Err(bad("an access point or S3 Control host names a bucket this gateway cannot see"));
         }
     }
-    let first = uri.path().trim_start_matches('/').split('/').next().unwrap_or("");
-    let first = percent_decode(first).map_err(|e| bad(&format!("path: {e}")))?;
+    // The path as servers route by it: decoded (`%2F` too).
+    let decoded = percent_decode(uri.path()).map_err(|e| bad(&format!("path: {e}")))?;
+    let rest = decoded.trim_start_matches('/');
+    let (first, after_first) = rest.split_once('/').map_or((rest, false), |(f, _)| (f, true));
     let lower = first.to_ascii_lowercase();
     if OTHER_APIS.iter().any(|p| lower.starts_with(p)) {
         return Err(bad(&format!("/{first}/ is another API than S3 on some servers")));
+    }
+    // moto runs a query-protocol action (`?Action=`) of whatever service
+    // it picked, on any method; S3 has no such parameter.
+    let query = uri.query().unwrap_or("");
+    if query.split('&').any(|p| p.split('=').next().is_some_and(|n| n.eq_ignore_ascii_case("action"))) {
+        return Err(bad("the query names an Action (another AWS service's; S3 has none)"));
     }
     if headers.contains_key("x-amz-target") {
         return Err(bad("X-Amz-Target names an action of another AWS service (S3 never sends it)"));
@@ -213,17 +229,19 @@ fn s3_only(method: &Method, headers: &HeaderMap, uri: &Uri) -> Result<(), Error>
         }
         (Some(_), Some(_)) => return Err(bad("more than one Authorization")),
     };
-    let presigned = uri.query().into_iter().flat_map(|q| q.split('&')).filter_map(|p| {
+    let presigned = query.split('&').filter_map(|p| {
         let (n, v) = p.split_once('=')?;
         n.eq_ignore_ascii_case("x-amz-credential").then(|| percent_decode(v).unwrap_or_default())
     });
     for scope in presigned {
         // `AK/20260101/us-east-1/s3/aws4_request`: the service is the
-        // next-to-last part.
-        let service = scope.rsplit('/').nth(1).unwrap_or("");
+        // next-to-last part, the region the one before.
+        let mut parts = scope.rsplit('/').skip(1);
+        let service = parts.next().unwrap_or("");
         if service != "s3" {
             return Err(bad(&format!("presigned for the service {service:?}, not s3")));
         }
+        check_region(parts.next().unwrap_or("")).map_err(|m| bad(&m))?;
     }
     if matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS) {
         let length = headers.get(header::CONTENT_LENGTH).map(|v| v.as_bytes());
@@ -243,7 +261,14 @@ fn s3_only(method: &Method, headers: &HeaderMap, uri: &Uri) -> Result<(), Error>
                  read an AWS Query action from it): send it with another Content-Type (application/octet-stream)",
             ));
         }
-        if first.contains('_') && uri.path().trim_start_matches('/').contains('/') {
+        // moto sends `/.well-known/jwks.json` and
+        // `/.well-known/openid-configuration` to Cognito, whatever the
+        // method: a write there was answered 200 and never applied.
+        let trimmed = decoded.trim_end_matches('/');
+        if trimmed.ends_with("/.well-known/jwks.json") || trimmed.ends_with("/.well-known/openid-configuration") {
+            return Err(bad("an unsigned request to a .well-known key is another service's on some servers"));
+        }
+        if first.contains('_') && after_first {
             return Err(bad(&format!(
                 "an unsigned request's first path segment may not hold \"_\" (servers route /<service>_<region>/ \
                  to another service): {first:?}"
@@ -262,8 +287,11 @@ fn check_authorization(v: &str) -> Result<(), String> {
     let before_comma = v.split(',').next().unwrap_or("");
     if let Some(word) = before_comma.split_whitespace().nth(1) {
         let parts: Vec<&str> = word.split('/').collect();
-        if parts.len() == 5 && !parts[3].eq_ignore_ascii_case("s3") {
-            return Err(format!("Authorization names the service {:?}, not s3", parts[3]));
+        if parts.len() == 5 {
+            if !parts[3].eq_ignore_ascii_case("s3") {
+                return Err(format!("Authorization names the service {:?}, not s3", parts[3]));
+            }
+            check_region(parts[2])?;
         }
     }
     let (scheme, rest) = v.split_once(' ').ok_or("Authorization has no credentials")?;
@@ -306,10 +334,32 @@ fn check_authorization(v: &str) -> Result<(), String> {
             if parts[n - 2] != "s3" {
                 return Err(format!("signed for the service {:?}, not s3", parts[n - 2]));
             }
+            if n == 5 {
+                check_region(parts[2])?;
+            }
             Ok(())
         }
         _ => Err(format!("Authorization scheme {scheme:?} is not one of S3's (AWS4-HMAC-SHA256, AWS)")),
     }
+}
+
+/// A credential scope's region: one DNS label (AWS's `us-east-1`, and
+/// the custom regions of S3-compatible stores: `auto`, `nyc3`, `garage`).
+/// moto picks a backend by matching `s3.<region>.amazonaws.com` against
+/// every service's host pattern: a region with a dot (`kinesis.us-east-1`,
+/// `ddb.us-east-1`) or one naming a service's endpoint (`elasticmapreduce`)
+/// reached Kinesis, DynamoDB, AppSync and EMR in an outside review.
+fn check_region(region: &str) -> Result<(), String> {
+    let label = !region.is_empty()
+        && region.len() <= 63
+        && region.bytes().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-');
+    if !label || region == "elasticmapreduce" {
+        return Err(format!(
+            "the credential scope's region {region:?} is not one lower-case DNS label (some servers pick another \
+             service by it)"
+        ));
+    }
+    Ok(())
 }
 
 /// First path segments that S3-compatible servers route to other APIs:
@@ -719,6 +769,15 @@ mod tests {
             }
         }
         let sqs = v4("sqs");
+        let region = |r: &str| {
+            format!("AWS4-HMAC-SHA256 Credential=AK/20260101/{r}/s3/aws4_request, SignedHeaders=host, Signature=0")
+        };
+        let (kinesis, emr) = (region("kinesis.us-east-1"), region("elasticmapreduce"));
+        for ok in ["auto", "nyc3", "garage", "eu-west-2"] {
+            assert!(plan(&k, "PUT", "/bkt/k", &[("authorization", &region(ok))]).is_ok(), "{ok}");
+        }
+        // Signed, the same keys are S3's.
+        assert!(plan(&k, "PUT", "/bkt/.well-known/jwks.json", &[("authorization", &s3)]).is_ok());
         let logs_get = [("authorization", v4("logs")), ("x-amz-target", "Logs_20140328.CreateExportTask".into())];
         let logs_get: Vec<(&str, &str)> = logs_get.iter().map(|(n, v)| (*n, v.as_str())).collect();
         for (target, headers) in [
@@ -756,6 +815,21 @@ mod tests {
             ("/sqs_us-east-1/", vec![]),
             ("/sqs_us-east-1/k", vec![]),
             ("/bkt_x/", vec![]),
+            // moto routes by the decoded path (outside review).
+            ("/glacier_us-east-1%2Fvaults%2Fv", vec![]),
+            // A region moto matches against another service's host.
+            ("/bkt/k", vec![("authorization", kinesis.as_str())]),
+            ("/bkt/k", vec![("authorization", emr.as_str())]),
+            ("/bkt/k", vec![("authorization", "AWS AK:ab/20260101/kinesis.us-east-1/s3/x")]),
+            ("/bkt/k?X-Amz-Credential=AK%2F20260101%2Fddb.us-east-1%2Fs3%2Faws4_request", vec![]),
+            // A query-protocol action, on any service moto picked.
+            ("/bkt/k?Action=DeleteStream", vec![("authorization", s3.as_str())]),
+            ("/bkt/k?x=1&action", vec![("authorization", s3.as_str())]),
+            // Cognito's paths to moto, unsigned (a write answered 200 and
+            // never applied).
+            ("/bkt/.well-known/jwks.json", vec![]),
+            ("/bkt/a/.well-known/openid-configuration/", vec![]),
+            ("/bkt/%2Ewell-known/jwks.json", vec![]),
         ] {
             for method in ["PUT", "DELETE", "GET", "HEAD", "OPTIONS"] {
                 assert!(plan(&k, method, target, &headers).is_err(), "{method} {target} {headers:?}");

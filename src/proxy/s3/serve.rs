@@ -13,7 +13,7 @@
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use http::{header, Request, Response};
+use http::{header, Method, Request, Response};
 use http_body_util::BodyExt;
 
 use super::form::{self, Scan};
@@ -43,6 +43,21 @@ impl Proxy {
         seen: &mut Seen<'a>,
     ) -> Result<Response<BoxBody>, ErrorReply> {
         let plan = s3.classify(req.method(), req.uri(), req.headers())?;
+        // A read's body without `Content-Length` or `Transfer-Encoding`
+        // (which `classify` judges): HTTP/2 DATA frames. A server that
+        // hosts several services runs a body on a read as another
+        // service's action (an outside review: an h2c `OPTIONS` with a
+        // JSON body reached DynamoDB, whose export wrote keys in a held
+        // bucket). Refused unless it is declared empty.
+        let read = matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS);
+        let declared_empty = req.headers().get(header::CONTENT_LENGTH).is_some_and(|v| v.as_bytes() == b"0");
+        if read && !declared_empty && !http_body::Body::is_end_stream(req.body()) {
+            return Err(Error::BadRequest(format!(
+                "S3 request refused: a {} request carries no body (servers read one as another service's action)",
+                req.method()
+            ))
+            .into());
+        }
         let mut tokens = Tokens::parse(req.headers());
         let (req, primary, mutated) = match plan {
             S3Plan::Head { primary, mutated } => (req, primary, mutated),
