@@ -19,7 +19,9 @@ mod serve;
 pub mod tokens;
 pub mod xml;
 
-use http::{header, HeaderMap, Method, Uri};
+use std::borrow::Cow;
+
+use http::{header, HeaderMap, HeaderValue, Method, Uri};
 
 use crate::config::RouteConfig;
 use crate::error::Error;
@@ -196,18 +198,22 @@ fn is_form_post(headers: &HeaderMap) -> Result<bool, Error> {
 /// refused where the request is served (`Proxy::handle_s3`).
 fn s3_only(method: &Method, headers: &HeaderMap, uri: &Uri) -> Result<(), Error> {
     let bad = |m: &str| Error::BadRequest(format!("S3 request refused: {m}"));
-    let hosts = headers.get_all(header::HOST).iter().map(|h| h.as_bytes().to_ascii_lowercase());
-    for host in hosts.chain(uri.authority().map(|a| a.as_str().as_bytes().to_ascii_lowercase())) {
-        if host.windows(14).any(|w| w == b"s3-accesspoint") || host.windows(10).any(|w| w == b"s3-control") {
+    let contains = |hay: &[u8], needle: &[u8]| hay.windows(needle.len()).any(|w| w.eq_ignore_ascii_case(needle));
+    let hosts = headers.get_all(header::HOST).iter().map(HeaderValue::as_bytes);
+    for host in hosts.chain(uri.authority().map(|a| a.as_str().as_bytes())) {
+        if contains(host, b"s3-accesspoint") || contains(host, b"s3-control") {
             return Err(bad("an access point or S3 Control host names a bucket this gateway cannot see"));
         }
     }
     // The path as servers route by it: decoded (`%2F` too).
-    let decoded = percent_decode(uri.path()).map_err(|e| bad(&format!("path: {e}")))?;
+    let decoded = match uri.path() {
+        p if p.contains('%') => Cow::Owned(percent_decode(p).map_err(|e| bad(&format!("path: {e}")))?),
+        p => Cow::Borrowed(p),
+    };
     let rest = decoded.trim_start_matches('/');
     let (first, after_first) = rest.split_once('/').map_or((rest, false), |(f, _)| (f, true));
-    let lower = first.to_ascii_lowercase();
-    if OTHER_APIS.iter().any(|p| lower.starts_with(p)) {
+    let starts = |p: &str| first.get(..p.len()).is_some_and(|f| f.eq_ignore_ascii_case(p));
+    if OTHER_APIS.iter().any(|p| starts(p)) {
         return Err(bad(&format!("/{first}/ is another API than S3 on some servers")));
     }
     // moto runs a query-protocol action (`?Action=`) of whatever service
@@ -285,14 +291,13 @@ fn check_authorization(v: &str) -> Result<(), String> {
     // the second word before the first comma, when it splits into five
     // `/` parts, names the service in its fourth.
     let before_comma = v.split(',').next().unwrap_or("");
-    if let Some(word) = before_comma.split_whitespace().nth(1) {
-        let parts: Vec<&str> = word.split('/').collect();
-        if parts.len() == 5 {
-            if !parts[3].eq_ignore_ascii_case("s3") {
-                return Err(format!("Authorization names the service {:?}, not s3", parts[3]));
-            }
-            check_region(parts[2])?;
+    if let Some(word) = before_comma.split_whitespace().nth(1).filter(|w| w.matches('/').count() == 4) {
+        let mut parts = word.split('/').skip(2);
+        let (region, service) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+        if !service.eq_ignore_ascii_case("s3") {
+            return Err(format!("Authorization names the service {service:?}, not s3"));
         }
+        check_region(region)?;
     }
     let (scheme, rest) = v.split_once(' ').ok_or("Authorization has no credentials")?;
     match scheme {
