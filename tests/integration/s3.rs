@@ -940,6 +940,23 @@ async fn a_read_with_a_body_is_refused_over_h2c_too() {
         .unwrap();
     assert_eq!(send.send_request(empty).await.unwrap().status(), StatusCode::OK);
     assert_eq!(echo.count(), 1);
+    // A stream of no frames: HEADERS without END_STREAM, then an empty
+    // DATA frame that ends it. No body: it passes, and goes on without one.
+    for method in [Method::GET, Method::HEAD] {
+        let none =
+            futures_util::stream::iter(Vec::<Result<hyper::body::Frame<Bytes>, std::convert::Infallible>>::new());
+        let req = Request::builder()
+            .method(method.clone())
+            .uri("http://127.0.0.1/bkt/obj")
+            .header("authorization", v4)
+            .body(http_body_util::BodyExt::boxed_unsync(http_body_util::StreamBody::new(none)))
+            .unwrap();
+        let before = echo.count();
+        assert_eq!(send.send_request(req).await.unwrap().status(), StatusCode::OK, "{method}");
+        assert_eq!(echo.count(), before + 1, "{method}");
+        let raw = String::from_utf8(echo.last()).unwrap().to_ascii_lowercase();
+        assert!(raw.ends_with("\r\n\r\n") && !raw.contains("transfer-encoding"), "{method}: {raw}");
+    }
     conn.abort();
 }
 

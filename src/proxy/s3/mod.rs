@@ -216,10 +216,22 @@ fn s3_only(method: &Method, headers: &HeaderMap, uri: &Uri) -> Result<(), Error>
     if OTHER_APIS.iter().any(|p| starts(p)) {
         return Err(bad(&format!("/{first}/ is another API than S3 on some servers")));
     }
+    // moto answers these paths itself (instance metadata, its admin app),
+    // before it looks at anything else: a write there was answered 200 and
+    // never applied (outside review).
+    if OTHER_PATHS.iter().any(|p| rest.get(..p.len()).is_some_and(|r| r.eq_ignore_ascii_case(p)))
+        || rest.eq_ignore_ascii_case("favicon.ico")
+    {
+        return Err(bad(&format!("/{rest} is another API than S3 on some servers")));
+    }
     // moto runs a query-protocol action (`?Action=`) of whatever service
     // it picked, on any method; S3 has no such parameter.
     let query = uri.query().unwrap_or("");
-    if query.split('&').any(|p| p.split('=').next().is_some_and(|n| n.eq_ignore_ascii_case("action"))) {
+    let action = |n: &str| match n.contains('%') {
+        true => percent_decode(n).is_ok_and(|n| n.eq_ignore_ascii_case("action")),
+        false => n.eq_ignore_ascii_case("action"),
+    };
+    if query.split('&').any(|p| p.split('=').next().is_some_and(action)) {
         return Err(bad("the query names an Action (another AWS service's; S3 has none)"));
     }
     if headers.contains_key("x-amz-target") {
@@ -372,6 +384,10 @@ fn check_region(region: &str) -> Result<(), String> {
 /// `POST /moto-api/reset` wiped every bucket through an S3 route in an
 /// outside review) and the S3 Control API.
 const OTHER_APIS: [&str; 2] = ["moto-api", "v20180820"];
+
+/// Path prefixes (without the leading `/`) that moto serves from its
+/// instance metadata service, whatever the method and signature.
+const OTHER_PATHS: [&str; 2] = ["latest/api/", "latest/meta-data/"];
 
 /// Object subresources whose POST reads and changes nothing.
 const READ_ONLY_POSTS: [&str; 2] = ["select", "select-type"];
@@ -781,6 +797,7 @@ mod tests {
         for ok in ["auto", "nyc3", "garage", "eu-west-2"] {
             assert!(plan(&k, "PUT", "/bkt/k", &[("authorization", &region(ok))]).is_ok(), "{ok}");
         }
+        assert!(plan(&k, "PUT", "/latest/other", &[("authorization", &s3)]).is_ok());
         // Signed, the same keys are S3's.
         assert!(plan(&k, "PUT", "/bkt/.well-known/jwks.json", &[("authorization", &s3)]).is_ok());
         let logs_get = [("authorization", v4("logs")), ("x-amz-target", "Logs_20140328.CreateExportTask".into())];
@@ -835,6 +852,13 @@ mod tests {
             ("/bkt/.well-known/jwks.json", vec![]),
             ("/bkt/a/.well-known/openid-configuration/", vec![]),
             ("/bkt/%2Ewell-known/jwks.json", vec![]),
+            // moto's instance metadata and admin app, signed or not.
+            ("/latest/api/token", vec![("authorization", s3.as_str())]),
+            ("/latest/meta-data/ami-id", vec![("authorization", s3.as_str())]),
+            ("/Latest/Meta-Data/iam", vec![]),
+            ("/latest%2Fapi%2Ftoken", vec![]),
+            ("/favicon.ico", vec![("authorization", s3.as_str())]),
+            ("/bkt/k?%41ction=DeleteStream", vec![("authorization", s3.as_str())]),
         ] {
             for method in ["PUT", "DELETE", "GET", "HEAD", "OPTIONS"] {
                 assert!(plan(&k, method, target, &headers).is_err(), "{method} {target} {headers:?}");

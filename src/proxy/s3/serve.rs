@@ -51,13 +51,11 @@ impl Proxy {
         // bucket). Refused unless it is declared empty.
         let read = matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS);
         let declared_empty = req.headers().get(header::CONTENT_LENGTH).is_some_and(|v| v.as_bytes() == b"0");
-        if read && !declared_empty && !http_body::Body::is_end_stream(req.body()) {
-            return Err(Error::BadRequest(format!(
-                "S3 request refused: a {} request carries no body (servers read one as another service's action)",
-                req.method()
-            ))
-            .into());
-        }
+        let req = if read && !declared_empty && !http_body::Body::is_end_stream(req.body()) {
+            read_without_body(req).await?
+        } else {
+            req
+        };
         let mut tokens = Tokens::parse(req.headers());
         let (req, primary, mutated) = match plan {
             S3Plan::Head { primary, mutated } => (req, primary, mutated),
@@ -291,6 +289,31 @@ fn aws_chunked(headers: &http::HeaderMap) -> Result<bool, String> {
 
 /// Reads a whole body of at most `limit` bytes (413 above it) and gives
 /// back the request with the very same bytes as its body.
+/// A read whose body was not at its end on its head (HTTP/2: DATA frames
+/// may follow, an empty one ending the stream too), read to its end within
+/// [`SCAN_TIMEOUT`]: a byte of data or a trailer refuses it, an empty end
+/// passes it on with no body.
+async fn read_without_body(req: Request<BoxBody>) -> Result<Request<BoxBody>, Error> {
+    let (parts, mut body) = req.into_parts();
+    let read = async {
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| Error::BadRequest(format!("reading the request body: {e}")))?;
+            if frame.data_ref().is_none_or(|d| !d.is_empty()) {
+                return Err(Error::BadRequest(format!(
+                    "S3 request refused: a {} request carries no body (servers read one as another service's action)",
+                    parts.method
+                )));
+            }
+        }
+        Ok(())
+    };
+    match tokio::time::timeout(SCAN_TIMEOUT, read).await {
+        Ok(Ok(())) => Ok(Request::from_parts(parts, crate::body::empty())),
+        Ok(Err(e)) => Err(e),
+        Err(_) => Err(Error::BodyTimeout { timeout_ms: 30_000 }),
+    }
+}
+
 async fn read_whole(req: Request<BoxBody>, limit: u64) -> Result<(Request<BoxBody>, Bytes), ErrorReply> {
     let (parts, mut body) = req.into_parts();
     let declared = crate::body::content_length(&parts.headers);
