@@ -178,7 +178,7 @@ async fn serve_one(
 ) -> Next {
     // 1. The head, within the header read timeout (which also bounds an
     //    idle keep-alive connection, as on the general path).
-    if let Some(end) = read_request_head(stream, limits, stop, c).await {
+    if let Some(end) = read_request_head(proxy, stream, limits, stop, c).await {
         return end;
     }
     let started = Instant::now();
@@ -573,6 +573,7 @@ async fn relay_response(
 /// `Connection` naming a fencing header: the general path refuses it in
 /// the language of its route), gone, or closed after a malformed head.
 async fn read_request_head(
+    proxy: &Proxy,
     stream: &mut TcpStream,
     limits: ConnLimits,
     stop: &mut std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
@@ -585,9 +586,11 @@ async fn read_request_head(
                 Parsed::Complete => return None,
                 Parsed::General => return Some(Next::General),
                 Parsed::Malformed(e) => {
-                    return Some(
-                        write_response(stream, e.into_response(), false, true, &mut c.out, limits.send_timeout).await,
-                    );
+                    // An S3 route's refusals speak S3, this one too (an
+                    // outside review saw JSON for a malformed length).
+                    let s3 = request_line_target(&c.buf).is_some_and(|t| proxy.selects_s3(t));
+                    let response = if s3 { e.into_s3_response() } else { e.into_response() };
+                    return Some(write_response(stream, response, false, true, &mut c.out, limits.send_timeout).await);
                 }
                 Parsed::Partial => {}
             }
@@ -596,6 +599,13 @@ async fn read_request_head(
             return Some(end);
         }
     }
+}
+
+/// The request-target of a head's request line, when it has one (a head
+/// refused as malformed may still name its route).
+fn request_line_target(buf: &[u8]) -> Option<&str> {
+    let line = buf.split(|b| *b == b'\n').next()?;
+    std::str::from_utf8(line.split(|b| *b == b' ').nth(1)?).ok()
 }
 
 /// Phase 3: reads the rest of a small body (`need` bytes of head and body
