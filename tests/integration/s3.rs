@@ -299,6 +299,9 @@ async fn requests_another_aws_service_would_run_are_refused_on_both_paths() {
         let api = gw.api_url("");
         let (live, _) = live_and_stale(&http, &api, "bkt/obj").await;
         let queue = acquire(&http, &api, "123456789012/q", 60_000, 0).await.unwrap();
+        // Raw UTF-8 in the path: moto reads the request line as Latin-1 and
+        // wrote another key than the one fenced (outside review).
+        let raw_utf8 = acquire(&http, &api, "bkt/\u{861}", 60_000, 0).await.unwrap();
         let export = r#"{"logGroupName":"g","from":0,"to":1,"destination":"bkt"}"#;
         let logs = format!(
             "Authorization: {}\r\nX-Amz-Target: Logs_20140328.CreateExportTask\r\nContent-Type: application/x-amz-json-1.1\r\nContent-Length: {}\r\n",
@@ -313,6 +316,12 @@ async fn requests_another_aws_service_would_run_are_refused_on_both_paths() {
             ("GET", "/bkt/obj".into(), format!("Authorization: {}\r\n", v4("firehose")), ""),
             ("GET", "/bkt/obj".into(), "Content-Length: 2\r\n".into(), "{}"),
             ("GET", "/sqs_us-east-1/?Action=DeleteQueue&QueueUrl=q".into(), String::new(), ""),
+            (
+                "PUT",
+                "/bkt/\u{861}".into(),
+                format!("X-Fencing-Token: {}\r\nAuthorization: {}\r\nContent-Length: 2\r\n", raw_utf8.token, v4("s3")),
+                "{}",
+            ),
             (
                 "POST",
                 "/123456789012/q".into(),

@@ -205,6 +205,13 @@ fn s3_only(method: &Method, headers: &HeaderMap, uri: &Uri) -> Result<(), Error>
             return Err(bad("an access point or S3 Control host names a bucket this gateway cannot see"));
         }
     }
+    // Only ASCII in the request-target: SDKs percent-encode every other
+    // byte, and servers read raw ones in other charsets (moto reads the
+    // request line as Latin-1: a raw UTF-8 key was fenced as one key and
+    // written as another, an outside review overwrote a held key so).
+    if !uri.path().is_ascii() || !uri.query().unwrap_or("").is_ascii() {
+        return Err(bad("the request-target holds a raw non-ASCII byte (percent-encode it)"));
+    }
     // The path as servers route by it: decoded (`%2F` too).
     let decoded = match uri.path() {
         p if p.contains('%') => Cow::Owned(percent_decode(p).map_err(|e| bad(&format!("path: {e}")))?),
@@ -858,6 +865,9 @@ mod tests {
             ("/bkt/.well-known/jwks.json", vec![]),
             ("/bkt/a/.well-known/openid-configuration/", vec![]),
             ("/bkt/%2Ewell-known/jwks.json", vec![]),
+            // Raw UTF-8 in the target: moto reads it as Latin-1.
+            ("/bkt/\u{861}", vec![("authorization", s3.as_str())]),
+            ("/bkt/k?tagging&\u{e9}", vec![("authorization", s3.as_str())]),
             // moto's instance metadata and admin app, signed or not.
             ("/latest/api/token", vec![("authorization", s3.as_str())]),
             ("/latest/meta-data/ami-id", vec![("authorization", s3.as_str())]),
