@@ -886,17 +886,29 @@ async fn a_delete_objects_whose_framing_the_server_may_read_otherwise_is_refused
     assert_eq!(echo.count(), 0, "nothing forwarded");
 }
 
+/// An HTTP/2 prior-knowledge connection to `addr` and its driver task.
+async fn h2c<B>(
+    addr: std::net::SocketAddr,
+) -> (hyper::client::conn::http2::SendRequest<B>, tokio::task::JoinHandle<Result<(), hyper::Error>>)
+where
+    B: hyper::body::Body + Unpin + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let stream = TcpStream::connect(addr).await.unwrap();
+    let (send, conn) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), hyper_util::rt::TokioIo::new(stream))
+            .await
+            .unwrap();
+    (send, tokio::spawn(conn))
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn over_h2c_the_authority_is_the_host_forwarded_and_the_target_is_untouched() {
     let (_d, gw, echo, http) = setup("").await;
     let api = gw.api_url("");
     let g = acquire(&http, &api, "bkt/h2/a+b", 60_000, 0).await.unwrap();
-    let stream = TcpStream::connect(gw.proxy).await.unwrap();
-    let (mut send, conn) =
-        hyper::client::conn::http2::handshake(TokioExecutor::new(), hyper_util::rt::TokioIo::new(stream))
-            .await
-            .unwrap();
-    let conn = tokio::spawn(conn);
+    let (mut send, conn) = h2c(gw.proxy).await;
     let req = Request::put("http://s3.test.internal:9443/bkt/h2/a%2Bb?x-id=PutObject&b=&a=1")
         .header("x-fencing-token", g.token.to_string())
         .header("x-amz-date", "20260101T000000Z")
@@ -918,12 +930,7 @@ async fn over_h2c_the_authority_is_the_host_forwarded_and_the_target_is_untouche
 #[tokio::test(flavor = "multi_thread")]
 async fn a_read_with_a_body_is_refused_over_h2c_too() {
     let (_d, gw, echo, _http) = setup("").await;
-    let stream = TcpStream::connect(gw.proxy).await.unwrap();
-    let (mut send, conn) =
-        hyper::client::conn::http2::handshake(TokioExecutor::new(), hyper_util::rt::TokioIo::new(stream))
-            .await
-            .unwrap();
-    let conn = tokio::spawn(conn);
+    let (mut send, conn) = h2c(gw.proxy).await;
     let v4 = "AWS4-HMAC-SHA256 Credential=AK/20261206/us-east-1/s3/aws4_request, SignedHeaders=host, Signature=00";
     for method in [Method::GET, Method::OPTIONS, Method::HEAD] {
         // A body of unknown length: no `content-length` is sent.
