@@ -302,6 +302,8 @@ async fn requests_another_aws_service_would_run_are_refused_on_both_paths() {
         // Raw UTF-8 in the path: moto reads the request line as Latin-1 and
         // wrote another key than the one fenced (outside review).
         let raw_utf8 = acquire(&http, &api, "bkt/\u{861}", 60_000, 0).await.unwrap();
+        // A copy to `V/`: s3s-fs writes it into `V` (outside review).
+        let slash = acquire(&http, &api, "bkt/obj/", 60_000, 0).await.unwrap();
         let export = r#"{"logGroupName":"g","from":0,"to":1,"destination":"bkt"}"#;
         let logs = format!(
             "Authorization: {}\r\nX-Amz-Target: Logs_20140328.CreateExportTask\r\nContent-Type: application/x-amz-json-1.1\r\nContent-Length: {}\r\n",
@@ -316,6 +318,12 @@ async fn requests_another_aws_service_would_run_are_refused_on_both_paths() {
             ("GET", "/bkt/obj".into(), format!("Authorization: {}\r\n", v4("firehose")), ""),
             ("GET", "/bkt/obj".into(), "Content-Length: 2\r\n".into(), "{}"),
             ("GET", "/sqs_us-east-1/?Action=DeleteQueue&QueueUrl=q".into(), String::new(), ""),
+            (
+                "PUT",
+                "/bkt/obj/".into(),
+                format!("X-Fencing-Token: {}\r\nx-amz-copy-source: /bkt/src\r\nContent-Length: 0\r\n", slash.token),
+                "",
+            ),
             (
                 "PUT",
                 "/bkt/\u{861}".into(),

@@ -34,8 +34,9 @@ pub const RENAME_SOURCE: &str = "x-amz-rename-source";
 /// The headers [`S3Kind::classify`] reads besides `Host` (and
 /// `Transfer-Encoding`, which the fast path never takes): a caller that
 /// classifies from a subset of a request's headers passes these.
-pub const JUDGED_HEADERS: [header::HeaderName; 5] = [
+pub const JUDGED_HEADERS: [header::HeaderName; 6] = [
     header::AUTHORIZATION,
+    header::HeaderName::from_static(COPY_SOURCE),
     header::HeaderName::from_static("x-amz-target"),
     header::CONTENT_TYPE,
     header::CONTENT_LENGTH,
@@ -658,6 +659,22 @@ impl S3Kind {
         {
             return Ok(S3Plan::Head { primary: resource, mutated: Vec::new() });
         }
+        // A key ending in `/`: filesystem servers (s3s-fs) write a copy or
+        // a multipart upload to it into the key without the `/`, a
+        // resource this request is not fenced on (an outside review
+        // overwrote a held key so). Only a plain PutObject and a
+        // DeleteObject, which they keep to the directory, may name one.
+        if key.ends_with('/') {
+            let plain = subs.is_empty()
+                && (*method == Method::DELETE || (*method == Method::PUT && !headers.contains_key(COPY_SOURCE)));
+            if !plain {
+                return Err(Error::BadRequest(
+                    "S3 request refused: a key ending in \"/\" takes only a plain PutObject or DeleteObject \
+                     (filesystem servers write a copy or an upload to it into the key without the \"/\")"
+                        .into(),
+                ));
+            }
+        }
         let mut mutated = vec![resource.clone()];
         if *method == Method::PUT && subs.iter().any(|s| s == "renameObject") {
             // The source key disappears: it is mutated too.
@@ -892,6 +909,25 @@ mod tests {
         // Signed for s3, a form-encoded body and a `_` are S3's own.
         for (target, ct) in [("/bkt/k", "application/x-www-form-urlencoded"), ("/sqs_us-east-1/k", "text/plain")] {
             assert!(plan(&k, "PUT", target, &[("authorization", &s3), ("content-type", ct)]).is_ok(), "{target}");
+        }
+    }
+
+    #[test]
+    fn a_key_ending_in_a_slash_takes_only_a_plain_put_or_delete() {
+        let k = kind("");
+        assert_eq!(plan(&k, "PUT", "/bkt/V/", &[]).unwrap(), head("bkt/V/", &["bkt/V/"]));
+        assert_eq!(plan(&k, "DELETE", "/bkt/V/", &[]).unwrap(), head("bkt/V/", &["bkt/V/"]));
+        assert!(plan(&k, "GET", "/bkt/V/", &[]).is_ok());
+        // s3s-fs wrote these into `bkt/V` (outside review).
+        for (method, target, headers) in [
+            ("PUT", "/bkt/V/", vec![(COPY_SOURCE, "/bkt/src")]),
+            ("PUT", "/bkt/V/?partNumber=1&uploadId=u", vec![]),
+            ("PUT", "/bkt/V/?partNumber=1&uploadId=u", vec![(COPY_SOURCE, "/bkt/src")]),
+            ("POST", "/bkt/V/?uploads", vec![]),
+            ("POST", "/bkt/V/?uploadId=u", vec![]),
+            ("PUT", "/bkt/V/?tagging", vec![]),
+        ] {
+            assert!(plan(&k, method, target, &headers).is_err(), "{method} {target} {headers:?}");
         }
     }
 
