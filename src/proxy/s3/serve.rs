@@ -48,7 +48,7 @@ impl Proxy {
         // hosts several services runs a body on a read as another
         // service's action (an outside review: an h2c `OPTIONS` with a
         // JSON body reached DynamoDB, whose export wrote keys in a held
-        // bucket). Refused unless it is declared empty.
+        // bucket). Read to its end first: only an empty one passes.
         let read = matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS);
         let declared_empty = req.headers().get(header::CONTENT_LENGTH).is_some_and(|v| v.as_bytes() == b"0");
         let req = if read && !declared_empty && !http_body::Body::is_end_stream(req.body()) {
@@ -287,8 +287,6 @@ fn aws_chunked(headers: &http::HeaderMap) -> Result<bool, String> {
     Ok(encoded)
 }
 
-/// Reads a whole body of at most `limit` bytes (413 above it) and gives
-/// back the request with the very same bytes as its body.
 /// A read whose body was not at its end on its head (HTTP/2: DATA frames
 /// may follow, an empty one ending the stream too), read to its end within
 /// [`SCAN_TIMEOUT`]: a byte of data or a trailer refuses it, an empty end
@@ -314,6 +312,8 @@ async fn read_without_body(req: Request<BoxBody>) -> Result<Request<BoxBody>, Er
     }
 }
 
+/// Reads a whole body of at most `limit` bytes (413 above it) and gives
+/// back the request with the very same bytes as its body.
 async fn read_whole(req: Request<BoxBody>, limit: u64) -> Result<(Request<BoxBody>, Bytes), ErrorReply> {
     let (parts, mut body) = req.into_parts();
     let declared = crate::body::content_length(&parts.headers);
