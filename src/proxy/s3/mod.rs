@@ -220,24 +220,27 @@ fn s3_only(method: &Method, headers: &HeaderMap, uri: &Uri) -> Result<(), Error>
     };
     let rest = decoded.trim_start_matches('/');
     let (first, after_first) = rest.split_once('/').map_or((rest, false), |(f, _)| (f, true));
-    let starts = |p: &str| first.get(..p.len()).is_some_and(|f| f.eq_ignore_ascii_case(p));
-    if OTHER_APIS.iter().any(|p| starts(p)) {
+    // `s` starts with `p`, whatever the case.
+    let starts = |s: &str, p: &str| s.get(..p.len()).is_some_and(|f| f.eq_ignore_ascii_case(p));
+    if OTHER_APIS.iter().any(|p| starts(first, p)) {
         return Err(bad(&format!("/{first}/ is another API than S3 on some servers")));
     }
     // moto answers these paths itself (instance metadata, its admin app),
     // before it looks at anything else: a write there was answered 200 and
     // never applied (outside review).
-    if OTHER_PATHS.iter().any(|p| rest.get(..p.len()).is_some_and(|r| r.eq_ignore_ascii_case(p)))
-        || rest.eq_ignore_ascii_case("favicon.ico")
-    {
+    if OTHER_PATHS.iter().any(|p| starts(rest, p)) || rest.eq_ignore_ascii_case("favicon.ico") {
         return Err(bad(&format!("/{rest} is another API than S3 on some servers")));
     }
     // moto runs a query-protocol action (`?Action=`) of whatever service
     // it picked, on any method; S3 has no such parameter.
     let query = uri.query().unwrap_or("");
-    let action = |n: &str| match n.contains('%') {
-        true => percent_decode(n).is_ok_and(|n| n.eq_ignore_ascii_case("action")),
-        false => n.eq_ignore_ascii_case("action"),
+    let action = |n: &str| {
+        // Decoded only when it has an escape (no allocation otherwise).
+        if n.contains('%') {
+            percent_decode(n).is_ok_and(|n| n.eq_ignore_ascii_case("action"))
+        } else {
+            n.eq_ignore_ascii_case("action")
+        }
     };
     if query.split('&').any(|p| p.split('=').next().is_some_and(action)) {
         return Err(bad("the query names an Action (another AWS service's; S3 has none)"));
